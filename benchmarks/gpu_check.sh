@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|sweep|bench|all]...
+# Logs go to $OUT (or ./out) so they come back from the device tool.
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee -a "$OUT/env.txt"
+steps=${*:-all}
+for step in $steps; do
+  case $step in
+    tests|all) python3 -m pytest -q -x tests -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tests.log" ;;&
+    sweep|all) python3 benchmarks/sweep_forward.py --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;&
+    sweep84) python3 benchmarks/sweep_forward.py --quick --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;
+    bench|all) python3 -m dwconv bench --suite forward --compile --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" ;;
+  esac
+done

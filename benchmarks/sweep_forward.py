@@ -1,0 +1,103 @@
+"""Developer sweep: time forward kernel variants (ForwardConfig) on the GPU, beside PyTorch.
+
+    python benchmarks/sweep_forward.py [--quick] [--csv FILE]
+
+Each variant is checked against F.conv2d before it is timed. Times are means over 20 calls
+with the L2 flushed between calls (dwconv.bench.Timer); the device copy is timed in the same run.
+"""
+
+import argparse
+import csv
+import statistics
+import sys
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from dwconv._geometry import conv_geometry
+from dwconv.bench import FORWARD_SHAPES, KB84, Timer, make_inputs, measure_copy, progress
+from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
+
+
+def variants(geom, full):
+    """Full: every block shape worth trying; otherwise a handful around the default."""
+    import triton
+
+    bw_full = min(512, triton.next_power_of_2(geom.out_w))
+    widths = sorted({bw_full, max(16, bw_full // 2), max(16, bw_full // 4)}, reverse=True) if full else [bw_full]
+    out = []
+    for bw in widths:
+        for bh in (1, 2, 4, 8, 16, 32) if full else (2, 4, 8, 16):
+            if bh * bw > 8192 or bh * bw < 256:
+                continue
+            for warps in (4, 8) if full else (4,):
+                out.append(ForwardConfig("tile", bh, bw, warps))
+    if geom.stride_h == 1:
+        for bw in widths[:2]:
+            for rows in (16, 32, 64, 128, 256) if full else (16, 64):
+                if rows > 2 * geom.out_h:
+                    continue
+                for warps in (2, 4, 8) if full else (4,):
+                    out.append(ForwardConfig("rows", rows, bw, warps))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only #84")
+    ap.add_argument("--csv")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    timer = Timer(warmup=3, iters=args.iters)
+    copy_gbps = measure_copy(timer)
+    print(f"copy {copy_gbps:.0f} GB/s", flush=True)
+    cases = [replace(KB84, dtype=d) for d in ("float32", "bfloat16")]
+    if not args.quick:
+        cases += [replace(c, dtype=d) for c in FORWARD_SHAPES for d in ("float32", "bfloat16")]
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for case in cases:
+        x, w, b = make_inputs(case, gen)
+        geom = conv_geometry(x, w, b, case.stride, case.padding, case.dilation)
+        ref = F.conv2d(x[:2].float(), w.float(), None, case.stride, case.padding, case.dilation, groups=case.c)
+        nbytes = x.numel() * x.element_size() * (1 + geom.out_h * geom.out_w / (case.h * case.w))
+        eager = statistics.fmean(timer(lambda: F.conv2d(x, w, None, case.stride, case.padding, case.dilation,
+                                                        groups=case.c)))
+        default = forward_config(geom, "cuda")
+        results = []
+        for cfg in variants(geom, full=case.n * case.c * case.h * case.w >= 2**30):
+            out = torch.full(geom.output_shape, float("nan"), device="cuda", dtype=x.dtype)
+            try:
+                conv_forward(x, w, None, geom, cfg, out=out)
+            except Exception as e:  # a variant that does not compile is reported, not fatal
+                print(f"  {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            err = (out[:2].float() - ref).abs().max().item()
+            tol = 1e-4 if case.dtype == "float32" else 5e-2
+            if not err <= tol:
+                print(f"  {cfg}: WRONG max err {err}", flush=True)
+                continue
+            ms = statistics.fmean(timer(lambda: conv_forward(x, w, None, geom, cfg, out=out)))
+            results.append((ms, cfg))
+            rows.append(dict(layer=case.label, kernel=cfg.kernel, block_h=cfg.block_h, block_w=cfg.block_w,
+                             warps=cfg.num_warps, ms=ms, pct_copy=100 * nbytes / ms / 1e6 / copy_gbps,
+                             eager_ms=eager, default=cfg == default))
+        results.sort(key=lambda r: r[0])
+        print(f"{case.label}: eager {eager:.4f} ms; best 5:", flush=True)
+        for ms, cfg in results[:5]:
+            print(f"    {ms:.4f} ms {100 * nbytes / ms / 1e6 / copy_gbps:5.1f}% copy  x{eager / ms:5.2f} eager  {cfg}")
+        d = [r for r in results if r[1] == default]
+        if d:
+            print(f"    default {d[0][0]:.4f} ms {d[0][1]}")
+        del x, out
+        torch.cuda.empty_cache()
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Argument checking and shape arithmetic for depthwise convolutions, in one place.
+
+Every entry point (functional, module, benchmark) goes through `conv_geometry`, which
+validates the arguments with PyTorch's rules and returns a `ConvGeometry` holding the
+numbers the kernels need. Errors name the argument that is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+IntOrPair = Union[int, Sequence[int]]
+Padding = Union[int, Sequence[int], str]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Sizes of one depthwise convolution. Padding is explicit per side (top, bottom, left, right)."""
+
+    batch: int
+    in_channels: int
+    multiplier: int  # output channels per input channel
+    in_h: int
+    in_w: int
+    kernel_h: int
+    kernel_w: int
+    stride_h: int
+    stride_w: int
+    pad_top: int
+    pad_bottom: int
+    pad_left: int
+    pad_right: int
+    dilation_h: int
+    dilation_w: int
+    out_h: int
+    out_w: int
+
+    @property
+    def out_channels(self) -> int:
+        return self.in_channels * self.multiplier
+
+    @property
+    def output_shape(self) -> Tuple[int, int, int, int]:
+        return (self.batch, self.out_channels, self.out_h, self.out_w)
+
+    @property
+    def symmetric_padding(self) -> Optional[Tuple[int, int]]:
+        """(pad_h, pad_w) when both sides agree, as F.conv2d takes it; else None."""
+        if self.pad_top == self.pad_bottom and self.pad_left == self.pad_right:
+            return (self.pad_top, self.pad_left)
+        return None
+
+
+def _pair(value: IntOrPair, name: str) -> Tuple[int, int]:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+    if isinstance(value, int):
+        return (value, value)
+    if isinstance(value, (tuple, list, torch.Size)) and len(value) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return (int(value[0]), int(value[1]))
+    raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+
+
+def _resolve_padding(
+    padding: Padding, kernel: Tuple[int, int], stride: Tuple[int, int], dilation: Tuple[int, int]
+) -> Tuple[int, int, int, int]:
+    """Returns (top, bottom, left, right) with PyTorch's rules for 'valid' and 'same'."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0, 0, 0, 0)
+        if padding == "same":
+            if stride != (1, 1):
+                raise ValueError(
+                    f"padding='same' is not supported for strided convolutions (stride={stride}), as in PyTorch"
+                )
+            # PyTorch puts the odd pixel of an even total on the bottom/right.
+            total_h = dilation[0] * (kernel[0] - 1)
+            total_w = dilation[1] * (kernel[1] - 1)
+            return (total_h // 2, total_h - total_h // 2, total_w // 2, total_w - total_w // 2)
+        raise ValueError(f"padding must be 'valid', 'same', an int or a pair of ints, got {padding!r}")
+    pad_h, pad_w = _pair(padding, "padding")
+    if pad_h < 0 or pad_w < 0:
+        raise ValueError(f"padding must be non-negative, got {padding!r}")
+    return (pad_h, pad_h, pad_w, pad_w)
+
+
+def conv_geometry(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: IntOrPair = 1,
+    padding: Padding = 0,
+    dilation: IntOrPair = 1,
+) -> ConvGeometry:
+    """Checks a depthwise conv2d call (groups == input channels) and returns its geometry."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if input.dim() != 4:
+        raise ValueError(f"input must be 4-D (N, C, H, W), got shape {tuple(input.shape)}")
+    if weight.dim() != 4:
+        raise ValueError(f"weight must be 4-D (C*multiplier, 1, kH, kW), got shape {tuple(weight.shape)}")
+    batch, channels, in_h, in_w = input.shape
+    out_channels, weight_in, kernel_h, kernel_w = weight.shape
+    if channels < 1:
+        raise ValueError(f"input must have at least one channel, got shape {tuple(input.shape)}")
+    if in_h == 0 or in_w == 0:
+        raise ValueError(
+            f"input has an empty spatial size {tuple(input.shape)}; as in PyTorch only the batch may be empty"
+        )
+    if weight_in != 1:
+        raise ValueError(
+            f"weight.shape[1] must be 1 for a depthwise convolution, got weight shape {tuple(weight.shape)}"
+        )
+    if out_channels < 1 or out_channels % channels != 0:
+        raise ValueError(
+            f"weight.shape[0] ({out_channels}) must be a positive multiple of the input's channels ({channels})"
+        )
+    if kernel_h < 1 or kernel_w < 1:
+        raise ValueError(f"weight must have a kernel of at least 1x1, got weight shape {tuple(weight.shape)}")
+
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"input dtype must be float32, float16, bfloat16 or float64, got {input.dtype}")
+    if weight.dtype != input.dtype:
+        raise TypeError(f"weight dtype ({weight.dtype}) must match input dtype ({input.dtype})")
+    if weight.device != input.device:
+        raise ValueError(f"weight is on {weight.device} but input is on {input.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.dtype != input.dtype:
+            raise TypeError(f"bias dtype ({bias.dtype}) must match input dtype ({input.dtype})")
+        if bias.device != input.device:
+            raise ValueError(f"bias is on {bias.device} but input is on {input.device}")
+        if tuple(bias.shape) != (out_channels,):
+            raise ValueError(f"bias must have shape ({out_channels},), got {tuple(bias.shape)}")
+
+    stride_hw = _pair(stride, "stride")
+    dilation_hw = _pair(dilation, "dilation")
+    if min(stride_hw) < 1:
+        raise ValueError(f"stride must be >= 1, got {stride!r}")
+    if min(dilation_hw) < 1:
+        raise ValueError(f"dilation must be >= 1, got {dilation!r}")
+    kernel = (kernel_h, kernel_w)
+    top, bottom, left, right = _resolve_padding(padding, kernel, stride_hw, dilation_hw)
+
+    span_h = dilation_hw[0] * (kernel_h - 1) + 1
+    span_w = dilation_hw[1] * (kernel_w - 1) + 1
+    padded_h = in_h + top + bottom
+    padded_w = in_w + left + right
+    if span_h > padded_h or span_w > padded_w:
+        raise ValueError(
+            f"kernel (dilated extent {span_h}x{span_w}) is larger than the padded input "
+            f"({padded_h}x{padded_w}); check weight's kernel size, dilation and padding"
+        )
+    return ConvGeometry(
+        batch=batch,
+        in_channels=channels,
+        multiplier=out_channels // channels,
+        in_h=in_h,
+        in_w=in_w,
+        kernel_h=kernel_h,
+        kernel_w=kernel_w,
+        stride_h=stride_hw[0],
+        stride_w=stride_hw[1],
+        pad_top=top,
+        pad_bottom=bottom,
+        pad_left=left,
+        pad_right=right,
+        dilation_h=dilation_hw[0],
+        dilation_w=dilation_hw[1],
+        out_h=(padded_h - span_h) // stride_hw[0] + 1,
+        out_w=(padded_w - span_w) // stride_hw[1] + 1,
+    )

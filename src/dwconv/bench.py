@@ -1,0 +1,262 @@
+"""`python -m dwconv bench`: times dwconv against PyTorch on the GPU, checking values first.
+
+Protocol (KernelBench's): CUDA events around each call, 3 warm-up calls, 100 timed calls,
+the L2 cache flushed (a 256 MB buffer rewritten) between calls, mean and std reported. A
+device-to-device copy is timed the same way in the same run; GB/s counts the bytes a pass
+must move (input read once, output written once, weights), and % copy compares with that copy.
+Without a GPU it says so and runs a small correctness demo under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Case:
+    n: int
+    c: int
+    h: int
+    w: int
+    kernel: int
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
+    multiplier: int = 1
+    bias: bool = False
+    dtype: str = "float32"
+
+    @property
+    def label(self) -> str:
+        return (f"{self.n}x{self.c}x{self.h}x{self.w} k{self.kernel} s{self.stride} p{self.padding} "
+                f"d{self.dilation}{' m%d' % self.multiplier if self.multiplier > 1 else ''}"
+                f"{' +b' if self.bias else ''} {self.dtype}")
+
+
+KB84 = Case(64, 128, 256, 512, 3)
+# The forward shapes of the first issue: (N, C, H, W, k, stride, padding, dilation).
+FORWARD_SHAPES = [
+    Case(64, 144, 56, 56, 3, 1, 1, 1),
+    Case(64, 96, 112, 112, 3, 2, 1, 1),
+    Case(64, 240, 28, 28, 5, 1, 2, 1),
+    Case(64, 96, 56, 56, 7, 1, 3, 1),
+    Case(64, 384, 14, 14, 7, 1, 3, 1),
+    Case(32, 256, 64, 64, 3, 1, 2, 2),
+]
+SUITES = {
+    "84": [replace(KB84, dtype=d) for d in DTYPES],
+    "forward": [replace(KB84, dtype=d) for d in DTYPES]
+    + [replace(c, dtype=d) for c in FORWARD_SHAPES for d in ("float32", "bfloat16")],
+}
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dwconv bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=sorted(SUITES), help="a preset list of layers (overrides the shape flags)")
+    p.add_argument("-N", "--batch", type=int, default=KB84.n)
+    p.add_argument("-C", "--channels", type=int, default=KB84.c)
+    p.add_argument("-H", "--height", type=int, default=KB84.h)
+    p.add_argument("-W", "--width", type=int, default=KB84.w)
+    p.add_argument("-k", "--kernel", type=int, default=KB84.kernel)
+    p.add_argument("--stride", type=int, default=1)
+    p.add_argument("--padding", type=int, default=0)
+    p.add_argument("--dilation", type=int, default=1)
+    p.add_argument("--multiplier", type=int, default=1)
+    p.add_argument("--bias", action="store_true")
+    p.add_argument("--dtype", choices=sorted(DTYPES) + ["all"], default="float32")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile(F.conv2d)")
+    p.add_argument("--no-cudnn-cl", action="store_true", help="skip cuDNN with channels_last tensors")
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--csv", metavar="FILE", help="write the rows to a CSV file")
+    return p.parse_args(argv)
+
+
+def cases_from_args(args: argparse.Namespace) -> List[Case]:
+    if args.suite:
+        return SUITES[args.suite]
+    dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
+    base = Case(args.batch, args.channels, args.height, args.width, args.kernel, args.stride, args.padding,
+                args.dilation, args.multiplier, args.bias)
+    return [replace(base, dtype=d) for d in dtypes]
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+class Timer:
+    """KernelBench's protocol: events around each call, L2 flushed between calls."""
+
+    def __init__(self, warmup: int, iters: int):
+        self.warmup, self.iters = warmup, iters
+        self.flush_buffer = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn: Callable[[], object]) -> List[float]:
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        for start, end in zip(starts, ends):
+            self.flush_buffer.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def make_inputs(case: Case, generator: torch.Generator):
+    dtype = DTYPES[case.dtype]
+    x = torch.randn(case.n, case.c, case.h, case.w, device="cuda", dtype=dtype, generator=generator)
+    weight = torch.randn(case.c * case.multiplier, 1, case.kernel, case.kernel, device="cuda", dtype=dtype,
+                         generator=generator) / case.kernel
+    bias = torch.randn(case.c * case.multiplier, device="cuda", dtype=dtype, generator=generator) if case.bias else None
+    return x, weight, bias
+
+
+def check_values(out: torch.Tensor, x, weight, bias, case: Case) -> float:
+    """Max abs error of dwconv against PyTorch in float32 (float64 for float32 inputs); raises past tolerance."""
+    ref_dtype = torch.float64 if case.dtype == "float32" else torch.float32
+    errors, scale = [], 0.0
+    for i in range(0, case.n, 8):  # in batch slices, so the reference fits beside the big tensors
+        sl = slice(i, i + 8)
+        ref = F.conv2d(x[sl].to(ref_dtype), weight.to(ref_dtype), None if bias is None else bias.to(ref_dtype),
+                       case.stride, case.padding, case.dilation, groups=case.c)
+        errors.append((out[sl].to(ref_dtype) - ref).abs().max().item())
+        scale = max(scale, ref.abs().max().item())
+    max_err = max(errors)
+    tol = 1e-4 if case.dtype == "float32" else 2 * torch.finfo(DTYPES[case.dtype]).eps * max(scale, 1.0)
+    if not max_err <= tol:  # also catches NaN
+        raise SystemExit(f"FAILED: {case.label}: max abs error {max_err:.3g} exceeds {tol:.3g}")
+    return max_err
+
+
+def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: float) -> List[Dict]:
+    import dwconv
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, weight, bias = make_inputs(case, gen)
+    conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
+    out = dwconv.depthwise_conv2d(x, weight, bias, **conv)
+    max_err = check_values(out, x, weight, bias, case)
+    nbytes = x.numel() * x.element_size() + out.numel() * out.element_size() + weight.numel() * weight.element_size()
+    del out
+
+    paths: Dict[str, Callable[[], object]] = {
+        "dwconv": lambda: dwconv.depthwise_conv2d(x, weight, bias, **conv),
+        "eager": lambda: F.conv2d(x, weight, bias, groups=case.c, **conv),
+    }
+    if not args.no_cudnn_cl:
+        x_cl = x.contiguous(memory_format=torch.channels_last)
+        w_cl = weight.contiguous(memory_format=torch.channels_last)
+        paths["cudnn_cl"] = lambda: F.conv2d(x_cl, w_cl, bias, groups=case.c, **conv)
+    if args.compile:
+        compiled = torch.compile(F.conv2d)
+        paths["compile"] = lambda: compiled(x, weight, bias, groups=case.c, **conv)
+
+    rows = []
+    for name, fn in paths.items():
+        progress(f"{case.label}: timing {name}")
+        times = timer(fn)
+        mean = statistics.fmean(times)
+        gbps = nbytes / mean / 1e6
+        rows.append(dict(layer=case.label, path=name, ms=mean, std=statistics.pstdev(times), gbps=gbps,
+                         pct_copy=100 * gbps / copy_gbps, max_err=max_err if name == "dwconv" else float("nan")))
+    ours = rows[0]["ms"]
+    for row in rows:
+        row["dwconv_speedup"] = row["ms"] / ours
+    return rows
+
+
+def measure_copy(timer: Timer) -> float:
+    """Device-to-device copy bandwidth (bytes read + written) of a 2 GiB tensor, GB/s."""
+    src = torch.empty(2**31, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    times = timer(lambda: dst.copy_(src))
+    return 2 * src.numel() / statistics.fmean(times) / 1e6
+
+
+def print_table(rows: List[Dict], copy_gbps: float) -> None:
+    print(f"\ndevice copy: {copy_gbps:.0f} GB/s (read + write), measured in this run")
+    header = f"{'layer':<44} {'path':<9} {'ms':>9} {'std':>7} {'GB/s':>7} {'%copy':>6} {'dwconv x':>8}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['layer']:<44} {r['path']:<9} {r['ms']:9.4f} {r['std']:7.4f} {r['gbps']:7.0f} "
+              f"{r['pct_copy']:6.1f} {r['dwconv_speedup']:8.2f}")
+
+
+def environment() -> str:
+    import triton
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no GPU)"
+    return f"{name}, torch {torch.__version__}, triton {triton.__version__}"
+
+
+def demo_without_gpu() -> int:
+    """No GPU: run the kernels under the Triton interpreter on small CPU tensors and compare."""
+    print("No CUDA GPU found: nothing to time. Running a small correctness demo of dwconv's Triton kernels "
+          "under the Triton interpreter (TRITON_INTERPRET=1) on the CPU instead.")
+    os.environ["TRITON_INTERPRET"] = "1"  # before dwconv's kernels are decorated
+    import dwconv
+    from dwconv.functional import triton_interpreter_enabled
+
+    if not triton_interpreter_enabled():
+        print("Triton was already imported without TRITON_INTERPRET=1; run `TRITON_INTERPRET=1 python -m dwconv bench`.")
+        return 1
+    torch.manual_seed(0)
+    demos = [Case(2, 4, 16, 32, 3), Case(2, 3, 13, 17, 5, 2, 2, 1, 2, True), Case(1, 4, 15, 15, 3, 1, 2, 2)]
+    worst = 0.0
+    for case in demos:
+        x = torch.randn(case.n, case.c, case.h, case.w)
+        weight = torch.randn(case.c * case.multiplier, 1, case.kernel, case.kernel)
+        bias = torch.randn(case.c * case.multiplier) if case.bias else None
+        conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
+        start = time.perf_counter()
+        out = dwconv.depthwise_conv2d(x, weight, bias, **conv)
+        seconds = time.perf_counter() - start
+        ref = F.conv2d(x.double(), weight.double(), None if bias is None else bias.double(), groups=case.c, **conv)
+        err = (out.double() - ref).abs().max().item()
+        worst = max(worst, err)
+        print(f"  {case.label:<44} out {tuple(out.shape)}  max abs error vs float64 {err:.2e}  ({seconds:.2f} s interpreted)")
+    ok = worst <= 1e-4
+    print("demo passed" if ok else f"demo FAILED: max abs error {worst:.3g}")
+    return 0 if ok else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        return demo_without_gpu()
+    print(environment())
+    timer = Timer(args.warmup, args.iters)
+    progress("timing the device copy")
+    copy_gbps = measure_copy(timer)
+    rows: List[Dict] = []
+    for case in cases_from_args(args):
+        rows += measure_case(case, args, timer, copy_gbps)
+        torch.cuda.empty_cache()
+    print_table(rows, copy_gbps)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["copy_gbps", "device"])
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({**row, "copy_gbps": copy_gbps, "device": environment()})
+        print(f"wrote {args.csv}")
+    return 0

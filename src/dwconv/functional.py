@@ -1,0 +1,49 @@
+"""User-facing functional API: `depthwise_conv2d`."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._geometry import IntOrPair, Padding, conv_geometry
+
+
+def triton_interpreter_enabled() -> bool:
+    """True when Triton runs kernels on CPU tensors (TRITON_INTERPRET=1, read at import as Triton does)."""
+    try:
+        import triton
+
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # older Triton without knobs
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether dwconv's kernels handle this tensor (CUDA, or CPU under the interpreter)."""
+    return x.is_cuda or (x.device.type == "cpu" and triton_interpreter_enabled())
+
+
+def depthwise_conv2d(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    stride: IntOrPair = 1,
+    padding: Padding = 0,
+    dilation: IntOrPair = 1,
+) -> torch.Tensor:
+    """Depthwise 2-D convolution: F.conv2d(input, weight, bias, stride, padding, dilation,
+    groups=input.shape[1]), computed by dwconv's Triton kernels.
+
+    weight has shape (C * multiplier, 1, kH, kW). padding is an int, a pair, 'valid' or
+    'same'. float32, float16 and bfloat16 accumulate in float32; float64 runs and
+    accumulates in float64. CPU tensors fall back to PyTorch unless TRITON_INTERPRET=1.
+    """
+    geom = conv_geometry(input, weight, bias, stride, padding, dilation)
+    if not uses_triton(input):
+        return F.conv2d(input, weight, bias, stride, padding, dilation, groups=geom.in_channels)
+    from .ops.forward import conv_forward
+
+    return conv_forward(input, weight, bias, geom)

@@ -1,0 +1,246 @@
+"""Forward depthwise conv2d: Triton kernels and their launcher.
+
+Reading order: the kernels (a 2-D tile kernel for any geometry, a row-sliding kernel for
+stride-1 rows), then `forward_config` (which kernel and block sizes), then `conv_forward`
+(allocate, launch). Argument checking lives in dwconv._geometry; this layer trusts it.
+
+Both kernels read the input through its four strides, so NCHW, channels_last and other
+strided inputs all give the right answer; a contiguous last axis (stride 1) is specialised by
+Triton and gives vectorised loads. Each program computes output of one (n, out_channel) plane.
+Offsets of a plane's base are 64-bit; offsets inside a plane are 32-bit unless the launcher
+sees that they can pass 2**31 (INDEX_64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._geometry import ConvGeometry
+
+
+@triton.jit
+def _plane_pointers(x_ptr, y_ptr, plane, out_channels, MULTIPLIER: tl.constexpr,
+                    x_stride_n, x_stride_c, y_stride_n, y_stride_c):
+    """Base pointers of the input plane read and the output plane written by `plane`."""
+    n = plane // out_channels
+    out_c = plane % out_channels
+    in_c = out_c // MULTIPLIER
+    x_base = x_ptr + n.to(tl.int64) * x_stride_n + in_c.to(tl.int64) * x_stride_c
+    y_base = y_ptr + n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c
+    return x_base, y_base, out_c
+
+
+@triton.jit
+def _accumulate_kernel_row(acc, x_base, w_row_ptr, in_rows, in_cols0, in_h, in_w,
+                           x_stride_h, x_stride_w, out_mask, dilation_w, KW: tl.constexpr,
+                           ACC_DTYPE: tl.constexpr):
+    """acc += sum over kw of w[kw] * x[in_rows, in_cols0 + kw*dilation_w] for a 2-D tile."""
+    row_ok = (in_rows >= 0) & (in_rows < in_h)
+    row_offsets = in_rows * x_stride_h
+    for kw in tl.static_range(KW):
+        in_cols = in_cols0 + kw * dilation_w
+        mask = out_mask & row_ok[:, None] & ((in_cols >= 0) & (in_cols < in_w))[None, :]
+        x = tl.load(x_base + row_offsets[:, None] + in_cols[None, :] * x_stride_w, mask=mask, other=0.0)
+        w = tl.load(w_row_ptr + kw).to(ACC_DTYPE)
+        acc += x.to(ACC_DTYPE) * w
+    return acc
+
+
+@triton.jit
+def depthwise_fwd_tile_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    out_channels, in_h, in_w, out_h, out_w,
+    x_stride_n, x_stride_c, x_stride_h, x_stride_w,
+    y_stride_n, y_stride_c, y_stride_h, y_stride_w,
+    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UNROLL_KH: tl.constexpr, INDEX_64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """One program = one BLOCK_H x BLOCK_W output tile of one plane; any stride/padding/dilation."""
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
+    plane = pid // tiles_per_plane
+    tile = pid % tiles_per_plane
+    x_base, y_base, out_c = _plane_pointers(x_ptr, y_ptr, plane, out_channels, MULTIPLIER,
+                                            x_stride_n, x_stride_c, y_stride_n, y_stride_c)
+
+    out_rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)
+    out_cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)
+    if INDEX_64:
+        out_rows = out_rows.to(tl.int64)
+        out_cols = out_cols.to(tl.int64)
+    out_mask = (out_rows < out_h)[:, None] & (out_cols < out_w)[None, :]
+    in_rows0 = out_rows * stride_h - pad_top
+    in_cols0 = out_cols * stride_w - pad_left
+
+    acc = tl.zeros([BLOCK_H, BLOCK_W], dtype=ACC_DTYPE)
+    w_plane = w_ptr + out_c * (KH * KW)
+    if UNROLL_KH:
+        for kh in tl.static_range(KH):
+            acc = _accumulate_kernel_row(acc, x_base, w_plane + kh * KW, in_rows0 + kh * dilation_h,
+                                         in_cols0, in_h, in_w, x_stride_h, x_stride_w, out_mask,
+                                         dilation_w, KW, ACC_DTYPE)
+    else:  # large kernels: keep the code size bounded
+        for kh in range(KH):
+            acc = _accumulate_kernel_row(acc, x_base, w_plane + kh * KW, in_rows0 + kh * dilation_h,
+                                         in_cols0, in_h, in_w, x_stride_h, x_stride_w, out_mask,
+                                         dilation_w, KW, ACC_DTYPE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + out_c).to(ACC_DTYPE)
+    y_offsets = out_rows[:, None] * y_stride_h + out_cols[None, :] * y_stride_w
+    tl.store(y_base + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def depthwise_fwd_rows_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    out_channels, in_h, in_w, out_h, out_w,
+    x_stride_n, x_stride_c, x_stride_h, x_stride_w,
+    y_stride_n, y_stride_c, y_stride_h, y_stride_w,
+    stride_w, pad_top, pad_left, dilation_h, dilation_w, rows_per_program,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
+    loading each input row once (KW shifted views) and adding it into the partial sums of
+    every output row it touches. Partial rows live in a ring of SLOTS register rows
+    (SLOTS >= dilation_h*(KH-1)+1, a power of two); output row r lives in slot r % SLOTS.
+    """
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    chunks = tl.cdiv(out_h, rows_per_program)
+    plane = pid // (chunks * tiles_w)
+    strip = pid % (chunks * tiles_w)
+    x_base, y_base, out_c = _plane_pointers(x_ptr, y_ptr, plane, out_channels, MULTIPLIER,
+                                            x_stride_n, x_stride_c, y_stride_n, y_stride_c)
+    first_row = (strip // tiles_w) * rows_per_program
+    last_row = tl.minimum(first_row + rows_per_program, out_h)  # exclusive
+
+    out_cols = (strip % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)
+    if INDEX_64:
+        out_cols = out_cols.to(tl.int64)
+    col_ok = out_cols < out_w
+    in_cols0 = out_cols * stride_w - pad_left
+    slots = tl.arange(0, SLOTS)
+    w_plane = w_ptr + out_c * (KH * KW)
+    reach = dilation_h * (KH - 1)  # output row r is complete once padded input row r + reach is added
+
+    acc = tl.zeros([SLOTS, BLOCK_W], dtype=ACC_DTYPE)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + out_c).to(ACC_DTYPE)
+    # j is the input row in padded coordinates: out row r reads padded rows r + kh*dilation_h.
+    for j in range(first_row, last_row + reach):
+        in_row = j - pad_top
+        # distance from each slot's output row to j; a tap applies where it is kh*dilation_h
+        delta = (j - slots + SLOTS) % SLOTS
+        kh = delta // dilation_h
+        tap_ok = (delta % dilation_h == 0) & (kh < KH)
+        if (in_row >= 0) & (in_row < in_h):  # padding rows add nothing
+            if INDEX_64:
+                x_row = x_base + in_row.to(tl.int64) * x_stride_h
+            else:
+                x_row = x_base + in_row * x_stride_h
+            for kw in tl.static_range(KW):
+                in_cols = in_cols0 + kw * dilation_w
+                x = tl.load(x_row + in_cols * x_stride_w,
+                            mask=col_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
+                w = tl.load(w_plane + kh * KW + kw, mask=tap_ok, other=0.0).to(ACC_DTYPE)
+                acc += w[:, None] * x.to(ACC_DTYPE)[None, :]
+        done = j - reach
+        done_slot = (slots == (done + SLOTS) % SLOTS)[:, None]  # done > -SLOTS
+        out = tl.sum(tl.where(done_slot, acc, 0.0), axis=0) + bias
+        acc = tl.where(done_slot, 0.0, acc)
+        if done >= first_row:  # rows above the chunk belong to another program
+            if INDEX_64:
+                y_row = y_base + done.to(tl.int64) * y_stride_h
+            else:
+                y_row = y_base + done * y_stride_h
+            tl.store(y_row + out_cols * y_stride_w, out.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    kernel: str  # "tile" or "rows"
+    block_h: int  # tile rows ("tile") or output rows per program ("rows")
+    block_w: int
+    num_warps: int
+
+
+_ACC_DTYPES = {torch.float64: tl.float64}
+
+
+def forward_config(geom: ConvGeometry, device_type: str) -> ForwardConfig:
+    """Picks the kernel and block sizes for a geometry (measured choices: see docs/notes.md)."""
+    if device_type != "cuda":  # interpreter: each program costs ~the same, so one tile per plane
+        return ForwardConfig("tile", min(32, triton.next_power_of_2(geom.out_h)),
+                             min(32, triton.next_power_of_2(geom.out_w)), 4)
+    block_w = min(512, triton.next_power_of_2(geom.out_w))
+    return ForwardConfig("tile", max(1, min(8, 4096 // block_w)), block_w, 4)
+
+
+def output_memory_format(x: torch.Tensor) -> torch.memory_format:
+    """The output keeps a channels_last input's layout, as PyTorch's convolutions do."""
+    if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _needs_int64(t: torch.Tensor, sizes) -> bool:
+    """True when an offset inside one (n, c) plane can reach 2**31."""
+    extent = sum((s - 1) * abs(st) for s, st in zip(sizes, t.stride()[2:]))
+    return extent >= 2**31 - 1
+
+
+def conv_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    geom: ConvGeometry,
+    config: Optional[ForwardConfig] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Launches the forward kernel. x, weight, bias are already checked against geom."""
+    if out is None:
+        out = torch.empty(geom.output_shape, device=x.device, dtype=x.dtype,
+                          memory_format=output_memory_format(x))
+    if out.numel() == 0:
+        return out
+    if config is None:
+        config = forward_config(geom, x.device.type)
+    weight = weight.contiguous()
+    bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
+    index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(out, (geom.out_h, geom.out_w))
+    planes = geom.batch * geom.out_channels
+    tiles_w = triton.cdiv(geom.out_w, config.block_w)
+    common = dict(
+        MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=bias is not None,
+        INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), BLOCK_W=config.block_w,
+        num_warps=config.num_warps,
+    )
+    sizes = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride())
+    if config.kernel == "rows":
+        assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
+        chunks = triton.cdiv(geom.out_h, config.block_h)
+        slots = triton.next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1)
+        depthwise_fwd_rows_kernel[(planes * chunks * tiles_w,)](
+            x, weight, bias_arg, out, *sizes,
+            geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w, config.block_h,
+            SLOTS=slots, **common,
+        )
+    else:
+        tiles = triton.cdiv(geom.out_h, config.block_h) * tiles_w
+        depthwise_fwd_tile_kernel[(planes * tiles,)](
+            x, weight, bias_arg, out, *sizes,
+            geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w,
+            UNROLL_KH=geom.kernel_h * geom.kernel_w <= 64, BLOCK_H=config.block_h, **common,
+        )
+    return out

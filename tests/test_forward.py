@@ -1,0 +1,177 @@
+"""Forward values of dwconv against a float64 F.conv2d reference, over the parameter grid.
+
+On a machine without CUDA these run the Triton kernels under TRITON_INTERPRET=1 on CPU
+tensors (conftest.py); with CUDA they run the compiled kernels on the GPU.
+"""
+
+import pytest
+import torch
+
+import dwconv
+from dwconv._geometry import conv_geometry
+from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config, output_memory_format
+from helpers import DEVICE, assert_close, poisoned, randn, reference_conv
+
+KERNELS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (7, 7), (1, 3), (3, 1), (5, 3)]
+# (stride, padding, dilation)
+OPTIONS = [
+    (1, 0, 1),
+    (1, 1, 1),
+    (2, 1, 1),
+    (3, 0, 1),
+    (1, (2, 1), 2),
+    ((2, 1), (0, 3), 3),
+    (1, "same", 1),
+    (1, "same", (2, 3)),
+    (2, "valid", 1),
+]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def run_kernel(x, weight, bias, stride, padding, dilation, config=None):
+    """Launches the forward kernel into a NaN-poisoned output and returns it."""
+    geom = conv_geometry(x, weight, bias, stride, padding, dilation)
+    out = poisoned(geom.output_shape, x.dtype, memory_format=output_memory_format(x))
+    return conv_forward(x, weight, bias, geom, config=config, out=out)
+
+
+def check(x, weight, bias, stride=1, padding=0, dilation=1, config=None):
+    out = run_kernel(x, weight, bias, stride, padding, dilation, config)
+    assert out.dtype == x.dtype
+    ref = reference_conv(x, weight, bias, stride, padding, dilation)
+    assert_close(out, ref, x.dtype)
+    return out
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"k{k[0]}x{k[1]}")
+@pytest.mark.parametrize("stride,padding,dilation", OPTIONS, ids=str)
+def test_geometry_grid(kernel, stride, padding, dilation):
+    x = randn(2, 3, 17, 13)
+    weight = randn(6, 1, *kernel)  # multiplier 2
+    bias = randn(6)
+    try:
+        reference_conv(x, weight, bias, stride, padding, dilation)
+    except RuntimeError:  # PyTorch refuses (kernel larger than the padded input): so must we
+        with pytest.raises(ValueError, match="larger than the padded input"):
+            dwconv.depthwise_conv2d(x, weight, bias, stride, padding, dilation)
+        return
+    check(x, weight, bias, stride, padding, dilation)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("multiplier", [1, 2])
+@pytest.mark.parametrize("kernel,padding", [(3, 1), (5, 0), (4, "same")])
+def test_dtypes_bias_multiplier(dtype, has_bias, multiplier, kernel, padding):
+    x = randn(2, 3, 11, 19, dtype=dtype)
+    weight = randn(3 * multiplier, 1, kernel, kernel, dtype=dtype)
+    bias = randn(3 * multiplier, dtype=dtype) if has_bias else None
+    check(x, weight, bias, 1, padding)
+
+
+@pytest.mark.parametrize(
+    "shape,kernel,padding",
+    [
+        ((1, 1, 1, 1), 1, 0),  # a 1x1 image
+        ((2, 3, 1, 1), 3, 1),  # a 1x1 image seen only through padding
+        ((1, 2, 1, 7), (1, 3), 0),
+        ((3, 5, 2, 31), 2, 0),
+        ((1, 7, 23, 29), 3, 1),  # primes
+        ((2, 1, 37, 5), 5, 2),
+        ((1, 2, 3, 67), 3, (0, 1)),  # wider than one 32/64-column block
+    ],
+    ids=str,
+)
+def test_odd_and_tiny_sizes(shape, kernel, padding):
+    x = randn(*shape)
+    k = (kernel, kernel) if isinstance(kernel, int) else kernel
+    weight = randn(shape[1], 1, *k)
+    check(x, weight, randn(shape[1]), 1, padding)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "sliced", "transposed_hw", "expanded_batch"])
+def test_strided_inputs(layout):
+    base = randn(2, 4, 13, 15)
+    if layout == "channels_last":
+        x = base.contiguous(memory_format=torch.channels_last)
+    elif layout == "sliced":
+        x = randn(3, 9, 20, 31)[1:, ::2, 3:16, 1::2]
+    elif layout == "transposed_hw":
+        x = base.transpose(2, 3)
+    else:
+        x = randn(1, 4, 13, 15).expand(3, 4, 13, 15)
+    weight = randn(x.shape[1] * 2, 1, 3, 3)
+    out = check(x, weight, randn(x.shape[1] * 2), 1, 1)
+    if layout == "channels_last":
+        assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize(
+    "kernel,padding,dilation,stride_w,block_h,block_w",
+    [
+        ((3, 3), 0, 1, 1, 5, 16),  # chunks of 5 rows, two column strips
+        ((3, 3), 1, 1, 1, 4, 32),
+        ((5, 3), (2, 1), 1, 2, 3, 8),
+        ((3, 3), 2, 2, 1, 7, 16),  # dilation: ring of 8 slots
+        ((7, 7), 3, 1, 1, 32, 32),
+        ((1, 1), 0, 1, 1, 6, 16),
+        ((2, 4), "same", 1, 1, 4, 16),
+    ],
+    ids=str,
+)
+def test_row_sliding_kernel(kernel, padding, dilation, stride_w, block_h, block_w):
+    """The row-sliding kernel (stride_h == 1) with chunks and strips smaller than the plane."""
+    x = randn(2, 3, 19, 21)
+    weight = randn(6, 1, *kernel)
+    config = ForwardConfig("rows", block_h, block_w, 4)
+    check(x, weight, randn(6), (1, stride_w), padding, dilation, config=config)
+
+
+def test_default_config_is_valid():
+    geom = conv_geometry(randn(1, 2, 9, 9), randn(2, 1, 3, 3), None, 2, 1, 1)
+    assert forward_config(geom, "cuda").kernel in ("tile", "rows")
+
+
+def test_public_api_matches_reference():
+    x = randn(2, 4, 12, 10)
+    weight = randn(8, 1, 3, 3)
+    bias = randn(8)
+    out = dwconv.depthwise_conv2d(x, weight, bias, stride=(1, 2), padding="valid", dilation=1)
+    assert out.device.type == x.device.type
+    assert_close(out, reference_conv(x, weight, bias, (1, 2), 0, 1), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "shape,kernel,padding",
+    [((0, 3, 8, 8), 3, 1), ((0, 1, 1, 1), 1, 0), ((0, 2, 5, 7), 3, "same")],
+    ids=str,
+)
+def test_empty_tensors(shape, kernel, padding):
+    x = randn(*shape)
+    weight = randn(shape[1], 1, kernel, kernel)
+    out = dwconv.depthwise_conv2d(x, weight, None, 1, padding)
+    ref = reference_conv(x, weight, None, 1, padding, 1)
+    assert out.shape == ref.shape
+    assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: > 2**31 elements")
+@pytest.mark.parametrize("shape", [(1, 1, 46500, 46500), (9, 1024, 480, 488)], ids=["one_plane", "many_planes"])
+def test_more_than_2_31_elements(shape):
+    """64-bit offsets: inside one huge plane, and across planes past 2**31 elements."""
+    torch.manual_seed(0)
+    x = torch.randn(shape, device="cuda", dtype=torch.float16)
+    assert x.numel() > 2**31
+    weight = randn(shape[1], 1, 3, 3, dtype=torch.float16)
+    out = run_kernel(x, weight, None, 1, 1, 1)
+    # Check the last planes / the last rows, where 32-bit offsets would have wrapped.
+    if shape[0] == 1:
+        rows = slice(shape[2] - 40, shape[2])
+        x_tail, out_tail = x[:, :, rows.start - 1:], out[:, :, rows]
+        ref = reference_conv(x_tail, weight, None, 1, (0, 1), 1)[:, :, 1:]
+        assert_close(out_tail[:, :, :-1], ref, torch.float16)
+        assert not torch.isnan(out_tail[:, :, -1]).any()
+    else:
+        ref = reference_conv(x[-1:, -8:], weight[-8:], None, 1, 1, 1)
+        assert_close(out[-1:, -8:], ref, torch.float16)
+        assert not torch.isnan(out).any()
