@@ -51,7 +51,10 @@ def _accumulate_kernel_row(acc, x_base, w_row_ptr, in_rows, in_cols0, in_h, in_w
     return acc
 
 
-@triton.jit
+# pad_left is not specialised: were it known to be 0 (a multiple of 16), the unshifted load would get
+# a 4-wide register layout while the shifted loads and the row stores (rows of odd length) get 1-wide
+# ones, and Triton would convert between them through shared memory on every row.
+@triton.jit(do_not_specialize=["pad_left"])
 def depthwise_fwd_tile_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     out_channels, in_h, in_w, out_h, out_w,
@@ -98,7 +101,7 @@ def depthwise_fwd_tile_kernel(
     tl.store(y_base + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pad_left"])
 def depthwise_fwd_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     out_channels, in_h, in_w, out_h, out_w,
@@ -124,12 +127,14 @@ def depthwise_fwd_rows_kernel(
     first_row = (strip // tiles_w) * rows_per_program
     last_row = tl.minimum(first_row + rows_per_program, out_h)  # exclusive
 
-    out_cols = (strip % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)
+    # Every tensor is 2-D ([1, BLOCK_W] rows, [SLOTS, 1] weights) so that all share one register
+    # layout: 1-D rows broadcast into the ring cost a shared-memory layout conversion per load.
+    out_cols = (strip % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
     if INDEX_64:
         out_cols = out_cols.to(tl.int64)
     col_ok = out_cols < out_w
     in_cols0 = out_cols * stride_w - pad_left
-    slots = tl.arange(0, SLOTS)
+    slots = tl.arange(0, SLOTS)[:, None]
     w_plane = w_ptr + out_c * (KH * KW)
     reach = dilation_h * (KH - 1)  # output row r is complete once padded input row r + reach is added
 
@@ -154,10 +159,10 @@ def depthwise_fwd_rows_kernel(
                 x = tl.load(x_row + in_cols * x_stride_w,
                             mask=col_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
                 w = tl.load(w_plane + kh * KW + kw, mask=tap_ok, other=0.0).to(ACC_DTYPE)
-                acc += w[:, None] * x.to(ACC_DTYPE)[None, :]
+                acc += w * x.to(ACC_DTYPE)
         done = j - reach
-        done_slot = (slots == (done + SLOTS) % SLOTS)[:, None]  # done > -SLOTS
-        out = tl.sum(tl.where(done_slot, acc, 0.0), axis=0) + bias
+        done_slot = slots == (done + SLOTS) % SLOTS  # done > -SLOTS
+        out = tl.sum(tl.where(done_slot, acc, 0.0), axis=0, keep_dims=True) + bias
         acc = tl.where(done_slot, 0.0, acc)
         if done >= first_row:  # rows above the chunk belong to another program
             if INDEX_64:
