@@ -21,25 +21,27 @@ from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
 
 
 def variants(geom, full):
-    """Full: every block shape worth trying; otherwise a handful around the default."""
+    """Block shapes by elements per thread (registers decide occupancy: see docs/notes.md)."""
     import triton
 
     bw_full = min(512, triton.next_power_of_2(geom.out_w))
     widths = sorted({bw_full, max(16, bw_full // 2), max(16, bw_full // 4)}, reverse=True) if full else [bw_full]
+    per_thread = (1, 2, 4) if full else (1, 2)
     out = []
     for bw in widths:
-        for bh in (1, 2, 4, 8, 16, 32) if full else (2, 4, 8, 16):
-            if bh * bw > 8192 or bh * bw < 256:
-                continue
-            for warps in (4, 8) if full else (4,):
-                out.append(ForwardConfig("tile", bh, bw, warps))
+        for bh in (1, 2, 4, 8, 16, 32):
+            for warps in (1, 2, 4, 8, 16):
+                if bh * bw // (32 * warps) in per_thread and bh <= 2 * geom.out_h:
+                    out.append(ForwardConfig("tile", bh, bw, warps))
     if geom.stride_h == 1:
-        for bw in widths[:2]:
-            for rows in (16, 32, 64, 128, 256) if full else (16, 64):
-                if rows > 2 * geom.out_h:
+        for bw in widths:
+            for warps in (1, 2, 4, 8, 16):
+                if bw // (32 * warps) not in per_thread:
                     continue
-                for warps in (2, 4, 8) if full else (4,):
-                    out.append(ForwardConfig("rows", rows, bw, warps))
+                for rows in (64, 256) if full else (32, 128):
+                    for step in (2, 4, 8) if full else (2, 4):
+                        if rows <= 2 * geom.out_h:
+                            out.append(ForwardConfig("rows", rows, bw, warps, step))
     return out
 
 

@@ -110,7 +110,7 @@ def depthwise_fwd_rows_kernel(
     stride_w, pad_top, pad_left, dilation_h, dilation_w, rows_per_program,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    SLOTS: tl.constexpr, BLOCK_W: tl.constexpr,
+    SLOTS: tl.constexpr, ROWS_PER_STEP: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
     loading each input row once (KW shifted views) and adding it into the partial sums of
@@ -142,34 +142,38 @@ def depthwise_fwd_rows_kernel(
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + out_c).to(ACC_DTYPE)
+    # Row indices are [1, 1] tensors: masks stay tensors (the interpreter mishandles scalar & tensor),
+    # and there is no branch in the loop body, so the compiler can issue the loads of all
+    # ROWS_PER_STEP rows before the arithmetic on the first: more bytes in flight per program.
+    if INDEX_64:
+        zero = tl.zeros([1, 1], dtype=tl.int64)
+    else:
+        zero = tl.zeros([1, 1], dtype=tl.int32)
     # j is the input row in padded coordinates: out row r reads padded rows r + kh*dilation_h.
-    for j in range(first_row, last_row + reach):
-        in_row = j - pad_top
-        # distance from each slot's output row to j; a tap applies where it is kh*dilation_h
-        delta = (j - slots + SLOTS) % SLOTS
-        kh = delta // dilation_h
-        tap_ok = (delta % dilation_h == 0) & (kh < KH)
-        if (in_row >= 0) & (in_row < in_h):  # padding rows add nothing
-            if INDEX_64:
-                x_row = x_base + in_row.to(tl.int64) * x_stride_h
-            else:
-                x_row = x_base + in_row * x_stride_h
+    for j0 in range(first_row, last_row + reach, ROWS_PER_STEP):
+        for step in tl.static_range(ROWS_PER_STEP):
+            j = zero + (j0 + step)
+            in_row = j - pad_top
+            row_ok = (in_row >= 0) & (in_row < in_h)  # padding rows (and rows past the end) add nothing
+            # distance from each slot's output row to j; a tap applies where it is kh*dilation_h
+            delta = (j - slots + SLOTS) % SLOTS
+            kh = delta // dilation_h
+            tap_ok = (delta % dilation_h == 0) & (kh < KH)
+            x_row = x_base + in_row * x_stride_h
             for kw in tl.static_range(KW):
                 in_cols = in_cols0 + kw * dilation_w
                 x = tl.load(x_row + in_cols * x_stride_w,
-                            mask=col_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
+                            mask=col_ok & row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
                 w = tl.load(w_plane + kh * KW + kw, mask=tap_ok, other=0.0).to(ACC_DTYPE)
                 acc += w * x.to(ACC_DTYPE)
-        done = j - reach
-        done_slot = slots == (done + SLOTS) % SLOTS  # done > -SLOTS
-        out = tl.sum(tl.where(done_slot, acc, 0.0), axis=0, keep_dims=True) + bias
-        acc = tl.where(done_slot, 0.0, acc)
-        if done >= first_row:  # rows above the chunk belong to another program
-            if INDEX_64:
-                y_row = y_base + done.to(tl.int64) * y_stride_h
-            else:
-                y_row = y_base + done * y_stride_h
-            tl.store(y_row + out_cols * y_stride_w, out.to(y_ptr.dtype.element_ty), mask=col_ok)
+            done = j - reach
+            done_slot = slots == (done + SLOTS) % SLOTS  # done > -SLOTS
+            out = tl.sum(tl.where(done_slot, acc, 0.0), axis=0, keep_dims=True) + bias
+            acc = tl.where(done_slot, 0.0, acc)
+            # rows above the chunk belong to another program; rows past it are not finished
+            store_ok = col_ok & (done >= first_row) & (done < last_row)
+            tl.store(y_base + done * y_stride_h + out_cols * y_stride_w, out.to(y_ptr.dtype.element_ty),
+                     mask=store_ok)
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,7 @@ class ForwardConfig:
     block_h: int  # tile rows ("tile") or output rows per program ("rows")
     block_w: int
     num_warps: int
+    rows_per_step: int = 2  # "rows": input rows whose loads are issued together
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
@@ -239,7 +244,7 @@ def conv_forward(
         depthwise_fwd_rows_kernel[(planes * chunks * tiles_w,)](
             x, weight, bias_arg, out, *sizes,
             geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w, config.block_h,
-            SLOTS=slots, **common,
+            SLOTS=slots, ROWS_PER_STEP=config.rows_per_step, **common,
         )
     else:
         tiles = triton.cdiv(geom.out_h, config.block_h) * tiles_w
