@@ -38,10 +38,9 @@ def variants(geom, full):
             for warps in (1, 2, 4, 8, 16):
                 if bw // (32 * warps) not in per_thread:
                     continue
-                for rows in (64, 256) if full else (32, 128):
-                    for step in (2, 4, 8) if full else (2, 4):
-                        if rows <= 2 * geom.out_h:
-                            out.append(ForwardConfig("rows", rows, bw, warps, step))
+                for rows in (32, 64, 128, 256) if full else (32, 128):
+                    if rows <= 2 * geom.out_h:
+                        out.append(ForwardConfig("rows", rows, bw, warps))
     return out
 
 

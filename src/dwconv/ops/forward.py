@@ -107,15 +107,17 @@ def depthwise_fwd_rows_kernel(
     out_channels, in_h, in_w, out_h, out_w,
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
-    stride_w, pad_top, pad_left, dilation_h, dilation_w, rows_per_program,
-    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    stride_w, pad_top, pad_left, dilation_w, rows_per_program,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr,
     HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    SLOTS: tl.constexpr, ROWS_PER_STEP: tl.constexpr, BLOCK_W: tl.constexpr,
+    SLOTS: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
     loading each input row once (KW shifted views) and adding it into the partial sums of
     every output row it touches. Partial rows live in a ring of SLOTS register rows
-    (SLOTS >= dilation_h*(KH-1)+1, a power of two); output row r lives in slot r % SLOTS.
+    (SLOTS >= DILATION_H*(KH-1)+1, a power of two); output row r lives in slot r % SLOTS.
+    The row loop is unrolled SLOTS times from a multiple of SLOTS, so which slot gets which
+    tap, and which slot is finished, are compile-time constants: the ring costs no indexing.
     """
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
@@ -135,39 +137,40 @@ def depthwise_fwd_rows_kernel(
     col_ok = out_cols < out_w
     in_cols0 = out_cols * stride_w - pad_left
     slots = tl.arange(0, SLOTS)[:, None]
-    w_plane = w_ptr + out_c * (KH * KW)
-    reach = dilation_h * (KH - 1)  # output row r is complete once padded input row r + reach is added
+    taps = tl.arange(0, TAPS)[None, :]
+    weights = tl.load(w_ptr + out_c * (KH * KW) + taps, mask=taps < KH * KW, other=0.0).to(ACC_DTYPE)
+    reach: tl.constexpr = DILATION_H * (KH - 1)  # out row r is complete once padded row r + reach is in
 
     acc = tl.zeros([SLOTS, BLOCK_W], dtype=ACC_DTYPE)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + out_c).to(ACC_DTYPE)
-    # Row indices are [1, 1] tensors: masks stay tensors (the interpreter mishandles scalar & tensor),
-    # and there is no branch in the loop body, so the compiler can issue the loads of all
-    # ROWS_PER_STEP rows before the arithmetic on the first: more bytes in flight per program.
+    # Row indices are [1, 1] tensors so that masks stay tensors (the interpreter mishandles
+    # scalar & tensor); the body has no branch, so the loads of all SLOTS rows can be in flight.
     if INDEX_64:
         zero = tl.zeros([1, 1], dtype=tl.int64)
     else:
         zero = tl.zeros([1, 1], dtype=tl.int32)
-    # j is the input row in padded coordinates: out row r reads padded rows r + kh*dilation_h.
-    for j0 in range(first_row, last_row + reach, ROWS_PER_STEP):
-        for step in tl.static_range(ROWS_PER_STEP):
-            j = zero + (j0 + step)
+    # j is the input row in padded coordinates: out row r reads padded rows r + kh*DILATION_H.
+    for j0 in range(first_row - first_row % SLOTS, last_row + reach, SLOTS):
+        for phase in tl.static_range(SLOTS):
+            j = zero + (j0 + phase)
             in_row = j - pad_top
-            row_ok = (in_row >= 0) & (in_row < in_h)  # padding rows (and rows past the end) add nothing
-            # distance from each slot's output row to j; a tap applies where it is kh*dilation_h
-            delta = (j - slots + SLOTS) % SLOTS
-            kh = delta // dilation_h
-            tap_ok = (delta % dilation_h == 0) & (kh < KH)
+            row_ok = (in_row >= 0) & (in_row < in_h)  # padding rows add nothing
+            # slot s holds out row j - delta, delta = (phase - s) % SLOTS; a tap applies where
+            # delta = kh*DILATION_H. Loop-invariant: hoisted out of the loop by the compiler.
+            delta = (phase - slots + SLOTS) % SLOTS
+            kh = delta // DILATION_H
+            tap_ok = (delta % DILATION_H == 0) & (kh < KH)
             x_row = x_base + in_row * x_stride_h
             for kw in tl.static_range(KW):
                 in_cols = in_cols0 + kw * dilation_w
                 x = tl.load(x_row + in_cols * x_stride_w,
                             mask=col_ok & row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
-                w = tl.load(w_plane + kh * KW + kw, mask=tap_ok, other=0.0).to(ACC_DTYPE)
-                acc += w * x.to(ACC_DTYPE)
+                tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=1, keep_dims=True)
+                acc += tl.where(tap_ok, tap_weight, 0.0) * x.to(ACC_DTYPE)
             done = j - reach
-            done_slot = slots == (done + SLOTS) % SLOTS  # done > -SLOTS
+            done_slot = slots == (phase - reach % SLOTS + SLOTS) % SLOTS
             out = tl.sum(tl.where(done_slot, acc, 0.0), axis=0, keep_dims=True) + bias
             acc = tl.where(done_slot, 0.0, acc)
             # rows above the chunk belong to another program; rows past it are not finished
@@ -182,7 +185,6 @@ class ForwardConfig:
     block_h: int  # tile rows ("tile") or output rows per program ("rows")
     block_w: int
     num_warps: int
-    rows_per_step: int = 2  # "rows": input rows whose loads are issued together
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
@@ -243,8 +245,9 @@ def conv_forward(
         slots = triton.next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1)
         depthwise_fwd_rows_kernel[(planes * chunks * tiles_w,)](
             x, weight, bias_arg, out, *sizes,
-            geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w, config.block_h,
-            SLOTS=slots, ROWS_PER_STEP=config.rows_per_step, **common,
+            geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_w, config.block_h,
+            DILATION_H=geom.dilation_h, SLOTS=slots, TAPS=triton.next_power_of_2(geom.kernel_h * geom.kernel_w),
+            **common,
         )
     else:
         tiles = triton.cdiv(geom.out_h, config.block_h) * tiles_w
