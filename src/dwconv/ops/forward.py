@@ -142,6 +142,7 @@ def depthwise_fwd_rows_kernel(
     reach: tl.constexpr = DILATION_H * (KH - 1)  # out row r is complete once padded row r + reach is in
 
     acc = tl.zeros([SLOTS, BLOCK_W], dtype=ACC_DTYPE)
+    finished = tl.zeros([SLOTS, BLOCK_W], dtype=ACC_DTYPE)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + out_c).to(ACC_DTYPE)
@@ -169,14 +170,17 @@ def depthwise_fwd_rows_kernel(
                             mask=col_ok & row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
                 tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=1, keep_dims=True)
                 acc += tl.where(tap_ok, tap_weight, 0.0) * x.to(ACC_DTYPE)
-            done = j - reach
+            # park the finished row; the ring slot starts the row SLOTS further down
             done_slot = slots == (phase - reach % SLOTS + SLOTS) % SLOTS
-            out = tl.sum(tl.where(done_slot, acc, 0.0), axis=0, keep_dims=True) + bias
+            finished = tl.where(done_slot, acc, finished)
             acc = tl.where(done_slot, 0.0, acc)
-            # rows above the chunk belong to another program; rows past it are not finished
-            store_ok = col_ok & (done >= first_row) & (done < last_row)
-            tl.store(y_base + done * y_stride_h + out_cols * y_stride_w, out.to(y_ptr.dtype.element_ty),
-                     mask=store_ok)
+        # One store per step, after all its loads: a store between rows would keep the compiler
+        # from issuing the next row's loads early (x and y might alias), one row in flight at a time.
+        # Slot s finished out row j0 - reach + ((s + reach) % SLOTS), as j0 is a multiple of SLOTS.
+        done = (j0 - reach) + (slots + reach) % SLOTS
+        store_ok = col_ok & (done >= first_row) & (done < last_row)
+        tl.store(y_base + done * y_stride_h + out_cols * y_stride_w, (finished + bias).to(y_ptr.dtype.element_ty),
+                 mask=store_ok)
 
 
 @dataclass(frozen=True)
@@ -195,8 +199,14 @@ def forward_config(geom: ConvGeometry, device_type: str) -> ForwardConfig:
     if device_type != "cuda":  # interpreter: each program costs ~the same, so one tile per plane
         return ForwardConfig("tile", min(32, triton.next_power_of_2(geom.out_h)),
                              min(32, triton.next_power_of_2(geom.out_w)), 4)
-    block_w = min(512, triton.next_power_of_2(geom.out_w))
-    return ForwardConfig("tile", max(1, min(8, 4096 // block_w)), block_w, 4)
+    # Two output columns a thread keeps registers low and occupancy high (sweeps 2-4 in the notes).
+    ring = triton.next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1)
+    if geom.stride_h == 1 and ring <= 4 and geom.out_w >= 32:
+        block_w = min(128, triton.next_power_of_2(geom.out_w))
+        return ForwardConfig("rows", 128 if geom.out_h >= 128 else 32, block_w, max(1, block_w // 64))
+    block_w = min(64, triton.next_power_of_2(geom.out_w))
+    block_h = 2 if block_w >= 32 else 8
+    return ForwardConfig("tile", block_h, block_w, max(1, block_h * block_w // 64))
 
 
 def output_memory_format(x: torch.Tensor) -> torch.memory_format:
