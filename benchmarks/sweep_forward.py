@@ -26,7 +26,7 @@ def variants(geom, full):
 
     bw_full = min(512, triton.next_power_of_2(geom.out_w))
     widths = sorted({bw_full, max(16, bw_full // 2), max(16, bw_full // 4)}, reverse=True) if full else [bw_full]
-    per_thread = (1, 2, 4) if full else (1, 2)
+    per_thread = (1, 2) if full else (1, 2)
     out = []
     for bw in widths:
         for bh in (1, 2, 4, 8, 16, 32):
@@ -38,9 +38,10 @@ def variants(geom, full):
             for warps in (1, 2, 4, 8, 16):
                 if bw // (32 * warps) not in per_thread:
                     continue
-                for rows in (32, 64, 128, 256) if full else (32, 128):
-                    if rows <= 2 * geom.out_h:
-                        out.append(ForwardConfig("rows", rows, bw, warps))
+                for rows in (64, 128, 256) if full else (32, 128):
+                    for ring in (0, 8) if full else (0,):
+                        if rows <= 2 * geom.out_h:
+                            out.append(ForwardConfig("rows", rows, bw, warps, ring))
     return out
 
 

@@ -177,7 +177,7 @@ def depthwise_fwd_rows_kernel(
         # One store per step, after all its loads: a store between rows would keep the compiler
         # from issuing the next row's loads early (x and y might alias), one row in flight at a time.
         # Slot s finished out row j0 - reach + ((s + reach) % SLOTS), as j0 is a multiple of SLOTS.
-        done = (j0 - reach) + (slots + reach) % SLOTS
+        done = zero + (j0 - reach) + (slots + reach) % SLOTS  # 64-bit when INDEX_64
         store_ok = col_ok & (done >= first_row) & (done < last_row)
         tl.store(y_base + done * y_stride_h + out_cols * y_stride_w, (finished + bias).to(y_ptr.dtype.element_ty),
                  mask=store_ok)
@@ -189,6 +189,7 @@ class ForwardConfig:
     block_h: int  # tile rows ("tile") or output rows per program ("rows")
     block_w: int
     num_warps: int
+    ring: int = 0  # "rows": ring size (rows of loads per step); 0 = the smallest power of two that fits
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
@@ -252,7 +253,7 @@ def conv_forward(
     if config.kernel == "rows":
         assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
         chunks = triton.cdiv(geom.out_h, config.block_h)
-        slots = triton.next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1)
+        slots = max(config.ring, triton.next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1))
         depthwise_fwd_rows_kernel[(planes * chunks * tiles_w,)](
             x, weight, bias_arg, out, *sizes,
             geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_w, config.block_h,

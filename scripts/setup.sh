@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Prints the python to use, after making sure torch, triton, pytest and dwconv are importable.
+# - GPU machine (no network; torch and triton already installed): uses python3 as it is, with src/ on PYTHONPATH.
+# - Fresh CPU machine: makes .venv with torch==2.13.0 (the CPU build; a bare `torch` would pull a
+#   multi-GB CUDA build), triton and pytest from the package registry, and dwconv installed editable.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+if python3 -c 'import torch, triton, pytest; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+  echo python3
+  exit 0
+fi
+venv=$root/.venv
+if ! "$venv/bin/python" -c 'import torch, triton, pytest, dwconv' >/dev/null 2>&1; then
+  python3 -m venv "$venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "pytest>=8" numpy >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps -e "$root" >&2
+fi
+echo "$venv/bin/python"
