@@ -211,7 +211,7 @@ class ForwardConfig:
     block_w: int
     num_warps: int
     ring: int = 0  # "rows": ring size (rows of loads per step); 0 = the smallest power of two that fits
-    prefetch: bool = True  # "rows": load the next step's rows one step early
+    prefetch: bool = False  # "rows": load the next step's rows one step early (measured: no gain, run 7)
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
