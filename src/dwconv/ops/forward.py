@@ -5,8 +5,9 @@ stride-1 rows), then `forward_config` (which kernel and block sizes), then `conv
 (allocate, launch). Argument checking lives in dwconv._geometry; this layer trusts it.
 
 Both kernels read the input through its four strides, so NCHW, channels_last and other
-strided inputs all give the right answer; a contiguous last axis (stride 1) is specialised by
-Triton and gives vectorised loads. Each program computes output of one (n, out_channel) plane.
+strided inputs all give the right answer (a native channels_last kernel is later work). Every
+load and store is 4 bytes wide for now: shifted views and rows of odd length are never 16-byte
+aligned (docs/notes.md). Each program computes output of one (n, out_channel) plane.
 Offsets of a plane's base are 64-bit; offsets inside a plane are 32-bit unless the launcher
 sees that they can pass 2**31 (INDEX_64).
 """
