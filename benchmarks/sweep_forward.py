@@ -39,9 +39,8 @@ def variants(geom, full):
                 if bw // (32 * warps) not in per_thread:
                     continue
                 for rows in (64, 128, 256) if full else (32, 128):
-                    for prefetch in (True, False) if full else (True,):
-                        if rows <= 2 * geom.out_h:
-                            out.append(ForwardConfig("rows", rows, bw, warps, prefetch=prefetch))
+                    if rows <= 2 * geom.out_h:
+                        out.append(ForwardConfig("rows", rows, bw, warps))
     return out
 
 

@@ -6,9 +6,6 @@ import torch
 import dwconv
 from helpers import DEVICE, randn
 
-X = dict(shape=(2, 3, 8, 8))
-
-
 def call(x=None, weight=None, bias=None, **kwargs):
     x = randn(2, 3, 8, 8) if x is None else x
     weight = randn(3, 1, 3, 3) if weight is None else weight

@@ -52,14 +52,6 @@ def _accumulate_kernel_row(acc, x_base, w_row_ptr, in_rows, in_cols0, in_h, in_w
     return acc
 
 
-@triton.jit
-def _load_rows(x_base, padded_rows, pad_top, in_h, x_stride_h, in_cols, col_ok, in_w, x_stride_w):
-    """Input rows (given in padded coordinates, [R, 1]) at columns in_cols ([1, C]), zero outside."""
-    in_rows = padded_rows - pad_top
-    mask = col_ok & (in_rows >= 0) & (in_rows < in_h) & (in_cols >= 0) & (in_cols < in_w)
-    return tl.load(x_base + in_rows * x_stride_h + in_cols * x_stride_w, mask=mask, other=0.0)
-
-
 # pad_left is not specialised: were it known to be 0 (a multiple of 16), the unshifted load would get
 # a 4-wide register layout while the shifted loads and the row stores (rows of odd length) get 1-wide
 # ones, and Triton would convert between them through shared memory on every row.
@@ -119,7 +111,7 @@ def depthwise_fwd_rows_kernel(
     stride_w, pad_top, pad_left, dilation_w, rows_per_program,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr,
     HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    SLOTS: tl.constexpr, TAPS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_W: tl.constexpr,
+    SLOTS: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
     loading each input row once (KW shifted views) and adding it into the partial sums of
@@ -162,17 +154,7 @@ def depthwise_fwd_rows_kernel(
     else:
         zero = tl.zeros([1, 1], dtype=tl.int32)
     # j is the input row in padded coordinates: out row r reads padded rows r + kh*DILATION_H.
-    start = first_row - first_row % SLOTS
-    if PREFETCH:  # the unshifted view of the next step's rows, loaded one step early (see below)
-        ahead = _load_rows(x_base, zero + start + slots, pad_top, in_h, x_stride_h, in_cols0, col_ok, in_w,
-                           x_stride_w)
-    for j0 in range(start, last_row + reach, SLOTS):
-        if PREFETCH:
-            # Loaded a step ahead, these lines are in L1 when the shifted loads below ask for them;
-            # otherwise all KW views of a row miss together and each goes to L2.
-            current = ahead
-            ahead = _load_rows(x_base, zero + (j0 + SLOTS) + slots, pad_top, in_h, x_stride_h, in_cols0, col_ok,
-                               in_w, x_stride_w)
+    for j0 in range(first_row - first_row % SLOTS, last_row + reach, SLOTS):
         for phase in tl.static_range(SLOTS):
             j = zero + (j0 + phase)
             in_row = j - pad_top
@@ -184,12 +166,9 @@ def depthwise_fwd_rows_kernel(
             tap_ok = (delta % DILATION_H == 0) & (kh < KH)
             x_row = x_base + in_row * x_stride_h
             for kw in tl.static_range(KW):
-                if PREFETCH and kw == 0:  # row `phase` of the prefetched tile (a register pick)
-                    x = tl.sum(tl.where(slots == phase, current, 0.0), axis=0, keep_dims=True)
-                else:
-                    in_cols = in_cols0 + kw * dilation_w
-                    x = tl.load(x_row + in_cols * x_stride_w,
-                                mask=col_ok & row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
+                in_cols = in_cols0 + kw * dilation_w
+                x = tl.load(x_row + in_cols * x_stride_w,
+                            mask=col_ok & row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
                 tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=1, keep_dims=True)
                 acc += tl.where(tap_ok, tap_weight, 0.0) * x.to(ACC_DTYPE)
             # park the finished row; the ring slot starts the row SLOTS further down
@@ -211,11 +190,14 @@ class ForwardConfig:
     block_h: int  # tile rows ("tile") or output rows per program ("rows")
     block_w: int
     num_warps: int
-    ring: int = 0  # "rows": ring size (rows of loads per step); 0 = the smallest power of two that fits
-    prefetch: bool = False  # "rows": load the next step's rows one step early (measured: no gain, run 7)
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
+
+
+def ring_size(geom: ConvGeometry) -> int:
+    """Rows of the row kernel's ring: the smallest power of two holding every row a column of taps spans."""
+    return triton.next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1)
 
 
 def forward_config(geom: ConvGeometry, device_type: str) -> ForwardConfig:
@@ -224,8 +206,7 @@ def forward_config(geom: ConvGeometry, device_type: str) -> ForwardConfig:
         return ForwardConfig("tile", min(32, triton.next_power_of_2(geom.out_h)),
                              min(32, triton.next_power_of_2(geom.out_w)), 4)
     # Two output columns a thread keeps registers low and occupancy high (sweeps 2-4 in the notes).
-    ring = triton.next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1)
-    if geom.stride_h == 1 and ring <= 4 and geom.out_w >= 32:
+    if geom.stride_h == 1 and ring_size(geom) <= 4 and geom.out_w >= 32:
         block_w = min(128, triton.next_power_of_2(geom.out_w))
         return ForwardConfig("rows", 128 if geom.out_h >= 128 else 32, block_w, max(1, block_w // 64))
     block_w = min(64, triton.next_power_of_2(geom.out_w))
@@ -276,12 +257,10 @@ def conv_forward(
     if config.kernel == "rows":
         assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
         chunks = triton.cdiv(geom.out_h, config.block_h)
-        slots = max(config.ring, triton.next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1))
         depthwise_fwd_rows_kernel[(planes * chunks * tiles_w,)](
             x, weight, bias_arg, out, *sizes,
             geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_w, config.block_h,
-            DILATION_H=geom.dilation_h, SLOTS=slots, TAPS=triton.next_power_of_2(geom.kernel_h * geom.kernel_w),
-            PREFETCH=config.prefetch,
+            DILATION_H=geom.dilation_h, SLOTS=ring_size(geom), TAPS=triton.next_power_of_2(geom.kernel_h * geom.kernel_w),
             **common,
         )
     else:
