@@ -20,27 +20,30 @@ from dwconv.bench import FORWARD_SHAPES, KB84, Timer, make_inputs, measure_copy,
 from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
 
 
-def variants(geom, full):
-    """Block shapes by elements per thread (registers decide occupancy: see docs/notes.md)."""
+def variants(geom, full, vecs):
+    """Block shapes by elements (tile, rows with vec 1) or vectors (rows with vec > 1) per thread:
+    registers decide occupancy (see docs/notes.md)."""
     import triton
 
     bw_full = min(512, triton.next_power_of_2(geom.out_w))
     widths = sorted({bw_full, max(16, bw_full // 2), max(16, bw_full // 4)}, reverse=True) if full else [bw_full]
-    per_thread = (1, 2) if full else (1, 2)
     out = []
-    for bw in widths:
-        for bh in (1, 2, 4, 8, 16, 32):
-            for warps in (1, 2, 4, 8, 16):
-                if bh * bw // (32 * warps) in per_thread and bh <= 2 * geom.out_h:
-                    out.append(ForwardConfig("tile", bh, bw, warps))
-    if geom.stride_h == 1:
+    if not (full and geom.stride_h == 1):  # tiles never came near rows on the big stride-1 shape
         for bw in widths:
-            for warps in (1, 2, 4, 8, 16):
-                if bw // (32 * warps) not in per_thread:
-                    continue
-                for rows in (64, 128, 256) if full else (32, 128):
-                    if rows <= 2 * geom.out_h:
-                        out.append(ForwardConfig("rows", rows, bw, warps))
+            for bh in (1, 2, 4, 8, 16, 32):
+                for warps in (1, 2, 4, 8, 16):
+                    if bh * bw // (32 * warps) in (1, 2) and bh <= 2 * geom.out_h:
+                        out.append(ForwardConfig("tile", bh, bw, warps))
+    if geom.stride_h == 1:
+        for vec in vecs if geom.stride_w == 1 else (1,):
+            for bw in widths:
+                for warps in (1, 2, 4, 8, 16):
+                    per_thread = bw // (vec * 32 * warps)
+                    if per_thread not in (1, 2) and not (per_thread == 0 and warps == 1):  # narrow planes: one warp
+                        continue
+                    for rows in (64, 128, 256) if full else (32, 128):
+                        if rows <= 2 * geom.out_h:
+                            out.append(ForwardConfig("rows", rows, bw, warps, vec))
     return out
 
 
@@ -65,9 +68,10 @@ def main():
         nbytes = x.numel() * x.element_size() * (1 + geom.out_h * geom.out_w / (case.h * case.w))
         eager = statistics.fmean(timer(lambda: F.conv2d(x, w, None, case.stride, case.padding, case.dilation,
                                                         groups=case.c)))
-        default = forward_config(geom, "cuda")
+        default = forward_config(geom, x)
         results = []
-        for cfg in variants(geom, full=case.n * case.c * case.h * case.w >= 2**30):
+        vecs = (1, 16 // x.element_size()) if x.element_size() == 4 else (1, 4, 8)
+        for cfg in variants(geom, case.n * case.c * case.h * case.w >= 2**30, vecs):
             out = torch.full(geom.output_shape, float("nan"), device="cuda", dtype=x.dtype)
             try:
                 conv_forward(x, w, None, geom, cfg, out=out)
@@ -82,7 +86,7 @@ def main():
             ms = statistics.fmean(timer(lambda: conv_forward(x, w, None, geom, cfg, out=out)))
             results.append((ms, cfg))
             rows.append(dict(layer=case.label, kernel=cfg.kernel, block_h=cfg.block_h, block_w=cfg.block_w,
-                             warps=cfg.num_warps, ms=ms, pct_copy=100 * nbytes / ms / 1e6 / copy_gbps,
+                             warps=cfg.num_warps, vec=cfg.vec, ms=ms, pct_copy=100 * nbytes / ms / 1e6 / copy_gbps,
                              eager_ms=eager, default=cfg == default))
         results.sort(key=lambda r: r[0])
         print(f"{case.label}: eager {eager:.4f} ms; best 5:", flush=True)

@@ -127,9 +127,38 @@ def test_row_sliding_kernel(kernel, padding, dilation, stride_w, block_h, block_
     check(x, weight, randn(6), (1, stride_w), padding, dilation, config=config)
 
 
+@pytest.mark.parametrize("vec", [4, 8])
+@pytest.mark.parametrize(
+    "width,kernel,padding,dilation,block_w",
+    [
+        (24, (3, 3), 0, 1, 16),  # rows of whole vectors: aligned loads and stores
+        (21, (3, 3), 1, 1, 32),  # odd width: unaligned rows, window starts left of the row
+        (24, (5, 3), (2, 1), 1, 64),
+        (23, (3, 3), 2, 2, 16),  # dilation: wider window, ring of 8 slots
+        (22, (2, 4), "same", 1, 16),  # asymmetric padding
+        (21, (3, 7), 3, 1, 32),  # a window of three vectors (VEC 4) or two (VEC 8)
+    ],
+    ids=str,
+)
+def test_row_sliding_window(vec, width, kernel, padding, dilation, block_w):
+    """The rows kernel with VEC-wide windows: shifted views built in registers from vector loads."""
+    x = randn(1, 2, 11, width)
+    weight = randn(4, 1, *kernel)
+    config = ForwardConfig("rows", 5, block_w, 1, vec)
+    check(x, weight, randn(4), 1, padding, dilation, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_row_sliding_window_half(dtype):
+    x = randn(1, 2, 6, 40, dtype=dtype)[:, :, :, 3:]  # a sliced view: unaligned rows
+    weight = randn(2, 1, 3, 3, dtype=dtype)
+    check(x, weight, None, 1, 1, config=ForwardConfig("rows", 4, 32, 1, 8))
+
+
 def test_default_config_is_valid():
-    geom = conv_geometry(randn(1, 2, 9, 9), randn(2, 1, 3, 3), None, 2, 1, 1)
-    assert forward_config(geom, "cuda").kernel in ("tile", "rows")
+    x = randn(1, 2, 9, 9)
+    geom = conv_geometry(x, randn(2, 1, 3, 3), None, 2, 1, 1)
+    assert forward_config(geom, x).kernel in ("tile", "rows")
 
 
 def test_public_api_matches_reference():

@@ -102,57 +102,137 @@ def depthwise_fwd_tile_kernel(
     tl.store(y_base + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _lane(v, i: tl.constexpr, VEC: tl.constexpr):
+    """Lane i of each thread's vector: v [R, G, VEC] -> [R, G], VEC 4 or 8 (register moves only)."""
+    if VEC == 8:  # lane k = 2q + c: keep the half with c = i % 2, then lane q = i // 2 of it
+        even, odd = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], 4, 2]))
+        v = even
+        if i % 2 == 1:
+            v = odd
+        i = i // 2
+    # 4 lanes: lane k = 2a + b
+    even, odd = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], 2, 2]))
+    pair = even
+    if i % 2 == 1:
+        pair = odd
+    low, high = tl.split(pair)
+    lane = low
+    if i >= 2:
+        lane = high
+    return lane
+
+
+@triton.jit
+def _window_lane(w0, w1, w2, w3, i: tl.constexpr, VEC: tl.constexpr):
+    """Lane i of the window w0|w1|w2|w3 (consecutive VEC-vectors a thread holds)."""
+    v = w0
+    if i // VEC == 1:
+        v = w1
+    if i // VEC == 2:
+        v = w2
+    if i // VEC == 3:
+        v = w3
+    return _lane(v, i % VEC, VEC)
+
+
+@triton.jit
+def _pack4(a, b, c, d):
+    """Four [R, G] lanes -> one [R, G, 4] vector (a, b, c, d)."""
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), [a.shape[0], a.shape[1], 4])
+
+
+@triton.jit
+def _window_view(w0, w1, w2, w3, start: tl.constexpr, VEC: tl.constexpr):
+    """Lanes start .. start+VEC-1 of the window as one [R, G, VEC] vector: a shifted view of
+    the input row built in registers."""
+    if VEC == 4:
+        view = _pack4(_window_lane(w0, w1, w2, w3, start, VEC), _window_lane(w0, w1, w2, w3, start + 1, VEC),
+                      _window_lane(w0, w1, w2, w3, start + 2, VEC), _window_lane(w0, w1, w2, w3, start + 3, VEC))
+    else:  # 8 lanes: lane 2q + c
+        even = _pack4(_window_lane(w0, w1, w2, w3, start, VEC), _window_lane(w0, w1, w2, w3, start + 2, VEC),
+                      _window_lane(w0, w1, w2, w3, start + 4, VEC), _window_lane(w0, w1, w2, w3, start + 6, VEC))
+        odd = _pack4(_window_lane(w0, w1, w2, w3, start + 1, VEC), _window_lane(w0, w1, w2, w3, start + 3, VEC),
+                     _window_lane(w0, w1, w2, w3, start + 5, VEC), _window_lane(w0, w1, w2, w3, start + 7, VEC))
+        view = tl.reshape(tl.join(even, odd), [even.shape[0], even.shape[1], 8])
+    return view
+
+
+@triton.jit
+def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w):
+    """One aligned vector of an input row per thread, from column first_cols [1, G, 1]."""
+    cols = first_cols + lanes
+    return tl.load(x_row + cols, mask=row_ok & (cols >= 0) & (cols < in_w), other=0.0)
+
+
 @triton.jit(do_not_specialize=["pad_left"])
 def depthwise_fwd_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     out_channels, in_h, in_w, out_h, out_w,
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
-    stride_w, pad_top, pad_left, dilation_w, rows_per_program,
-    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr,
+    stride_w, pad_top, pad_left, rows_per_program,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
     HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
     SLOTS: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
+    VEC: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
+    X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr,
 ):
     """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
-    loading each input row once (KW shifted views) and adding it into the partial sums of
-    every output row it touches. Partial rows live in a ring of SLOTS register rows
-    (SLOTS >= DILATION_H*(KH-1)+1, a power of two); output row r lives in slot r % SLOTS.
-    The row loop is unrolled SLOTS times from a multiple of SLOTS, so which slot gets which
-    tap, and which slot is finished, are compile-time constants: the ring costs no indexing.
+    loading each input row once and adding it into the partial sums of every output row it
+    touches. Partial rows live in a ring of SLOTS register rows (SLOTS >= DILATION_H*(KH-1)+1,
+    a power of two); output row r lives in slot r % SLOTS. The row loop is unrolled SLOTS times
+    from a multiple of SLOTS, so which slot gets which tap, and which slot is finished, are
+    compile-time constants: the ring costs no indexing.
+
+    Columns are [groups, VEC]: a thread owns VEC adjacent output columns. With VEC == 1 each
+    of the KW shifted views of an input row is its own (4-byte) load. With VEC == 4 (stride_w
+    1) a thread loads WINDOW_VECS aligned 4-vectors covering every input column its outputs
+    read (from column group_start - WINDOW_OFF) and builds the KW shifted views from them in
+    registers: 16-byte loads instead of VEC * KW scalar ones.
+    Widths and strides of x (y) arrive divided by X_UNIT (Y_UNIT), the largest power of two up
+    to VEC dividing all of them, so that the compiler can prove the alignment of vector accesses.
     """
+    in_w = in_w * X_UNIT
+    out_w = out_w * Y_UNIT
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
     chunks = tl.cdiv(out_h, rows_per_program)
     plane = pid // (chunks * tiles_w)
     strip = pid % (chunks * tiles_w)
     x_base, y_base, out_c = _plane_pointers(x_ptr, y_ptr, plane, out_channels, MULTIPLIER,
-                                            x_stride_n, x_stride_c, y_stride_n, y_stride_c)
+                                            x_stride_n * X_UNIT, x_stride_c * X_UNIT,
+                                            y_stride_n * Y_UNIT, y_stride_c * Y_UNIT)
     first_row = (strip // tiles_w) * rows_per_program
     last_row = tl.minimum(first_row + rows_per_program, out_h)  # exclusive
 
-    # Every tensor is 2-D ([1, BLOCK_W] rows, [SLOTS, 1] weights) so that all share one register
-    # layout: 1-D rows broadcast into the ring cost a shared-memory layout conversion per load.
-    out_cols = (strip % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
+    # Every tensor is 3-D ([1, GROUPS, VEC] rows, [SLOTS, 1, 1] weights) so that all share one
+    # register layout: rows broadcast into the ring from another rank cost a shared-memory
+    # layout conversion per load.
+    GROUPS: tl.constexpr = BLOCK_W // VEC
+    group_cols = (strip % tiles_w) * BLOCK_W + VEC * tl.arange(0, GROUPS)[None, :, None]
+    lanes = tl.arange(0, VEC)[None, None, :]
     if INDEX_64:
-        out_cols = out_cols.to(tl.int64)
+        group_cols = group_cols.to(tl.int64)
+    out_cols = group_cols + lanes
     col_ok = out_cols < out_w
-    in_cols0 = out_cols * stride_w - pad_left
-    slots = tl.arange(0, SLOTS)[:, None]
-    taps = tl.arange(0, TAPS)[None, :]
+    slots = tl.arange(0, SLOTS)[:, None, None]
+    taps = tl.arange(0, TAPS)[None, None, :]
     weights = tl.load(w_ptr + out_c * (KH * KW) + taps, mask=taps < KH * KW, other=0.0).to(ACC_DTYPE)
     reach: tl.constexpr = DILATION_H * (KH - 1)  # out row r is complete once padded row r + reach is in
 
-    acc = tl.zeros([SLOTS, BLOCK_W], dtype=ACC_DTYPE)
-    finished = tl.zeros([SLOTS, BLOCK_W], dtype=ACC_DTYPE)
+    acc = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE)
+    finished = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + out_c).to(ACC_DTYPE)
-    # Row indices are [1, 1] tensors so that masks stay tensors (the interpreter mishandles
+    # Row indices are [1, 1, 1] tensors so that masks stay tensors (the interpreter mishandles
     # scalar & tensor); the body has no branch, so the loads of all SLOTS rows can be in flight.
     if INDEX_64:
-        zero = tl.zeros([1, 1], dtype=tl.int64)
+        zero = tl.zeros([1, 1, 1], dtype=tl.int64)
     else:
-        zero = tl.zeros([1, 1], dtype=tl.int32)
+        zero = tl.zeros([1, 1, 1], dtype=tl.int32)
     # j is the input row in padded coordinates: out row r reads padded rows r + kh*DILATION_H.
     for j0 in range(first_row - first_row % SLOTS, last_row + reach, SLOTS):
         for phase in tl.static_range(SLOTS):
@@ -164,12 +244,26 @@ def depthwise_fwd_rows_kernel(
             delta = (phase - slots + SLOTS) % SLOTS
             kh = delta // DILATION_H
             tap_ok = (delta % DILATION_H == 0) & (kh < KH)
-            x_row = x_base + in_row * x_stride_h
+            x_row = x_base + in_row * (x_stride_h * X_UNIT)
+            if VEC > 1:
+                w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w)
+                w1 = w0
+                w2 = w0
+                w3 = w0
+                if WINDOW_VECS > 1:
+                    w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w)
+                if WINDOW_VECS > 2:
+                    w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w)
+                if WINDOW_VECS > 3:
+                    w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w)
             for kw in tl.static_range(KW):
-                in_cols = in_cols0 + kw * dilation_w
-                x = tl.load(x_row + in_cols * x_stride_w,
-                            mask=col_ok & row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
-                tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=1, keep_dims=True)
+                if VEC > 1:
+                    x = _window_view(w0, w1, w2, w3, WINDOW_LANE0 + kw * DILATION_W, VEC)
+                else:
+                    in_cols = out_cols * stride_w - pad_left + kw * DILATION_W
+                    x = tl.load(x_row + in_cols * x_stride_w,
+                                mask=col_ok & row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
+                tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=2, keep_dims=True)
                 acc += tl.where(tap_ok, tap_weight, 0.0) * x.to(ACC_DTYPE)
             # park the finished row; the ring slot starts the row SLOTS further down
             done_slot = slots == (phase - reach % SLOTS + SLOTS) % SLOTS
@@ -180,8 +274,8 @@ def depthwise_fwd_rows_kernel(
         # Slot s finished out row j0 - reach + ((s + reach) % SLOTS), as j0 is a multiple of SLOTS.
         done = zero + (j0 - reach) + (slots + reach) % SLOTS  # 64-bit when INDEX_64
         store_ok = col_ok & (done >= first_row) & (done < last_row)
-        tl.store(y_base + done * y_stride_h + out_cols * y_stride_w, (finished + bias).to(y_ptr.dtype.element_ty),
-                 mask=store_ok)
+        tl.store(y_base + done * (y_stride_h * Y_UNIT) + out_cols * y_stride_w,
+                 (finished + bias).to(y_ptr.dtype.element_ty), mask=store_ok)
 
 
 @dataclass(frozen=True)
@@ -190,6 +284,7 @@ class ForwardConfig:
     block_h: int  # tile rows ("tile") or output rows per program ("rows")
     block_w: int
     num_warps: int
+    vec: int = 1  # "rows": output columns a thread owns (4 or 8: window loads, stride_w 1 only)
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
@@ -200,15 +295,20 @@ def ring_size(geom: ConvGeometry) -> int:
     return triton.next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1)
 
 
-def forward_config(geom: ConvGeometry, device_type: str) -> ForwardConfig:
-    """Picks the kernel and block sizes for a geometry (measured choices: see docs/notes.md)."""
-    if device_type != "cuda":  # interpreter: each program costs ~the same, so one tile per plane
+def forward_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
+    """Picks the kernel and block sizes for a geometry and input (measured choices: docs/notes.md)."""
+    if x.device.type != "cuda":  # interpreter: each program costs ~the same, so one tile per plane
         return ForwardConfig("tile", min(32, triton.next_power_of_2(geom.out_h)),
                              min(32, triton.next_power_of_2(geom.out_w)), 4)
-    # Two output columns a thread keeps registers low and occupancy high (sweeps 2-4 in the notes).
     if geom.stride_h == 1 and ring_size(geom) <= 4 and geom.out_w >= 32:
+        rows = 128 if geom.out_h >= 128 else 32
+        vec = 16 // x.element_size()  # 16-byte window loads
+        if geom.stride_w == 1 and x.stride(3) == 1 and vec in (4, 8) and geom.out_w >= 8 * vec:
+            block_w = min(512, triton.next_power_of_2(geom.out_w))
+            return ForwardConfig("rows", rows, block_w, max(1, block_w // (32 * vec)), vec)
+        # Two output columns a thread keeps registers low and occupancy high (sweeps 2-4 in the notes).
         block_w = min(128, triton.next_power_of_2(geom.out_w))
-        return ForwardConfig("rows", 128 if geom.out_h >= 128 else 32, block_w, max(1, block_w // 64))
+        return ForwardConfig("rows", rows, block_w, max(1, block_w // 64))
     block_w = min(64, triton.next_power_of_2(geom.out_w))
     block_h = 2 if block_w >= 32 else 8
     return ForwardConfig("tile", block_h, block_w, max(1, block_h * block_w // 64))
@@ -227,6 +327,15 @@ def _needs_int64(t: torch.Tensor, sizes) -> bool:
     return extent >= 2**31 - 1
 
 
+def _stride_unit(t: torch.Tensor, vec: int, width: int) -> int:
+    """The largest power of two up to vec that divides the width and the row and plane strides
+    (1 unless columns are unit-stride): the alignment the rows kernel can pass on to the compiler."""
+    unit = vec if t.stride(3) == 1 else 1
+    while unit > 1 and (width % unit or any(s % unit for s in t.stride()[:3])):
+        unit //= 2
+    return unit
+
+
 def conv_forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -242,7 +351,7 @@ def conv_forward(
     if out.numel() == 0:
         return out
     if config is None:
-        config = forward_config(geom, x.device.type)
+        config = forward_config(geom, x)
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
     index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(out, (geom.out_h, geom.out_w))
@@ -257,10 +366,25 @@ def conv_forward(
     if config.kernel == "rows":
         assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
         chunks = triton.cdiv(geom.out_h, config.block_h)
+        vec = config.vec
+        assert vec == 1 or (vec in (4, 8) and geom.stride_w == 1 and x.stride(3) == 1), "vec 4 needs unit column steps"
+        # The window starts at the aligned column group_start - window_off and must cover
+        # lanes window_lane0 .. window_lane0 + (KW-1)*dilation_w + vec - 1.
+        window_off = triton.cdiv(geom.pad_left, vec) * vec
+        window_lane0 = window_off - geom.pad_left
+        window_vecs = triton.cdiv(window_lane0 + (geom.kernel_w - 1) * geom.dilation_w + vec, vec)
+        assert vec == 1 or window_vecs <= 4, "the window holds at most four vectors"
+        x_unit = _stride_unit(x, vec, geom.in_w)
+        y_unit = _stride_unit(out, vec, geom.out_w)
+        x_strides = [s // x_unit for s in x.stride()[:3]] + [x.stride(3)]
+        y_strides = [s // y_unit for s in out.stride()[:3]] + [out.stride(3)]
         depthwise_fwd_rows_kernel[(planes * chunks * tiles_w,)](
-            x, weight, bias_arg, out, *sizes,
-            geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_w, config.block_h,
-            DILATION_H=geom.dilation_h, SLOTS=ring_size(geom), TAPS=triton.next_power_of_2(geom.kernel_h * geom.kernel_w),
+            x, weight, bias_arg, out, geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h,
+            geom.out_w // y_unit, *x_strides, *y_strides,
+            geom.stride_w, geom.pad_top, geom.pad_left, config.block_h,
+            DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, SLOTS=ring_size(geom),
+            TAPS=triton.next_power_of_2(geom.kernel_h * geom.kernel_w), VEC=vec, WINDOW_OFF=window_off,
+            WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
             **common,
         )
     else:
