@@ -300,12 +300,16 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     if x.device.type != "cuda":  # interpreter: each program costs ~the same, so one tile per plane
         return ForwardConfig("tile", min(32, triton.next_power_of_2(geom.out_h)),
                              min(32, triton.next_power_of_2(geom.out_w)), 4)
-    if geom.stride_h == 1 and ring_size(geom) <= 4 and geom.out_w >= 32:
+    # Rows need a ring of register rows: fine up to 8 rows of 25 taps (k5, or k3 with dilation 2);
+    # beyond that (k7: 8 x 49 weights a phase) the tile kernel is faster (session 2 sweep).
+    ring_fits = ring_size(geom) <= 4 or (ring_size(geom) <= 8 and geom.kernel_h * geom.kernel_w <= 25)
+    if geom.stride_h == 1 and ring_fits and geom.out_w >= 32:
         rows = 128 if geom.out_h >= 128 else 32
-        vec = 16 // x.element_size()  # 16-byte window loads
-        if geom.stride_w == 1 and x.stride(3) == 1 and vec in (4, 8) and geom.out_w >= 8 * vec:
+        # Wide rows: 4-column windows, two a thread, whatever the dtype (session 2 sweep: #84 fp32
+        # 2.34 ms, bf16 1.19 ms; VEC 8 was slower for bf16). Narrow rows leave threads idle there.
+        if geom.stride_w == 1 and x.stride(3) == 1 and geom.out_w > 128:
             block_w = min(512, triton.next_power_of_2(geom.out_w))
-            return ForwardConfig("rows", rows, block_w, max(1, block_w // (32 * vec)), vec)
+            return ForwardConfig("rows", rows, block_w, max(1, block_w // 256), vec=4)
         # Two output columns a thread keeps registers low and occupancy high (sweeps 2-4 in the notes).
         block_w = min(128, triton.next_power_of_2(geom.out_w))
         return ForwardConfig("rows", rows, block_w, max(1, block_w // 64))
