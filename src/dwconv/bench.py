@@ -4,6 +4,10 @@ Protocol (KernelBench's): CUDA events around each call, 3 warm-up calls, 100 tim
 the L2 cache flushed (a 256 MB buffer rewritten) between calls, mean and std reported. A
 device-to-device copy is timed the same way in the same run; GB/s counts the bytes a pass
 must move (input read once, output written once, weights), and % copy compares with that copy.
+With --backward it times forward+backward (grads of input and weight, and bias when present)
+and backward alone; the bytes counted are x and y for the forward, grad_out and x read and
+grad_input written for the backward; peak_mb is torch.cuda.max_memory_allocated during one
+forward+backward, above what was allocated before it.
 Without a GPU it says so and runs a small correctness demo under the Triton interpreter.
 """
 
@@ -79,6 +83,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES) + ["all"], default="float32")
     p.add_argument("--compile", action="store_true", help="also time torch.compile(F.conv2d)")
     p.add_argument("--no-cudnn-cl", action="store_true", help="skip cuDNN with channels_last tensors")
+    p.add_argument("--backward", action="store_true", help="time forward+backward and backward instead of forward")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--csv", metavar="FILE", help="write the rows to a CSV file")
@@ -154,33 +159,87 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
     conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
     out = dwconv.depthwise_conv2d(x, weight, bias, **conv)
     max_err = check_values(out, x, weight, bias, case)
+    if args.backward:
+        max_err = max(max_err, check_gradients(x, weight, bias, case))
     nbytes = x.numel() * x.element_size() + out.numel() * out.element_size() + weight.numel() * weight.element_size()
+    backward_bytes = 2 * x.numel() * x.element_size() + out.numel() * out.element_size()
     del out
 
-    paths: Dict[str, Callable[[], object]] = {
-        "dwconv": lambda: dwconv.depthwise_conv2d(x, weight, bias, **conv),
-        "eager": lambda: F.conv2d(x, weight, bias, groups=case.c, **conv),
+    convs: Dict[str, Callable] = {
+        "dwconv": lambda x, w, b: dwconv.depthwise_conv2d(x, w, b, **conv),
+        "eager": lambda x, w, b: F.conv2d(x, w, b, groups=case.c, **conv),
     }
     if not args.no_cudnn_cl:
-        x_cl = x.contiguous(memory_format=torch.channels_last)
-        w_cl = weight.contiguous(memory_format=torch.channels_last)
-        paths["cudnn_cl"] = lambda: F.conv2d(x_cl, w_cl, bias, groups=case.c, **conv)
+        convs["cudnn_cl"] = convs["eager"]
     if args.compile:
         compiled = torch.compile(F.conv2d)
-        paths["compile"] = lambda: compiled(x, weight, bias, groups=case.c, **conv)
+        convs["compile"] = lambda x, w, b: compiled(x, w, b, groups=case.c, **conv)
 
     rows = []
-    for name, fn in paths.items():
-        progress(f"{case.label}: timing {name}")
-        times = timer(fn)
-        mean = statistics.fmean(times)
-        gbps = nbytes / mean / 1e6
-        rows.append(dict(layer=case.label, path=name, ms=mean, std=statistics.pstdev(times), gbps=gbps,
-                         pct_copy=100 * gbps / copy_gbps, max_err=max_err if name == "dwconv" else float("nan")))
-    ours = rows[0]["ms"]
+    for name, conv_fn in convs.items():
+        if name == "cudnn_cl":
+            args_ = (x.contiguous(memory_format=torch.channels_last),
+                     weight.contiguous(memory_format=torch.channels_last), bias)
+        else:
+            args_ = (x, weight, bias)
+        if not args.backward:
+            passes = {"forward": (lambda: conv_fn(*args_), nbytes)}
+        else:
+            leaves = [t.detach().requires_grad_() if t is not None else None for t in args_]
+            wrt = [t for t in leaves if t is not None]
+            grad_out = torch.randn_like(conv_fn(*args_), memory_format=torch.preserve_format)
+            graph_out = conv_fn(*leaves)
+            passes = {
+                "fwd+bwd": (lambda: torch.autograd.grad(conv_fn(*leaves), wrt, grad_out), nbytes + backward_bytes),
+                "backward": (lambda: torch.autograd.grad(graph_out, wrt, grad_out, retain_graph=True), backward_bytes),
+            }
+        for pass_name, (fn, pass_bytes) in passes.items():
+            progress(f"{case.label}: timing {name} {pass_name}")
+            peak_mb = float("nan")
+            if pass_name == "fwd+bwd":
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                fn()
+                torch.cuda.synchronize()
+                peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
+            times = timer(fn)
+            mean = statistics.fmean(times)
+            gbps = pass_bytes / mean / 1e6
+            rows.append(dict(layer=case.label, path=name, **{"pass": pass_name}, ms=mean, std=statistics.pstdev(times),
+                             gbps=gbps, pct_copy=100 * gbps / copy_gbps, peak_mb=peak_mb,
+                             max_err=max_err if name == "dwconv" else float("nan")))
+        if args.backward:
+            del graph_out, grad_out, leaves, wrt
     for row in rows:
+        ours = next(r["ms"] for r in rows if r["path"] == "dwconv" and r["pass"] == row["pass"])
         row["dwconv_speedup"] = row["ms"] / ours
     return rows
+
+
+def check_gradients(x, weight, bias, case: Case) -> float:
+    """Max error of dwconv's gradients against PyTorch's in float64, on the first 4 images
+    (relative to the largest gradient for 16-bit dtypes); raises past tolerance."""
+    import dwconv
+
+    conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
+    xs = x[:4].detach().clone()
+    leaves = [t.detach().clone().requires_grad_() for t in (xs, weight, bias) if t is not None]
+    out = dwconv.depthwise_conv2d(*leaves[:2], leaves[2] if bias is not None else None, **conv)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_out = F.conv2d(*ref_leaves[:2], ref_leaves[2] if bias is not None else None, groups=case.c, **conv)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, grad_out.double())
+    worst = 0.0
+    for got, ref in zip(grads, ref_grads):
+        scale = max(ref.abs().max().item(), 1.0)
+        err = (got.double() - ref).abs().max().item() / scale
+        tol = 1e-5 if case.dtype == "float32" else 4 * torch.finfo(DTYPES[case.dtype]).eps
+        if not err <= tol:
+            raise SystemExit(f"FAILED: {case.label}: gradient error {err:.3g} (relative) exceeds {tol:.3g}")
+        worst = max(worst, err)
+    return worst
 
 
 def measure_copy(timer: Timer) -> float:
@@ -193,12 +252,14 @@ def measure_copy(timer: Timer) -> float:
 
 def print_table(rows: List[Dict], copy_gbps: float) -> None:
     print(f"\ndevice copy: {copy_gbps:.0f} GB/s (read + write), measured in this run")
-    header = f"{'layer':<44} {'path':<9} {'ms':>9} {'std':>7} {'GB/s':>7} {'%copy':>6} {'dwconv x':>8}"
+    header = (f"{'layer':<44} {'path':<9} {'pass':<8} {'ms':>9} {'std':>7} {'GB/s':>7} {'%copy':>6} "
+              f"{'peak MB':>8} {'dwconv x':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['layer']:<44} {r['path']:<9} {r['ms']:9.4f} {r['std']:7.4f} {r['gbps']:7.0f} "
-              f"{r['pct_copy']:6.1f} {r['dwconv_speedup']:8.2f}")
+        peak = "" if r["peak_mb"] != r["peak_mb"] else f"{r['peak_mb']:.0f}"
+        print(f"{r['layer']:<44} {r['path']:<9} {r['pass']:<8} {r['ms']:9.4f} {r['std']:7.4f} {r['gbps']:7.0f} "
+              f"{r['pct_copy']:6.1f} {peak:>8} {r['dwconv_speedup']:8.2f}")
 
 
 def environment() -> str:

@@ -44,6 +44,37 @@ def depthwise_conv2d(
     geom = conv_geometry(input, weight, bias, stride, padding, dilation)
     if not uses_triton(input):
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups=geom.in_channels)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
+        return _DepthwiseConv2dFunction.apply(input, weight, bias, geom)
     from .ops.forward import conv_forward
 
     return conv_forward(input, weight, bias, geom)
+
+
+class _DepthwiseConv2dFunction(torch.autograd.Function):
+    """Forward and backward on dwconv's kernels; saves only input and weight."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, geom):
+        from .ops.forward import conv_forward
+
+        ctx.geom = geom
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(input, weight)
+        return conv_forward(input, weight, bias, geom)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .ops.backward import conv_grad_input, conv_grad_weight
+
+        input, weight = ctx.saved_tensors
+        geom = ctx.geom
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = conv_grad_input(grad_out, weight, geom, input)
+        want_bias = ctx.has_bias and ctx.needs_input_grad[2]
+        if ctx.needs_input_grad[1] or want_bias:
+            grad_weight, grad_bias = conv_grad_weight(grad_out, input, geom, weight.dtype, want_bias)
+            if not ctx.needs_input_grad[1]:
+                grad_weight = None
+        return grad_input, grad_weight, grad_bias, None

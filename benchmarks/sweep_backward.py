@@ -1,0 +1,102 @@
+"""Developer sweep: time the backward kernels' variants on the GPU, beside PyTorch's backward.
+
+    python benchmarks/sweep_backward.py [--quick] [--csv FILE]
+
+grad_input runs with its default launch (for stride 1 it is the forward kernel); grad_weight
+(with grad_bias) is timed over GradWeightConfig variants, each checked against PyTorch first.
+"""
+
+import argparse
+import csv
+import statistics
+import sys
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from dwconv._geometry import conv_geometry
+from dwconv.bench import FORWARD_SHAPES, KB84, Timer, make_inputs, measure_copy
+from dwconv.ops.backward import GradWeightConfig, conv_grad_input, conv_grad_weight, grad_weight_config
+
+
+def variants(geom, x):
+    import triton
+
+    out = []
+    vecs = (1, 4) if geom.stride_w == 1 else (1,)
+    for vec in vecs:
+        for bw in sorted({min(512, triton.next_power_of_2(geom.out_w)), min(128, triton.next_power_of_2(geom.out_w))}):
+            for per_thread in (1, 2):
+                warps = bw // (vec * 32 * per_thread)
+                if warps < 1 or warps > 8:
+                    continue
+                for programs in (2048, 4096, 8192):
+                    splits = max(1, programs // geom.out_channels)
+                    out.append(GradWeightConfig(bw, warps, vec, splits))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only #84")
+    ap.add_argument("--csv")
+    args = ap.parse_args()
+    timer = Timer(warmup=2, iters=10)
+    copy_gbps = measure_copy(timer)
+    print(f"copy {copy_gbps:.0f} GB/s", flush=True)
+    cases = [replace(KB84, dtype=d) for d in ("float32", "bfloat16")]
+    if not args.quick:
+        cases += [replace(c, dtype=d) for c in FORWARD_SHAPES for d in ("float32", "bfloat16")]
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for case in cases:
+        x, w, _ = make_inputs(case, gen)
+        conv = (case.stride, case.padding, case.dilation)
+        geom = conv_geometry(x, w, None, *conv)
+        grad_out = torch.randn(geom.output_shape, device="cuda", dtype=x.dtype, generator=gen)
+        xr, wr = x[:2].double().requires_grad_(), w.double().requires_grad_()
+        ref_gx, ref_gw = torch.autograd.grad(F.conv2d(xr, wr, None, *conv, groups=case.c), (xr, wr), grad_out[:2].double())
+        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+        y = F.conv2d(xg, wg, None, *conv, groups=case.c)
+        eager = statistics.fmean(timer(lambda: torch.autograd.grad(y, (xg, wg), grad_out, retain_graph=True)))
+        gin = statistics.fmean(timer(lambda: conv_grad_input(grad_out, w, geom, x)))
+        gx = conv_grad_input(grad_out[:2], w, conv_geometry(x[:2], w, None, *conv), x[:2])
+        gx_err = (gx.double() - ref_gx).abs().max().item() / max(1.0, ref_gx.abs().max().item())
+        nbytes = (x.numel() + grad_out.numel()) * x.element_size()
+        print(f"{case.label}: eager backward {eager:.4f} ms; grad_input {gin:.4f} ms "
+              f"({100 * (nbytes / gin / 1e6) / copy_gbps:.1f}% copy, err {gx_err:.2g})", flush=True)
+        geom2 = conv_geometry(x[:2], w, None, *conv)
+        results = []
+        for cfg in variants(geom, x):
+            try:
+                gw, _ = conv_grad_weight(grad_out[:2], x[:2], geom2, w.dtype, False, cfg)
+            except Exception as e:  # a variant that does not compile is reported, not fatal
+                print(f"  {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            err = (gw.double() - ref_gw).abs().max().item() / max(1.0, ref_gw.abs().max().item())
+            if not err <= (1e-4 if case.dtype == "float32" else 2e-2):
+                print(f"  {cfg}: WRONG rel err {err}", flush=True)
+                continue
+            ms = statistics.fmean(timer(lambda: conv_grad_weight(grad_out, x, geom, w.dtype, False, cfg)))
+            results.append((ms, cfg))
+            rows.append(dict(layer=case.label, eager_bwd_ms=eager, grad_input_ms=gin, block_w=cfg.block_w,
+                             warps=cfg.num_warps, vec=cfg.vec, splits=cfg.splits, grad_weight_ms=ms,
+                             pct_copy=100 * nbytes / ms / 1e6 / copy_gbps))
+        results.sort(key=lambda r: r[0])
+        default = grad_weight_config(geom, x)
+        for ms, cfg in results[:4]:
+            print(f"    grad_weight {ms:.4f} ms {100 * nbytes / ms / 1e6 / copy_gbps:5.1f}% copy  {cfg}")
+        d = [r for r in results if r[1] == default]
+        print(f"    default {d[0][0]:.4f} ms {default}" if d else f"    default {default} not in sweep", flush=True)
+        del x, grad_out, y, xg, wg
+        torch.cuda.empty_cache()
+    if args.csv and rows:
+        with open(args.csv, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Backward of the depthwise conv2d: grad_input and grad_weight / grad_bias kernels, launchers.
+
+Reading order: the grad_input kernel for any geometry (a gather over the taps that reach each
+input position: no atomics, no zero-stuffed tensors), the grad_weight kernel (row sliding; one
+float32 partial sum per tap, program and channel, then a second pass), then the launchers.
+
+grad_input with stride 1 and multiplier 1 is a forward convolution of grad_out with the flipped
+weight, so it runs on the forward's row-sliding kernel (`input_grad_geometry`).
+Everything is deterministic: every output element is written by one program, and the partial
+sums of grad_weight are added in a fixed order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .._geometry import ConvGeometry
+from .forward import (_ACC_DTYPES, _load_window_vector, _needs_int64, _stride_unit, _window_view, conv_forward,
+                      output_memory_format)
+
+
+@triton.jit
+def depthwise_grad_input_tile_kernel(
+    g_ptr, w_ptr, dx_ptr,
+    in_channels, in_h, in_w, out_h, out_w,
+    g_stride_n, g_stride_c, g_stride_h, g_stride_w,
+    dx_stride_n, dx_stride_c, dx_stride_h, dx_stride_w,
+    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, INDEX_64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """One program = one BLOCK_H x BLOCK_W tile of grad_input of one (n, in_channel) plane.
+    Input row i received out row o through tap kh when o * stride_h - pad_top + kh * dilation_h == i:
+    each tap gathers the out rows (i + pad_top - kh * dilation_h) / stride_h that divide exactly."""
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(in_w, BLOCK_W)
+    tiles_per_plane = tl.cdiv(in_h, BLOCK_H) * tiles_w
+    plane = pid // tiles_per_plane
+    tile = pid % tiles_per_plane
+    n = plane // in_channels
+    in_c = plane % in_channels
+    rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
+    if INDEX_64:
+        rows = rows.to(tl.int64)
+        cols = cols.to(tl.int64)
+    acc = tl.zeros([BLOCK_H, BLOCK_W], dtype=ACC_DTYPE)
+    for j in tl.static_range(MULTIPLIER):  # every output channel fed by this input channel
+        out_c = in_c * MULTIPLIER + j
+        g_base = g_ptr + n.to(tl.int64) * g_stride_n + out_c.to(tl.int64) * g_stride_c
+        for kh in range(KH):
+            num_h = rows + pad_top - kh * dilation_h
+            out_rows = num_h // stride_h  # only used where num_h >= 0 and divides exactly
+            rows_ok = (num_h >= 0) & (num_h % stride_h == 0) & (out_rows < out_h)
+            for kw in range(KW):
+                num_w = cols + pad_left - kw * dilation_w
+                out_cols = num_w // stride_w
+                ok = rows_ok & (num_w >= 0) & (num_w % stride_w == 0) & (out_cols < out_w)
+                g = tl.load(g_base + out_rows * g_stride_h + out_cols * g_stride_w, mask=ok, other=0.0)
+                w = tl.load(w_ptr + (out_c * KH + kh) * KW + kw).to(ACC_DTYPE)
+                acc += g.to(ACC_DTYPE) * w
+    dx_base = dx_ptr + n.to(tl.int64) * dx_stride_n + in_c.to(tl.int64) * dx_stride_c
+    tl.store(dx_base + rows * dx_stride_h + cols * dx_stride_w, acc.to(dx_ptr.dtype.element_ty),
+             mask=(rows < in_h) & (cols < in_w))
+
+
+@triton.jit(do_not_specialize=["pad_left"])
+def depthwise_grad_weight_kernel(
+    g_ptr, x_ptr, partial_ptr,
+    out_channels, in_h, in_w, out_h, out_w, total_rows, splits,
+    x_stride_n, x_stride_c, x_stride_h, x_stride_w,
+    g_stride_n, g_stride_c, g_stride_h, g_stride_w,
+    stride_h, stride_w, pad_top, pad_left,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
+    VEC: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
+    X_UNIT: tl.constexpr, G_UNIT: tl.constexpr,
+):
+    """grad_weight[c, kh, kw] = sum over n, oh, ow of grad_out[n, c, oh, ow] * x[n, c // m, ih, iw].
+
+    Program (out_c, split) walks the (n, out row, column strip) items split, split + splits, ...
+    and, per grad_out row, loads the KH input rows it met (as the forward's rows kernel does: VEC
+    window loads and shifted views in registers, or one load per tap when VEC == 1).
+    Accumulators are one [TAPS, groups, VEC] tensor whose tap axis each thread holds whole, so
+    `where(taps == t, ...)` picks a register at compile time. The last tap slot (when BIAS_GRAD)
+    sums grad_out for grad_bias. Writes partial[out_c, split, TAPS]; the launcher adds over splits.
+    """
+    in_w = in_w * X_UNIT
+    out_w = out_w * G_UNIT
+    pid = tl.program_id(0)
+    out_c = pid // splits
+    split = pid % splits
+    in_c = out_c // MULTIPLIER
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    GROUPS: tl.constexpr = BLOCK_W // VEC
+    groups = VEC * tl.arange(0, GROUPS)[None, :, None]
+    lanes = tl.arange(0, VEC)[None, None, :]
+    taps = tl.arange(0, TAPS)[:, None, None]
+    acc = tl.zeros([TAPS, GROUPS, VEC], dtype=ACC_DTYPE)
+    # Row indices are [1, 1, 1] tensors so that masks stay tensors (the interpreter mishandles
+    # scalar & tensor), 64-bit when INDEX_64.
+    if INDEX_64:
+        zero = tl.zeros([1, 1, 1], dtype=tl.int64)
+    else:
+        zero = tl.zeros([1, 1, 1], dtype=tl.int32)
+    for item in range(split, total_rows * tiles_w, splits):
+        row = zero + item // tiles_w
+        n = row // out_h
+        out_row = row % out_h
+        group_cols = (item % tiles_w) * BLOCK_W + groups
+        if INDEX_64:
+            group_cols = group_cols.to(tl.int64)
+        out_cols = group_cols + lanes
+        g_row = g_ptr + n.to(tl.int64) * (g_stride_n * G_UNIT) + out_c.to(tl.int64) * (g_stride_c * G_UNIT) \
+            + out_row * (g_stride_h * G_UNIT)  # n is a tensor: .to(int64) keeps plane offsets 64-bit
+        g = tl.load(g_row + out_cols * g_stride_w, mask=out_cols < out_w, other=0.0).to(ACC_DTYPE)
+        x_plane = x_ptr + n.to(tl.int64) * (x_stride_n * X_UNIT) + in_c.to(tl.int64) * (x_stride_c * X_UNIT)
+        for kh in tl.static_range(KH):
+            in_row = out_row * stride_h - pad_top + kh * DILATION_H
+            row_ok = (in_row >= 0) & (in_row < in_h)
+            x_row = x_plane + in_row * (x_stride_h * X_UNIT)
+            if VEC > 1:
+                w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w)
+                w1 = w0
+                w2 = w0
+                w3 = w0
+                if WINDOW_VECS > 1:
+                    w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w)
+                if WINDOW_VECS > 2:
+                    w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w)
+                if WINDOW_VECS > 3:
+                    w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w)
+            for kw in tl.static_range(KW):
+                if VEC > 1:
+                    x = _window_view(w0, w1, w2, w3, WINDOW_LANE0 + kw * DILATION_W, VEC)
+                else:
+                    in_cols = out_cols * stride_w - pad_left + kw * DILATION_W
+                    x = tl.load(x_row + in_cols * x_stride_w,
+                                mask=row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
+                acc = tl.where(taps == kh * KW + kw, acc + g * x.to(ACC_DTYPE), acc)
+        if BIAS_GRAD:
+            acc = tl.where(taps == KH * KW, acc + g, acc)
+    sums = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tap_ids = tl.arange(0, TAPS)
+    tl.store(partial_ptr + (out_c * splits + split) * TAPS + tap_ids, sums, mask=tap_ids < KH * KW + BIAS_GRAD)
+
+
+def input_grad_geometry(geom: ConvGeometry) -> ConvGeometry:
+    """For stride 1: grad_input = forward conv of grad_out (out_h x out_w) with the flipped weight,
+    padded by (K-1)*dilation - pad before (negative: cropped), giving in_h x in_w."""
+    assert geom.stride_h == 1 and geom.stride_w == 1 and geom.multiplier == 1
+    pad_top = (geom.kernel_h - 1) * geom.dilation_h - geom.pad_top
+    pad_left = (geom.kernel_w - 1) * geom.dilation_w - geom.pad_left
+    return dataclasses.replace(
+        geom, in_h=geom.out_h, in_w=geom.out_w, out_h=geom.in_h, out_w=geom.in_w,
+        pad_top=pad_top, pad_left=pad_left,
+        pad_bottom=geom.in_h - geom.out_h - pad_top + (geom.kernel_h - 1) * geom.dilation_h,
+        pad_right=geom.in_w - geom.out_w - pad_left + (geom.kernel_w - 1) * geom.dilation_w,
+    )
+
+
+def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,
+                    input_like: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """grad of the input: same shape, dtype and memory format as the input (written into out if given)."""
+    dx = out
+    if dx is None:
+        dx = torch.empty((geom.batch, geom.in_channels, geom.in_h, geom.in_w), device=grad_out.device,
+                         dtype=input_like.dtype, memory_format=output_memory_format(input_like))
+    if dx.numel() == 0:
+        return dx
+    if grad_out.numel() == 0:
+        return dx.zero_()
+    if geom.stride_h == 1 and geom.stride_w == 1 and geom.multiplier == 1:
+        return conv_forward(grad_out, weight.flip(2, 3), None, input_grad_geometry(geom), out=dx)
+    block_w = min(64, triton.next_power_of_2(geom.in_w)) if grad_out.is_cuda else min(32, triton.next_power_of_2(geom.in_w))
+    block_h = max(1, min(triton.next_power_of_2(geom.in_h), (256 if grad_out.is_cuda else 1024) // block_w))
+    tiles = triton.cdiv(geom.in_h, block_h) * triton.cdiv(geom.in_w, block_w)
+    index_64 = _needs_int64(grad_out, (geom.out_h, geom.out_w)) or _needs_int64(dx, (geom.in_h, geom.in_w))
+    depthwise_grad_input_tile_kernel[(geom.batch * geom.in_channels * tiles,)](
+        grad_out, weight.contiguous(), dx, geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w,
+        *grad_out.stride(), *dx.stride(), geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left,
+        geom.dilation_h, geom.dilation_w,
+        MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, INDEX_64=index_64,
+        ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h, BLOCK_W=block_w,
+        num_warps=max(1, min(8, block_h * block_w // 64)),
+    )
+    return dx
+
+
+@dataclass(frozen=True)
+class GradWeightConfig:
+    block_w: int  # output columns a program covers per row
+    num_warps: int
+    vec: int  # output columns a thread owns (4: window loads; stride_w 1 only)
+    splits: int  # programs per output channel
+
+
+def grad_weight_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightConfig:
+    """Block sizes for the grad_weight kernel (measured choices: docs/notes.md)."""
+    total_rows = geom.batch * geom.out_h
+    if not x.is_cuda:  # interpreter: few, large programs
+        block_w = min(32, triton.next_power_of_2(geom.out_w))
+        return GradWeightConfig(block_w, 1, 1, min(geom.batch, total_rows))
+    vec = 4 if (geom.stride_w == 1 and x.stride(3) == 1 and geom.out_w > 128) else 1
+    block_w = min(512 if vec > 1 else 128, triton.next_power_of_2(geom.out_w))
+    items = total_rows * triton.cdiv(geom.out_w, block_w)
+    splits = min(items, max(1, triton.cdiv(4096, geom.out_channels)))  # programs fill the GPU several times
+    return GradWeightConfig(block_w, max(1, block_w // (vec * 32)), vec, splits)
+
+
+def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
+                     bias_grad: bool, config: Optional[GradWeightConfig] = None,
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias (C*m,)."""
+    taps = geom.kernel_h * geom.kernel_w
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if grad_out.numel() == 0:
+        grad_w = torch.zeros((geom.out_channels, 1, geom.kernel_h, geom.kernel_w), device=x.device, dtype=weight_dtype)
+        return grad_w, (torch.zeros(geom.out_channels, device=x.device, dtype=weight_dtype) if bias_grad else None)
+    if config is None:
+        config = grad_weight_config(geom, x)
+    vec, block_w = config.vec, config.block_w
+    total_rows = geom.batch * geom.out_h
+    splits = max(1, min(config.splits, total_rows * triton.cdiv(geom.out_w, block_w)))
+    padded_taps = triton.next_power_of_2(taps + int(bias_grad))
+    # NaN-filled (a few KB): a partial sum no program wrote would poison the result, not pass silently
+    partial = torch.full((geom.out_channels, splits, padded_taps), float("nan"), device=x.device, dtype=acc_dtype)
+    window_off = triton.cdiv(geom.pad_left, vec) * vec
+    window_lane0 = window_off - geom.pad_left
+    window_vecs = triton.cdiv(window_lane0 + (geom.kernel_w - 1) * geom.dilation_w + vec, vec)
+    assert vec == 1 or (geom.stride_w == 1 and x.stride(3) == 1 and window_vecs <= 4), "vec > 1 needs unit column steps"
+    x_unit = _stride_unit(x, vec, geom.in_w)
+    g_unit = _stride_unit(grad_out, vec, geom.out_w)
+    index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(grad_out, (geom.out_h, geom.out_w))
+    depthwise_grad_weight_kernel[(geom.out_channels * splits,)](
+        grad_out, x, partial, geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h,
+        geom.out_w // g_unit, total_rows, splits,
+        *[s // x_unit for s in x.stride()[:3]], x.stride(3), *[s // g_unit for s in grad_out.stride()[:3]],
+        grad_out.stride(3), geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left,
+        MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, DILATION_H=geom.dilation_h,
+        DILATION_W=geom.dilation_w, BIAS_GRAD=bool(bias_grad), INDEX_64=index_64,
+        ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), TAPS=padded_taps, BLOCK_W=block_w, VEC=vec,
+        WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, G_UNIT=g_unit,
+        num_warps=config.num_warps,
+    )
+    sums = partial.sum(dim=1)  # fixed-order reduction over splits: deterministic
+    grad_w = sums[:, :taps].reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
+    grad_b = sums[:, taps].to(weight_dtype) if bias_grad else None
+    return grad_w, grad_b

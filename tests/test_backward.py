@@ -1,0 +1,162 @@
+"""Gradients of dwconv (input, weight, bias) against F.conv2d's in float64, over the parameter grid.
+
+Without CUDA the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (conftest.py).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dwconv
+from dwconv._geometry import conv_geometry
+from dwconv.ops.backward import GradWeightConfig, conv_grad_input, conv_grad_weight
+from helpers import DEVICE, assert_close, poisoned, randn
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+KERNELS = [(1, 1), (2, 2), (3, 3), (5, 5), (1, 3), (5, 3)]
+# (stride, padding, dilation)
+OPTIONS = [
+    (1, 0, 1),
+    (1, 1, 1),
+    (2, 1, 1),
+    (3, 0, 1),
+    (1, (2, 1), 2),
+    ((2, 1), (0, 3), 3),
+    (1, "same", (2, 3)),
+    (1, 4, 1),  # padding wider than the kernel: the flipped conv crops
+]
+
+
+def reference_grads(x, weight, bias, grad_out, stride, padding, dilation):
+    """F.conv2d's gradients in float64 on the CPU, from the same (rounded) inputs."""
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (x, weight) + ((bias,) if bias is not None else ())]
+    out = F.conv2d(leaves[0], leaves[1], leaves[2] if bias is not None else None, stride, padding, dilation,
+                   groups=x.shape[1])
+    return torch.autograd.grad(out, leaves, grad_out.detach().double().cpu())
+
+
+def dwconv_grads(x, weight, bias, grad_out, stride, padding, dilation):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight) + ((bias,) if bias is not None else ())]
+    out = dwconv.depthwise_conv2d(leaves[0], leaves[1], leaves[2] if bias is not None else None,
+                                  stride, padding, dilation)
+    return torch.autograd.grad(out, leaves, grad_out)
+
+
+def check_grads(x, weight, bias, stride=1, padding=0, dilation=1):
+    geom = conv_geometry(x, weight, bias, stride, padding, dilation)
+    grad_out = randn(*geom.output_shape, dtype=x.dtype)
+    got = dwconv_grads(x, weight, bias, grad_out, stride, padding, dilation)
+    ref = reference_grads(x, weight, bias, grad_out, stride, padding, dilation)
+    for name, g, r in zip(("grad_input", "grad_weight", "grad_bias"), got, ref):
+        assert g.dtype == x.dtype, f"{name} dtype {g.dtype}"
+        # grad_weight sums N*H*W products: scale the tolerance by the sum of |terms|, not the result
+        assert_close(g, r, x.dtype, name) if name == "grad_input" else assert_close_sum(g, r, x, grad_out, name)
+    return got
+
+
+def assert_close_sum(got, ref, x, grad_out, name):
+    terms = grad_out.double().abs().sum().item() / grad_out.shape[1] * x.double().abs().max().item()
+    atol, rtol = {torch.float32: (1e-6, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}[x.dtype]
+    worst = (got.double().cpu() - ref).abs().max().item()
+    bound = atol * terms + rtol * ref.abs().max().item()
+    assert worst <= bound, f"{name}: max error {worst:.3g} > {bound:.3g}; got {got.flatten()[:6]}, ref {ref.flatten()[:6]}"
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"k{k[0]}x{k[1]}")
+@pytest.mark.parametrize("stride,padding,dilation", OPTIONS, ids=str)
+def test_gradient_grid(kernel, stride, padding, dilation):
+    x = randn(2, 2, 9, 10)
+    weight = randn(4, 1, *kernel)  # multiplier 2
+    try:
+        conv_geometry(x, weight, None, stride, padding, dilation)
+    except ValueError:
+        pytest.skip("PyTorch rejects this combination too")
+    check_grads(x, weight, randn(4), stride, padding, dilation)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("multiplier", [1, 3])
+@pytest.mark.parametrize("kernel,stride,padding", [(3, 1, 1), (3, 2, 1), (4, 1, "same")], ids=str)
+def test_gradient_dtypes(dtype, multiplier, kernel, stride, padding):
+    x = randn(2, 2, 8, 10, dtype=dtype)
+    weight = randn(2 * multiplier, 1, kernel, kernel, dtype=dtype)
+    check_grads(x, weight, randn(2 * multiplier, dtype=dtype), stride, padding)
+
+
+@pytest.mark.parametrize("kernel,padding,vec", [((3, 3), 0, 4), ((3, 3), 1, 4), ((5, 3), (2, 1), 4), ((3, 3), 1, 1)],
+                         ids=str)
+def test_grad_weight_kernel_configs(kernel, padding, vec):
+    """The grad_weight kernel's window path (vec 4), several column strips and programs per channel."""
+    x = randn(2, 2, 7, 21)
+    weight = randn(2, 1, *kernel)
+    geom = conv_geometry(x, weight, None, 1, padding, 1)
+    grad_out = randn(*geom.output_shape)
+    got_w, got_b = conv_grad_weight(grad_out, x, geom, x.dtype, True, GradWeightConfig(16, 1, vec, 5))
+    ref = reference_grads(x, weight, randn(2), grad_out, 1, padding, 1)
+    assert_close_sum(got_w, ref[1], x, grad_out, "grad_weight")
+    assert_close_sum(got_b, ref[2], torch.ones_like(x), grad_out, "grad_bias")
+
+
+@pytest.mark.parametrize("stride,padding", [(1, 1), (2, 1), ((1, 2), 0)], ids=str)
+def test_grad_input_writes_every_element(stride, padding):
+    """grad_input into a NaN-poisoned buffer: every element (also those no output reached) is written."""
+    x = randn(2, 3, 9, 10)
+    weight = randn(3, 1, 3, 3)
+    geom = conv_geometry(x, weight, None, stride, padding, 1)
+    grad_out = randn(*geom.output_shape)
+    out = conv_grad_input(grad_out, weight, geom, x, out=poisoned(tuple(x.shape), x.dtype))
+    assert_close(out, reference_grads(x, weight, None, grad_out, stride, padding, 1)[0], x.dtype, "grad_input")
+
+
+@pytest.mark.parametrize("stride,padding,dilation,multiplier", [(1, 1, 1, 1), (2, 0, 1, 2), (1, "same", 2, 1)], ids=str)
+def test_gradcheck_float64(stride, padding, dilation, multiplier):
+    x = randn(1, 2, 6, 7, dtype=torch.float64).requires_grad_()
+    weight = randn(2 * multiplier, 1, 3, 2, dtype=torch.float64).requires_grad_()
+    bias = randn(2 * multiplier, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: dwconv.depthwise_conv2d(a, b, c, stride, padding, dilation), (x, weight, bias), fast_mode=True)
+
+
+def test_backward_is_deterministic():
+    x = randn(2, 2, 8, 40)
+    weight = randn(2, 1, 3, 3)
+    bias = randn(2)
+    grad_out = randn(2, 2, 8, 40)
+    first = dwconv_grads(x, weight, bias, grad_out, 1, 1, 1)
+    second = dwconv_grads(x, weight, bias, grad_out, 1, 1, 1)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("wrt", ["input", "weight", "bias", "weight+bias"])
+def test_partial_requires_grad(wrt):
+    x = randn(1, 2, 8, 9).requires_grad_("input" in wrt)
+    weight = randn(2, 1, 3, 3).requires_grad_("weight" in wrt)
+    bias = randn(2).requires_grad_("bias" in wrt)
+    dwconv.depthwise_conv2d(x, weight, bias, 1, 1).square().sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    F.conv2d(*ref, 1, 1, 1, groups=2).square().sum().backward()
+    for t, r in zip((x, weight, bias), ref):
+        if t.requires_grad:
+            assert_close(t.grad, r.grad, torch.float32, "grad")
+        else:
+            assert t.grad is None
+
+
+def test_network_of_modules_matches_nn_conv2d():
+    """depthwise -> pointwise -> depthwise, built from dwconv and from nn.Conv2d with the same weights."""
+    torch.manual_seed(0)
+
+    def net(depthwise):
+        return nn.Sequential(depthwise(4, 4, 3, padding=1, groups=4), nn.ReLU(), nn.Conv2d(4, 8, 1),
+                             depthwise(8, 16, 5, stride=2, padding=2, groups=8, bias=False))
+
+    ours = net(dwconv.DepthwiseConv2d).to(DEVICE)
+    stock = net(nn.Conv2d).to(DEVICE)
+    stock.load_state_dict(ours.state_dict())
+    x = randn(2, 4, 8, 9)
+    for model in (ours, stock):
+        model(x).square().mean().backward()
+    for (name, p), q in zip(ours.named_parameters(), stock.parameters()):
+        assert_close(p.grad, q.grad, torch.float32, name)
