@@ -17,7 +17,10 @@ import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
 from dwconv.bench import FORWARD_SHAPES, KB84, Timer, make_inputs, measure_copy
-from dwconv.ops.backward import GradWeightConfig, conv_grad_input, conv_grad_weight, grad_weight_config
+from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_weight, grad_weight_config,
+                                 input_grad_geometry)
+from dwconv.ops.forward import conv_forward, forward_config
+from sweep_forward import variants as forward_variants
 
 
 def variants(geom, x):
@@ -66,6 +69,21 @@ def main():
         nbytes = (x.numel() + grad_out.numel()) * x.element_size()
         print(f"{case.label}: eager backward {eager:.4f} ms; grad_input {gin:.4f} ms "
               f"({100 * (nbytes / gin / 1e6) / copy_gbps:.1f}% copy, err {gx_err:.2g})", flush=True)
+        if geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1:  # grad_input = the forward kernel
+            flipped, gi_geom = w.flip(2, 3).contiguous(), input_grad_geometry(geom)
+            dx = torch.empty_like(x)
+            timed = []
+            for cfg in forward_variants(gi_geom, x.numel() >= 2**30, (1, 4)):
+                try:
+                    conv_forward(grad_out, flipped, None, gi_geom, cfg, out=dx)
+                except Exception as e:
+                    print(f"  grad_input {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                timed.append((statistics.fmean(timer(lambda: conv_forward(grad_out, flipped, None, gi_geom, cfg, out=dx))), cfg))
+            timed.sort(key=lambda r: r[0])
+            for ms, cfg in timed[:4]:
+                print(f"    grad_input {ms:.4f} ms {100 * nbytes / ms / 1e6 / copy_gbps:5.1f}% copy  {cfg}")
+            print(f"    grad_input default {forward_config(gi_geom, grad_out)}", flush=True)
         geom2 = conv_geometry(x[:2], w, None, *conv)
         results = []
         for cfg in variants(geom, x):
