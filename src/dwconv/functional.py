@@ -70,11 +70,13 @@ class _DepthwiseConv2dFunction(torch.autograd.Function):
         input, weight = ctx.saved_tensors
         geom = ctx.geom
         grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = conv_grad_input(grad_out, weight, geom, input)
+        # grad_weight first: its partial sums are freed before grad_input is allocated, so the
+        # peak stays at PyTorch's (grad_input + grad_weight beside the saved tensors).
         want_bias = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1] or want_bias:
             grad_weight, grad_bias = conv_grad_weight(grad_out, input, geom, weight.dtype, want_bias)
             if not ctx.needs_input_grad[1]:
                 grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_input = conv_grad_input(grad_out, weight, geom, input)
         return grad_input, grad_weight, grad_bias, None
