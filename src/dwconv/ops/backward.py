@@ -210,10 +210,10 @@ def grad_weight_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightConfig:
         return GradWeightConfig(block_w, 1, 1, min(geom.batch, total_rows))
     # Session-2 sweep: two vectors (or columns) a thread; more programs per channel help narrow
     # planes (their programs are short), 16 per channel was best on #84 float32.
-    vec = 4 if (geom.stride_w == 1 and x.stride(3) == 1 and geom.out_w > 128) else 1
+    vec = 4 if (geom.stride_w == 1 and _stride_unit(x, 4, geom.in_w) == 4 and geom.out_w > 128) else 1
     block_w = min(512 if vec > 1 else 64, triton.next_power_of_2(geom.out_w))
     items = total_rows * triton.cdiv(geom.out_w, block_w)
-    splits = min(items, triton.cdiv(2048 if vec > 1 else 8192, geom.out_channels))
+    splits = min(items, triton.cdiv(2048 if vec > 1 else 16384, geom.out_channels))
     return GradWeightConfig(block_w, max(1, block_w // (vec * 64)), vec, splits)
 
 

@@ -306,8 +306,10 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     if geom.stride_h == 1 and ring_fits and geom.out_w >= 32:
         rows = 128 if geom.out_h >= 128 else 32
         # Wide rows: 4-column windows, two a thread, whatever the dtype (session 2 sweep: #84 fp32
-        # 2.34 ms, bf16 1.19 ms; VEC 8 was slower for bf16). Narrow rows leave threads idle there.
-        if geom.stride_w == 1 and x.stride(3) == 1 and geom.out_w > 128:
+        # 2.34 ms, bf16 1.19 ms; VEC 8 was slower for bf16). Narrow rows leave threads idle there,
+        # and rows not 16-byte aligned (510 floats: 4.7 ms against 2.9 ms with VEC 1) split each
+        # vector in two loads.
+        if geom.stride_w == 1 and _stride_unit(x, 4, geom.in_w) == 4 and geom.out_w > 128:
             block_w = min(512, triton.next_power_of_2(geom.out_w))
             return ForwardConfig("rows", rows, block_w, max(1, block_w // 256), vec=4)
         # Two output columns a thread keeps registers low and occupancy high (sweeps 2-4 in the notes).
