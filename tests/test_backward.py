@@ -160,3 +160,16 @@ def test_network_of_modules_matches_nn_conv2d():
         model(x).square().mean().backward()
     for (name, p), q in zip(ours.named_parameters(), stock.parameters()):
         assert_close(p.grad, q.grad, torch.float32, name)
+
+
+def test_expanded_grad_out_and_channels_last_input():
+    """`.sum().backward()` hands the kernels an expanded grad_out (all strides 0); a channels_last
+    input gets a channels_last grad, as PyTorch gives."""
+    x = randn(2, 3, 7, 9).contiguous(memory_format=torch.channels_last).requires_grad_()
+    weight = randn(3, 1, 3, 3).requires_grad_()
+    dwconv.depthwise_conv2d(x, weight, None, 1, 1).sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in (x, weight)]
+    F.conv2d(*ref, None, 1, 1, 1, groups=3).sum().backward()
+    assert x.grad.is_contiguous(memory_format=torch.channels_last)
+    assert_close(x.grad, ref[0].grad, torch.float32, "grad_input")
+    assert_close(weight.grad, ref[1].grad, torch.float32, "grad_weight")

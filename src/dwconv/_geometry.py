@@ -18,6 +18,16 @@ Padding = Union[int, Sequence[int], str]
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are jit functions: calling them
+# from Python costs ~9 us each (cProfile, session 2), more than the rest of a launcher's arithmetic.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class ConvGeometry:
     """Sizes of one depthwise convolution. Padding is explicit per side (top, bottom, left, right)."""

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._geometry import ConvGeometry
-from .forward import (_ACC_DTYPES, _load_window_vector, _needs_int64, _stride_unit, _window_view, conv_forward,
-                      output_memory_format)
+from .._geometry import ConvGeometry, cdiv, next_power_of_2
+from .forward import (_ACC_DTYPES, _load_row_window, _needs_int64, _row_under_tap, _stride_unit, conv_forward,
+                      output_memory_format, window_layout)
 
 
 @triton.jit
@@ -126,24 +126,10 @@ def depthwise_grad_weight_kernel(
             in_row = out_row * stride_h - pad_top + kh * DILATION_H
             row_ok = (in_row >= 0) & (in_row < in_h)
             x_row = x_plane + in_row * (x_stride_h * X_UNIT)
-            if VEC > 1:
-                w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w)
-                w1 = w0
-                w2 = w0
-                w3 = w0
-                if WINDOW_VECS > 1:
-                    w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w)
-                if WINDOW_VECS > 2:
-                    w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w)
-                if WINDOW_VECS > 3:
-                    w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w)
+            w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC)
             for kw in tl.static_range(KW):
-                if VEC > 1:
-                    x = _window_view(w0, w1, w2, w3, WINDOW_LANE0 + kw * DILATION_W, VEC)
-                else:
-                    in_cols = out_cols * stride_w - pad_left + kw * DILATION_W
-                    x = tl.load(x_row + in_cols * x_stride_w,
-                                mask=row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
+                x = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
+                                   kw, DILATION_W, WINDOW_LANE0, VEC)
                 acc = tl.where(taps == kh * KW + kw, acc + g * x.to(ACC_DTYPE), acc)
         if BIAS_GRAD:
             acc = tl.where(taps == KH * KW, acc + g, acc)
@@ -179,9 +165,9 @@ def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeom
         return dx.zero_()
     if geom.stride_h == 1 and geom.stride_w == 1 and geom.multiplier == 1:
         return conv_forward(grad_out, weight.flip(2, 3), None, input_grad_geometry(geom), out=dx)
-    block_w = min(64, triton.next_power_of_2(geom.in_w)) if grad_out.is_cuda else min(32, triton.next_power_of_2(geom.in_w))
-    block_h = max(1, min(triton.next_power_of_2(geom.in_h), (256 if grad_out.is_cuda else 1024) // block_w))
-    tiles = triton.cdiv(geom.in_h, block_h) * triton.cdiv(geom.in_w, block_w)
+    block_w = min(64, next_power_of_2(geom.in_w)) if grad_out.is_cuda else min(32, next_power_of_2(geom.in_w))
+    block_h = max(1, min(next_power_of_2(geom.in_h), (256 if grad_out.is_cuda else 1024) // block_w))
+    tiles = cdiv(geom.in_h, block_h) * cdiv(geom.in_w, block_w)
     index_64 = _needs_int64(grad_out, (geom.out_h, geom.out_w)) or _needs_int64(dx, (geom.in_h, geom.in_w))
     depthwise_grad_input_tile_kernel[(geom.batch * geom.in_channels * tiles,)](
         grad_out, weight.contiguous(), dx, geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w,
@@ -206,14 +192,14 @@ def grad_weight_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightConfig:
     """Block sizes for the grad_weight kernel (measured choices: docs/notes.md)."""
     total_rows = geom.batch * geom.out_h
     if not x.is_cuda:  # interpreter: few, large programs
-        block_w = min(32, triton.next_power_of_2(geom.out_w))
+        block_w = min(32, next_power_of_2(geom.out_w))
         return GradWeightConfig(block_w, 1, 1, min(geom.batch, total_rows))
     # Session-2 sweep: two vectors (or columns) a thread; more programs per channel help narrow
     # planes (their programs are short), 16 per channel was best on #84 float32.
     vec = 4 if (geom.stride_w == 1 and _stride_unit(x, 4, geom.in_w) == 4 and geom.out_w > 128) else 1
-    block_w = min(512 if vec > 1 else 64, triton.next_power_of_2(geom.out_w))
-    items = total_rows * triton.cdiv(geom.out_w, block_w)
-    splits = min(items, triton.cdiv(2048 if vec > 1 else 16384, geom.out_channels))
+    block_w = min(512 if vec > 1 else 64, next_power_of_2(geom.out_w))
+    items = total_rows * cdiv(geom.out_w, block_w)
+    splits = min(items, cdiv(2048 if vec > 1 else 16384, geom.out_channels))
     return GradWeightConfig(block_w, max(1, block_w // (vec * 64)), vec, splits)
 
 
@@ -230,14 +216,12 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
         config = grad_weight_config(geom, x)
     vec, block_w = config.vec, config.block_w
     total_rows = geom.batch * geom.out_h
-    splits = max(1, min(config.splits, total_rows * triton.cdiv(geom.out_w, block_w)))
-    padded_taps = triton.next_power_of_2(taps + int(bias_grad))
+    splits = max(1, min(config.splits, total_rows * cdiv(geom.out_w, block_w)))
+    padded_taps = next_power_of_2(taps + int(bias_grad))
     # NaN-filled (a few KB): a partial sum no program wrote would poison the result, not pass silently
     partial = torch.full((geom.out_channels, splits, padded_taps), float("nan"), device=x.device, dtype=acc_dtype)
-    window_off = triton.cdiv(geom.pad_left, vec) * vec
-    window_lane0 = window_off - geom.pad_left
-    window_vecs = triton.cdiv(window_lane0 + (geom.kernel_w - 1) * geom.dilation_w + vec, vec)
-    assert vec == 1 or (geom.stride_w == 1 and x.stride(3) == 1 and window_vecs <= 4), "vec > 1 needs unit column steps"
+    assert vec == 1 or (geom.stride_w == 1 and x.stride(3) == 1), "vec > 1 needs unit column steps"
+    window_off, window_lane0, window_vecs = window_layout(geom, vec)
     x_unit = _stride_unit(x, vec, geom.in_w)
     g_unit = _stride_unit(grad_out, vec, geom.out_w)
     index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(grad_out, (geom.out_h, geom.out_w))

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._geometry import ConvGeometry
+from .._geometry import ConvGeometry, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -165,6 +165,41 @@ def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w):
     return tl.load(x_row + cols, mask=row_ok & (cols >= 0) & (cols < in_w), other=0.0)
 
 
+@triton.jit
+def _load_row_window(x_row, group_cols, lanes, row_ok, in_w,
+                     WINDOW_OFF: tl.constexpr, WINDOW_VECS: tl.constexpr, VEC: tl.constexpr):
+    """The WINDOW_VECS aligned vectors (from column group_cols - WINDOW_OFF) holding every input
+    column a thread's VEC outputs read from this row; unused ones repeat the first. VEC == 1: no
+    window (placeholders; `_row_under_tap` loads each tap itself)."""
+    if VEC == 1:  # (a compile-time branch: one return, whose types may differ between VECs)
+        w0 = lanes
+    else:
+        w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if VEC > 1 and WINDOW_VECS > 1:
+        w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w)
+    if VEC > 1 and WINDOW_VECS > 2:
+        w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w)
+    if VEC > 1 and WINDOW_VECS > 3:
+        w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
+                   kw: tl.constexpr, DILATION_W: tl.constexpr, WINDOW_LANE0: tl.constexpr, VEC: tl.constexpr):
+    """The input value kernel column kw meets at each output column [1, G, VEC] of this row: a
+    shifted view of the window (VEC > 1), or its own load (VEC == 1, any stride_w)."""
+    if VEC > 1:
+        x = _window_view(w0, w1, w2, w3, WINDOW_LANE0 + kw * DILATION_W, VEC)
+    else:
+        in_cols = out_cols * stride_w - pad_left + kw * DILATION_W
+        x = tl.load(x_row + in_cols * x_stride_w, mask=row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
+    return x
+
+
 @triton.jit(do_not_specialize=["pad_left"])
 def depthwise_fwd_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
@@ -245,24 +280,10 @@ def depthwise_fwd_rows_kernel(
             kh = delta // DILATION_H
             tap_ok = (delta % DILATION_H == 0) & (kh < KH)
             x_row = x_base + in_row * (x_stride_h * X_UNIT)
-            if VEC > 1:
-                w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w)
-                w1 = w0
-                w2 = w0
-                w3 = w0
-                if WINDOW_VECS > 1:
-                    w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w)
-                if WINDOW_VECS > 2:
-                    w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w)
-                if WINDOW_VECS > 3:
-                    w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w)
+            w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC)
             for kw in tl.static_range(KW):
-                if VEC > 1:
-                    x = _window_view(w0, w1, w2, w3, WINDOW_LANE0 + kw * DILATION_W, VEC)
-                else:
-                    in_cols = out_cols * stride_w - pad_left + kw * DILATION_W
-                    x = tl.load(x_row + in_cols * x_stride_w,
-                                mask=col_ok & row_ok & (in_cols >= 0) & (in_cols < in_w), other=0.0)
+                x = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
+                                   kw, DILATION_W, WINDOW_LANE0, VEC)
                 tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=2, keep_dims=True)
                 acc += tl.where(tap_ok, tap_weight, 0.0) * x.to(ACC_DTYPE)
             # park the finished row; the ring slot starts the row SLOTS further down
@@ -292,14 +313,14 @@ _ACC_DTYPES = {torch.float64: tl.float64}
 
 def ring_size(geom: ConvGeometry) -> int:
     """Rows of the row kernel's ring: the smallest power of two holding every row a column of taps spans."""
-    return triton.next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1)
+    return next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1)
 
 
 def forward_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     """Picks the kernel and block sizes for a geometry and input (measured choices: docs/notes.md)."""
     if x.device.type != "cuda":  # interpreter: each program costs ~the same, so one tile per plane
-        return ForwardConfig("tile", min(32, triton.next_power_of_2(geom.out_h)),
-                             min(32, triton.next_power_of_2(geom.out_w)), 4)
+        return ForwardConfig("tile", min(32, next_power_of_2(geom.out_h)),
+                             min(32, next_power_of_2(geom.out_w)), 4)
     # Rows need a ring of register rows: fine up to 8 rows of 25 taps (k5, or k3 with dilation 2);
     # beyond that (k7: 8 x 49 weights a phase) the tile kernel is faster (session 2 sweep).
     ring_fits = ring_size(geom) <= 4 or (ring_size(geom) <= 8 and geom.kernel_h * geom.kernel_w <= 25)
@@ -310,12 +331,12 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
         # and rows not 16-byte aligned (510 floats: 4.7 ms against 2.9 ms with VEC 1) split each
         # vector in two loads.
         if geom.stride_w == 1 and _stride_unit(x, 4, geom.in_w) == 4 and geom.out_w > 128:
-            block_w = min(512, triton.next_power_of_2(geom.out_w))
+            block_w = min(512, next_power_of_2(geom.out_w))
             return ForwardConfig("rows", rows, block_w, max(1, block_w // 256), vec=4)
         # Two output columns a thread keeps registers low and occupancy high (sweeps 2-4 in the notes).
-        block_w = min(128, triton.next_power_of_2(geom.out_w))
+        block_w = min(128, next_power_of_2(geom.out_w))
         return ForwardConfig("rows", rows, block_w, max(1, block_w // 64))
-    block_w = min(64, triton.next_power_of_2(geom.out_w))
+    block_w = min(64, next_power_of_2(geom.out_w))
     block_h = 2 if block_w >= 32 else 8
     return ForwardConfig("tile", block_h, block_w, max(1, block_h * block_w // 64))
 
@@ -331,6 +352,19 @@ def _needs_int64(t: torch.Tensor, sizes) -> bool:
     """True when an offset inside one (n, c) plane can reach 2**31."""
     extent = sum((s - 1) * abs(st) for s, st in zip(sizes, t.stride()[2:]))
     return extent >= 2**31 - 1
+
+
+def window_layout(geom: ConvGeometry, vec: int):
+    """(window_off, window_lane0, window_vecs) of the rows kernels' VEC-wide windows: a window starts
+    at the aligned column group_start - window_off and covers lanes window_lane0 ..
+    window_lane0 + (KW-1)*dilation_w + vec - 1 in window_vecs vectors (at most four)."""
+    if vec == 1:
+        return 0, 0, 1
+    window_off = cdiv(geom.pad_left, vec) * vec
+    window_lane0 = window_off - geom.pad_left
+    window_vecs = cdiv(window_lane0 + (geom.kernel_w - 1) * geom.dilation_w + vec, vec)
+    assert window_vecs <= 4, "the window holds at most four vectors"
+    return window_off, window_lane0, window_vecs
 
 
 def _stride_unit(t: torch.Tensor, vec: int, width: int) -> int:
@@ -362,7 +396,7 @@ def conv_forward(
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
     index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(out, (geom.out_h, geom.out_w))
     planes = geom.batch * geom.out_channels
-    tiles_w = triton.cdiv(geom.out_w, config.block_w)
+    tiles_w = cdiv(geom.out_w, config.block_w)
     common = dict(
         MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=bias is not None,
         INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), BLOCK_W=config.block_w,
@@ -371,15 +405,10 @@ def conv_forward(
     sizes = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride())
     if config.kernel == "rows":
         assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
-        chunks = triton.cdiv(geom.out_h, config.block_h)
+        chunks = cdiv(geom.out_h, config.block_h)
         vec = config.vec
         assert vec == 1 or (vec in (4, 8) and geom.stride_w == 1 and x.stride(3) == 1), "vec 4 needs unit column steps"
-        # The window starts at the aligned column group_start - window_off and must cover
-        # lanes window_lane0 .. window_lane0 + (KW-1)*dilation_w + vec - 1.
-        window_off = triton.cdiv(geom.pad_left, vec) * vec
-        window_lane0 = window_off - geom.pad_left
-        window_vecs = triton.cdiv(window_lane0 + (geom.kernel_w - 1) * geom.dilation_w + vec, vec)
-        assert vec == 1 or window_vecs <= 4, "the window holds at most four vectors"
+        window_off, window_lane0, window_vecs = window_layout(geom, vec)
         x_unit = _stride_unit(x, vec, geom.in_w)
         y_unit = _stride_unit(out, vec, geom.out_w)
         x_strides = [s // x_unit for s in x.stride()[:3]] + [x.stride(3)]
@@ -389,12 +418,12 @@ def conv_forward(
             geom.out_w // y_unit, *x_strides, *y_strides,
             geom.stride_w, geom.pad_top, geom.pad_left, config.block_h,
             DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, SLOTS=ring_size(geom),
-            TAPS=triton.next_power_of_2(geom.kernel_h * geom.kernel_w), VEC=vec, WINDOW_OFF=window_off,
+            TAPS=next_power_of_2(geom.kernel_h * geom.kernel_w), VEC=vec, WINDOW_OFF=window_off,
             WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
             **common,
         )
     else:
-        tiles = triton.cdiv(geom.out_h, config.block_h) * tiles_w
+        tiles = cdiv(geom.out_h, config.block_h) * tiles_w
         depthwise_fwd_tile_kernel[(planes * tiles,)](
             x, weight, bias_arg, out, *sizes,
             geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w,
