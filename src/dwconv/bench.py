@@ -284,17 +284,25 @@ def demo_without_gpu() -> int:
     demos = [Case(2, 4, 16, 32, 3), Case(2, 3, 13, 17, 5, 2, 2, 1, 2, True), Case(1, 4, 15, 15, 3, 1, 2, 2)]
     worst = 0.0
     for case in demos:
-        x = torch.randn(case.n, case.c, case.h, case.w)
-        weight = torch.randn(case.c * case.multiplier, 1, case.kernel, case.kernel)
-        bias = torch.randn(case.c * case.multiplier) if case.bias else None
+        x = torch.randn(case.n, case.c, case.h, case.w, requires_grad=True)
+        weight = torch.randn(case.c * case.multiplier, 1, case.kernel, case.kernel, requires_grad=True)
+        bias = torch.randn(case.c * case.multiplier, requires_grad=True) if case.bias else None
+        leaves = [t for t in (x, weight, bias) if t is not None]
         conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
         start = time.perf_counter()
         out = dwconv.depthwise_conv2d(x, weight, bias, **conv)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, grad_out)
         seconds = time.perf_counter() - start
-        ref = F.conv2d(x.double(), weight.double(), None if bias is None else bias.double(), groups=case.c, **conv)
+        refs = [t.detach().double().requires_grad_() for t in leaves]
+        ref = F.conv2d(refs[0], refs[1], refs[2] if bias is not None else None, groups=case.c, **conv)
+        ref_grads = torch.autograd.grad(ref, refs, grad_out.double())
         err = (out.double() - ref).abs().max().item()
-        worst = max(worst, err)
-        print(f"  {case.label:<44} out {tuple(out.shape)}  max abs error vs float64 {err:.2e}  ({seconds:.2f} s interpreted)")
+        grad_err = max((g.double() - r).abs().max().item() / max(1.0, r.abs().max().item())
+                       for g, r in zip(grads, ref_grads))
+        worst = max(worst, err, grad_err)
+        print(f"  {case.label:<44} out {tuple(out.shape)}  max error vs float64: output {err:.2e}, "
+              f"gradients {grad_err:.2e} (relative)  ({seconds:.2f} s interpreted, forward + backward)")
     ok = worst <= 1e-4
     print("demo passed" if ok else f"demo FAILED: max abs error {worst:.3g}")
     return 0 if ok else 1
