@@ -173,3 +173,45 @@ def test_expanded_grad_out_and_channels_last_input():
     assert x.grad.is_contiguous(memory_format=torch.channels_last)
     assert_close(x.grad, ref[0].grad, torch.float32, "grad_input")
     assert_close(weight.grad, ref[1].grad, torch.float32, "grad_weight")
+
+
+BIG = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: > 2**31 elements")
+
+
+@pytest.mark.parametrize("shape", [pytest.param((1, 1, 46500, 46500), marks=BIG), pytest.param((9, 1024, 480, 488), marks=BIG),
+                                   (1, 1, 45, 50), (2, 3, 44, 40)], ids=["one_plane", "many_planes", "small_plane", "small"])
+def test_gradients_past_2_31_elements(shape):
+    """64-bit offsets in the backward kernels: grad_weight and grad_bias over every element (against
+    PyTorch's float32 gradients, taken in slices), grad_input at the last rows of the last planes.
+    The small shapes run the same checks everywhere, so the test's own slicing is tested too."""
+    torch.manual_seed(0)
+    batch, channels, height, width = shape
+    x = randn(*shape, dtype=torch.float16)
+    weight = randn(channels, 1, 3, 3, dtype=torch.float16)
+    geom = conv_geometry(x, weight, None, 1, 1, 1)
+    grad_out = (randn(*geom.output_shape) * 0.01).half()  # sums stay in float16's range
+    grad_w, grad_b = conv_grad_weight(grad_out, x, geom, weight.dtype, True)
+
+    ref_w = torch.zeros(weight.shape, device=DEVICE, dtype=torch.float64)
+    w32 = weight.float().requires_grad_()
+    if batch > 1:
+        slices = [(x[i:i + 1].float(), grad_out[i:i + 1].float(), 1) for i in range(batch)]
+    else:  # bands of output rows; band i..i+step reads input rows i-1..i+step (zero rows past the ends)
+        step = 4096 if height > 4096 else 16
+        slices = ((F.pad(x[:, :, max(0, i - 1):i + step + 1].float(), (0, 0, int(i == 0), int(i + step >= height))),
+                   grad_out[:, :, i:i + step].float(), (0, 1)) for i in range(0, height, step))
+    for xs, gs, pad in slices:
+        out = F.conv2d(xs, w32, None, 1, pad, 1, groups=channels)
+        ref_w += torch.autograd.grad(out, w32, gs)[0].double()
+    typical = (grad_out.numel() / channels) ** 0.5 * grad_out.float().std().item() * x.float().std().item()
+    worst = (grad_w.double() - ref_w).abs().max().item()
+    assert worst <= 1e-3 * typical + 2e-3 * ref_w.abs().max().item(), f"grad_weight off by {worst} (scale {typical})"
+    assert_close(grad_b, grad_out.double().sum(dim=(0, 2, 3)), torch.float16, "grad_bias")
+
+    grad_x = conv_grad_input(grad_out, weight, geom, x)
+    # grad_input rows H-39 .. H-3 of the last channels: from output rows H-40 .. H-2 through input rows H-41..
+    c = min(8, channels)
+    xs = x[-1:, -c:, height - 41:].float().requires_grad_()
+    out = F.conv2d(xs, weight[-c:].float(), None, 1, (0, 1), 1, groups=c)
+    ref = torch.autograd.grad(out, xs, grad_out[-1:, -c:, height - 40:height - 1].float())[0]
+    assert_close(grad_x[-1:, -c:, height - 39:height - 2], ref[:, :, 2:39], torch.float16, "grad_input")

@@ -236,7 +236,7 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
         WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, G_UNIT=g_unit,
         num_warps=config.num_warps,
     )
-    sums = partial.sum(dim=1)  # fixed-order reduction over splits: deterministic
-    grad_w = sums[:, :taps].reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
-    grad_b = sums[:, taps].to(weight_dtype) if bias_grad else None
-    return grad_w, grad_b
+    # Fixed-order reductions over the splits (deterministic), each one op into a fresh tensor.
+    grad_w = partial[:, :, :taps].sum(dim=1).view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w)
+    grad_b = partial[:, :, taps].sum(dim=1).to(weight_dtype) if bias_grad else None
+    return grad_w.to(weight_dtype), grad_b
