@@ -34,9 +34,9 @@ def variants(geom, x):
                 warps = bw // (vec * 32 * per_thread)
                 if warps < 1 or warps > 8:
                     continue
-                for programs in (2048, 4096, 8192):
-                    splits = max(1, programs // geom.out_channels)
-                    out.append(GradWeightConfig(bw, warps, vec, splits))
+                for programs in (2048, 8192, 16384):
+                    for rows in (1, 2, 4):
+                        out.append(GradWeightConfig(bw, warps, vec, max(1, programs // geom.out_channels), rows))
     return out
 
 
@@ -99,7 +99,7 @@ def main():
             ms = statistics.fmean(timer(lambda: conv_grad_weight(grad_out, x, geom, w.dtype, False, cfg)))
             results.append((ms, cfg))
             rows.append(dict(layer=case.label, eager_bwd_ms=eager, grad_input_ms=gin, block_w=cfg.block_w,
-                             warps=cfg.num_warps, vec=cfg.vec, splits=cfg.splits, grad_weight_ms=ms,
+                             warps=cfg.num_warps, vec=cfg.vec, splits=cfg.splits, rows=cfg.rows, grad_weight_ms=ms,
                              pct_copy=100 * nbytes / ms / 1e6 / copy_gbps))
         results.sort(key=lambda r: r[0])
         default = grad_weight_config(geom, x)

@@ -84,15 +84,16 @@ def test_gradient_dtypes(dtype, multiplier, kernel, stride, padding):
     check_grads(x, weight, randn(2 * multiplier, dtype=dtype), stride, padding)
 
 
-@pytest.mark.parametrize("kernel,padding,vec", [((3, 3), 0, 4), ((3, 3), 1, 4), ((5, 3), (2, 1), 4), ((3, 3), 1, 1)],
-                         ids=str)
-def test_grad_weight_kernel_configs(kernel, padding, vec):
-    """The grad_weight kernel's window path (vec 4), several column strips and programs per channel."""
+@pytest.mark.parametrize("kernel,padding,vec,rows", [((3, 3), 0, 4, 1), ((3, 3), 1, 4, 3), ((5, 3), (2, 1), 4, 2),
+                                                     ((3, 3), 1, 1, 4)], ids=str)
+def test_grad_weight_kernel_configs(kernel, padding, vec, rows):
+    """The grad_weight kernel's window path (vec 4), several column strips, programs per channel and
+    rows per step (3 does not divide the 14 rows: the last step runs past the end)."""
     x = randn(2, 2, 7, 21)
     weight = randn(2, 1, *kernel)
     geom = conv_geometry(x, weight, None, 1, padding, 1)
     grad_out = randn(*geom.output_shape)
-    got_w, got_b = conv_grad_weight(grad_out, x, geom, x.dtype, True, GradWeightConfig(16, 1, vec, 5))
+    got_w, got_b = conv_grad_weight(grad_out, x, geom, x.dtype, True, GradWeightConfig(16, 1, vec, 5, rows))
     ref = reference_grads(x, weight, randn(2), grad_out, 1, padding, 1)
     assert_close_sum(got_w, ref[1], x, grad_out, "grad_weight")
     assert_close_sum(got_b, ref[2], torch.ones_like(x), grad_out, "grad_bias")

@@ -31,13 +31,16 @@ def depthwise_grad_input_tile_kernel(
     in_channels, in_h, in_w, out_h, out_w,
     g_stride_n, g_stride_c, g_stride_h, g_stride_w,
     dx_stride_n, dx_stride_c, dx_stride_h, dx_stride_w,
-    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
+    pad_top, pad_left, dilation_h, dilation_w,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """One program = one BLOCK_H x BLOCK_W tile of grad_input of one (n, in_channel) plane.
     Input row i received out row o through tap kh when o * stride_h - pad_top + kh * dilation_h == i:
-    each tap gathers the out rows (i + pad_top - kh * dilation_h) / stride_h that divide exactly."""
+    each tap gathers the out rows (i + pad_top - kh * dilation_h) / stride_h that divide exactly.
+    The strides are compile-time constants: a division by a run-time value costs ~20 instructions
+    per element and tap, by a constant power of two one shift."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(in_w, BLOCK_W)
     tiles_per_plane = tl.cdiv(in_h, BLOCK_H) * tiles_w
@@ -56,12 +59,12 @@ def depthwise_grad_input_tile_kernel(
         g_base = g_ptr + n.to(tl.int64) * g_stride_n + out_c.to(tl.int64) * g_stride_c
         for kh in range(KH):
             num_h = rows + pad_top - kh * dilation_h
-            out_rows = num_h // stride_h  # only used where num_h >= 0 and divides exactly
-            rows_ok = (num_h >= 0) & (num_h % stride_h == 0) & (out_rows < out_h)
+            out_rows = num_h // STRIDE_H  # only used where num_h >= 0 and divides exactly
+            rows_ok = (num_h >= 0) & (num_h % STRIDE_H == 0) & (out_rows < out_h)
             for kw in range(KW):
                 num_w = cols + pad_left - kw * dilation_w
-                out_cols = num_w // stride_w
-                ok = rows_ok & (num_w >= 0) & (num_w % stride_w == 0) & (out_cols < out_w)
+                out_cols = num_w // STRIDE_W
+                ok = rows_ok & (num_w >= 0) & (num_w % STRIDE_W == 0) & (out_cols < out_w)
                 g = tl.load(g_base + out_rows * g_stride_h + out_cols * g_stride_w, mask=ok, other=0.0)
                 w = tl.load(w_ptr + (out_c * KH + kh) * KW + kw).to(ACC_DTYPE)
                 acc += g.to(ACC_DTYPE) * w
@@ -81,12 +84,12 @@ def depthwise_grad_weight_kernel(
     DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, BIAS_GRAD: tl.constexpr,
     INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
     VEC: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
-    X_UNIT: tl.constexpr, G_UNIT: tl.constexpr,
+    X_UNIT: tl.constexpr, G_UNIT: tl.constexpr, ROWS: tl.constexpr,
 ):
     """grad_weight[c, kh, kw] = sum over n, oh, ow of grad_out[n, c, oh, ow] * x[n, c // m, ih, iw].
 
-    Program (out_c, split) walks the (n, out row, column strip) items split, split + splits, ...
-    and, per grad_out row, loads the KH input rows it met (as the forward's rows kernel does: VEC
+    Program (out_c, split) walks the items split, split + splits, ... (an item: ROWS consecutive
+    rows of the flattened (n, out row) axis, one column strip) and, per grad_out row, loads the KH input rows it met (as the forward's rows kernel does: VEC
     window loads and shifted views in registers, or one load per tap when VEC == 1).
     Accumulators are one [TAPS, groups, VEC] tensor whose tap axis each thread holds whole, so
     `where(taps == t, ...)` picks a register at compile time. The last tap slot (when BIAS_GRAD)
@@ -110,29 +113,31 @@ def depthwise_grad_weight_kernel(
         zero = tl.zeros([1, 1, 1], dtype=tl.int64)
     else:
         zero = tl.zeros([1, 1, 1], dtype=tl.int32)
-    for item in range(split, total_rows * tiles_w, splits):
-        row = zero + item // tiles_w
-        n = row // out_h
-        out_row = row % out_h
+    for item in range(split, tl.cdiv(total_rows, ROWS) * tiles_w, splits):
         group_cols = (item % tiles_w) * BLOCK_W + groups
         if INDEX_64:
             group_cols = group_cols.to(tl.int64)
         out_cols = group_cols + lanes
-        g_row = g_ptr + n.to(tl.int64) * (g_stride_n * G_UNIT) + out_c.to(tl.int64) * (g_stride_c * G_UNIT) \
-            + out_row * (g_stride_h * G_UNIT)  # n is a tensor: .to(int64) keeps plane offsets 64-bit
-        g = tl.load(g_row + out_cols * g_stride_w, mask=out_cols < out_w, other=0.0).to(ACC_DTYPE)
-        x_plane = x_ptr + n.to(tl.int64) * (x_stride_n * X_UNIT) + in_c.to(tl.int64) * (x_stride_c * X_UNIT)
-        for kh in tl.static_range(KH):
-            in_row = out_row * stride_h - pad_top + kh * DILATION_H
-            row_ok = (in_row >= 0) & (in_row < in_h)
-            x_row = x_plane + in_row * (x_stride_h * X_UNIT)
-            w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC)
-            for kw in tl.static_range(KW):
-                x = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
-                                   kw, DILATION_W, WINDOW_LANE0, VEC)
-                acc = tl.where(taps == kh * KW + kw, acc + g * x.to(ACC_DTYPE), acc)
-        if BIAS_GRAD:
-            acc = tl.where(taps == KH * KW, acc + g, acc)
+        for r in tl.static_range(ROWS):  # ROWS rows an item: their loads can all be in flight together
+            row = zero + (item // tiles_w) * ROWS + r
+            live = row < total_rows
+            n = row // out_h
+            out_row = row % out_h
+            g_row = g_ptr + n.to(tl.int64) * (g_stride_n * G_UNIT) + out_c.to(tl.int64) * (g_stride_c * G_UNIT) \
+                + out_row * (g_stride_h * G_UNIT)  # n is a tensor: .to(int64) keeps plane offsets 64-bit
+            g = tl.load(g_row + out_cols * g_stride_w, mask=live & (out_cols < out_w), other=0.0).to(ACC_DTYPE)
+            x_plane = x_ptr + n.to(tl.int64) * (x_stride_n * X_UNIT) + in_c.to(tl.int64) * (x_stride_c * X_UNIT)
+            for kh in tl.static_range(KH):
+                in_row = out_row * stride_h - pad_top + kh * DILATION_H
+                row_ok = live & (in_row >= 0) & (in_row < in_h)
+                x_row = x_plane + in_row * (x_stride_h * X_UNIT)
+                w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC)
+                for kw in tl.static_range(KW):
+                    x = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
+                                       kw, DILATION_W, WINDOW_LANE0, VEC)
+                    acc = tl.where(taps == kh * KW + kw, acc + g * x.to(ACC_DTYPE), acc)
+            if BIAS_GRAD:
+                acc = tl.where(taps == KH * KW, acc + g, acc)
     sums = tl.sum(tl.sum(acc, axis=2), axis=1)
     tap_ids = tl.arange(0, TAPS)
     tl.store(partial_ptr + (out_c * splits + split) * TAPS + tap_ids, sums, mask=tap_ids < KH * KW + BIAS_GRAD)
@@ -171,9 +176,8 @@ def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeom
     index_64 = _needs_int64(grad_out, (geom.out_h, geom.out_w)) or _needs_int64(dx, (geom.in_h, geom.in_w))
     depthwise_grad_input_tile_kernel[(geom.batch * geom.in_channels * tiles,)](
         grad_out, weight.contiguous(), dx, geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w,
-        *grad_out.stride(), *dx.stride(), geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left,
-        geom.dilation_h, geom.dilation_w,
-        MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, INDEX_64=index_64,
+        *grad_out.stride(), *dx.stride(), geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w,
+        STRIDE_H=geom.stride_h, STRIDE_W=geom.stride_w, MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, INDEX_64=index_64,
         ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h, BLOCK_W=block_w,
         num_warps=max(1, min(8, block_h * block_w // 64)),
     )
@@ -186,6 +190,7 @@ class GradWeightConfig:
     num_warps: int
     vec: int  # output columns a thread owns (4: window loads; stride_w 1 only)
     splits: int  # programs per output channel
+    rows: int = 1  # grad_out rows a loop step handles (more loads in flight on narrow planes)
 
 
 def grad_weight_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightConfig:
@@ -216,7 +221,7 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
         config = grad_weight_config(geom, x)
     vec, block_w = config.vec, config.block_w
     total_rows = geom.batch * geom.out_h
-    splits = max(1, min(config.splits, total_rows * cdiv(geom.out_w, block_w)))
+    splits = max(1, min(config.splits, cdiv(total_rows, config.rows) * cdiv(geom.out_w, block_w)))
     padded_taps = next_power_of_2(taps + int(bias_grad))
     # NaN-filled (a few KB): a partial sum no program wrote would poison the result, not pass silently
     partial = torch.full((geom.out_channels, splits, padded_taps), float("nan"), device=x.device, dtype=acc_dtype)
@@ -234,7 +239,7 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
         DILATION_W=geom.dilation_w, BIAS_GRAD=bool(bias_grad), INDEX_64=index_64,
         ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), TAPS=padded_taps, BLOCK_W=block_w, VEC=vec,
         WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, G_UNIT=g_unit,
-        num_warps=config.num_warps,
+        ROWS=config.rows, num_warps=config.num_warps,
     )
     # Fixed-order reductions over the splits (deterministic), each one op into a fresh tensor.
     grad_w = partial[:, :, :taps].sum(dim=1).view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w)
