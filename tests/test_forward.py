@@ -9,7 +9,7 @@ import torch
 
 import dwconv
 from dwconv._geometry import conv_geometry
-from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config, output_memory_format
+from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config, odd_rows_alignable, output_memory_format
 from helpers import DEVICE, assert_close, poisoned, randn, reference_conv
 
 KERNELS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (7, 7), (1, 3), (3, 1), (5, 3)]
@@ -153,6 +153,26 @@ def test_row_sliding_window_half(dtype):
     x = randn(1, 2, 6, 40, dtype=dtype)[:, :, :, 3:]  # a sliced view: unaligned rows
     weight = randn(2, 1, 3, 3, dtype=dtype)
     check(x, weight, None, 1, 1, config=ForwardConfig("rows", 4, 32, 1, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape,kernel,padding,dilation",
+    [
+        ((2, 2, 10, 22), (3, 3), 0, 1),
+        ((1, 3, 8, 30), (3, 3), 1, 1),  # odd top padding: odd rows are the even padded rows
+        ((1, 2, 12, 26), (3, 3), (2, 1), 1),
+        ((1, 2, 10, 22), (3, 3), 2, 2),
+        ((1, 2, 8, 22), (2, 4), "same", 1),
+    ],
+    ids=str,
+)
+def test_row_sliding_window_odd_rows(dtype, shape, kernel, padding, dilation):
+    """Rows of 2 mod 4 elements (even height): odd rows' windows start 2 elements early, aligned."""
+    x = randn(*shape, dtype=dtype)
+    weight = randn(shape[1], 1, *kernel, dtype=dtype)
+    assert odd_rows_alignable(x, conv_geometry(x, weight, None, 1, padding, dilation))
+    check(x, weight, randn(shape[1], dtype=dtype), 1, padding, dilation, config=ForwardConfig("rows", 5, 16, 1, 4))
 
 
 def test_default_config_is_valid():

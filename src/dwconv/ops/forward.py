@@ -159,31 +159,42 @@ def _window_view(w0, w1, w2, w3, start: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w):
-    """One aligned vector of an input row per thread, from column first_cols [1, G, 1]."""
+def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w, SHIFT: tl.constexpr, WHOLE: tl.constexpr,
+                        VEC: tl.constexpr):
+    """One aligned vector of an input row per thread: elements x_row + first_cols + lanes, which are
+    row columns first_cols - SHIFT + lanes (SHIFT > 0: x_row is the row start moved back to a vector
+    boundary). WHOLE: the vector is loaded whole when it overlaps the row (a mask uniform over the
+    vector keeps the load vectorised when the row length is not a multiple of VEC), and the lanes
+    outside the row are zeroed after."""
     cols = first_cols + lanes
-    return tl.load(x_row + cols, mask=row_ok & (cols >= 0) & (cols < in_w), other=0.0)
+    if WHOLE:
+        first = first_cols - SHIFT
+        vector = tl.load(x_row + cols, mask=row_ok & (first + VEC > 0) & (first < in_w), other=0.0)
+        vector = tl.where((cols - SHIFT >= 0) & (cols - SHIFT < in_w), vector, 0.0)
+    else:
+        vector = tl.load(x_row + cols, mask=row_ok & (cols >= 0) & (cols < in_w), other=0.0)
+    return vector
 
 
 @triton.jit
-def _load_row_window(x_row, group_cols, lanes, row_ok, in_w,
-                     WINDOW_OFF: tl.constexpr, WINDOW_VECS: tl.constexpr, VEC: tl.constexpr):
-    """The WINDOW_VECS aligned vectors (from column group_cols - WINDOW_OFF) holding every input
-    column a thread's VEC outputs read from this row; unused ones repeat the first. VEC == 1: no
-    window (placeholders; `_row_under_tap` loads each tap itself)."""
+def _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF: tl.constexpr, WINDOW_VECS: tl.constexpr,
+                     VEC: tl.constexpr, SHIFT: tl.constexpr = 0, WHOLE: tl.constexpr = False):
+    """The WINDOW_VECS aligned vectors (from column group_cols - WINDOW_OFF - SHIFT) holding every
+    input column a thread's VEC outputs read from this row; unused ones repeat the first. VEC == 1:
+    no window (placeholders; `_row_under_tap` loads each tap itself)."""
     if VEC == 1:  # (a compile-time branch: one return, whose types may differ between VECs)
         w0 = lanes
     else:
-        w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w)
+        w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w, SHIFT, WHOLE, VEC)
     w1 = w0
     w2 = w0
     w3 = w0
     if VEC > 1 and WINDOW_VECS > 1:
-        w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w)
+        w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC)
     if VEC > 1 and WINDOW_VECS > 2:
-        w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w)
+        w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC)
     if VEC > 1 and WINDOW_VECS > 3:
-        w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w)
+        w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC)
     return w0, w1, w2, w3
 
 
@@ -212,7 +223,7 @@ def depthwise_fwd_rows_kernel(
     HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
     SLOTS: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
     VEC: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
-    X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr,
+    X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, ODD_ROW_ALIGN: tl.constexpr, PAD_TOP_ODD: tl.constexpr,
 ):
     """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
     loading each input row once and adding it into the partial sums of every output row it
@@ -256,6 +267,10 @@ def depthwise_fwd_rows_kernel(
     taps = tl.arange(0, TAPS)[None, None, :]
     weights = tl.load(w_ptr + out_c * (KH * KW) + taps, mask=taps < KH * KW, other=0.0).to(ACC_DTYPE)
     reach: tl.constexpr = DILATION_H * (KH - 1)  # out row r is complete once padded row r + reach is in
+    ODD_SHIFT: tl.constexpr = 2 * (ODD_ROW_ALIGN > 0)  # elements odd rows start past a vector boundary
+    if ODD_ROW_ALIGN > 0:  # element offset of the plane: a multiple of 4 (written so the compiler sees it)
+        x_plane_offset = (((plane // out_channels).to(tl.int64) * x_stride_n
+                           + ((plane % out_channels) // MULTIPLIER).to(tl.int64) * x_stride_c) * X_UNIT // 4) * 4
 
     acc = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE)
     finished = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE)
@@ -280,10 +295,16 @@ def depthwise_fwd_rows_kernel(
             kh = delta // DILATION_H
             tap_ok = (delta % DILATION_H == 0) & (kh < KH)
             x_row = x_base + in_row * (x_stride_h * X_UNIT)
-            w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC)
+            # ODD_ROW_ALIGN (1: on): rows of 2 mod 4 elements in planes of whole vectors, so odd rows
+            # start 2 elements past a vector boundary; their window starts 2 elements earlier,
+            # aligned. The row parity is static: j0 is even (SLOTS is).
+            if ODD_ROW_ALIGN > 0:  # the row start rounded down to a vector (a no-op on even rows)
+                x_row = x_ptr + ((x_plane_offset + in_row * (x_stride_h * X_UNIT)) // 4) * 4
+            w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC,
+                                              ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), ODD_ROW_ALIGN > 0)
             for kw in tl.static_range(KW):
                 x = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
-                                   kw, DILATION_W, WINDOW_LANE0, VEC)
+                                   kw, DILATION_W, WINDOW_LANE0 + ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), VEC)
                 tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=2, keep_dims=True)
                 acc += tl.where(tap_ok, tap_weight, 0.0) * x.to(ACC_DTYPE)
             # park the finished row; the ring slot starts the row SLOTS further down
@@ -330,7 +351,8 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
         # 2.34 ms, bf16 1.19 ms; VEC 8 was slower for bf16). Narrow rows leave threads idle there,
         # and rows not 16-byte aligned (510 floats: 4.7 ms against 2.9 ms with VEC 1) split each
         # vector in two loads.
-        if geom.stride_w == 1 and _stride_unit(x, 4, geom.in_w) == 4 and geom.out_w > 128:
+        if geom.stride_w == 1 and (_stride_unit(x, 4, geom.in_w) == 4 or odd_rows_alignable(x, geom)) \
+                and geom.out_w > 128:
             block_w = min(512, next_power_of_2(geom.out_w))
             return ForwardConfig("rows", rows, block_w, max(1, block_w // 256), vec=4)
         # Two output columns a thread keeps registers low and occupancy high (sweeps 2-4 in the notes).
@@ -354,17 +376,24 @@ def _needs_int64(t: torch.Tensor, sizes) -> bool:
     return extent >= 2**31 - 1
 
 
-def window_layout(geom: ConvGeometry, vec: int):
+def window_layout(geom: ConvGeometry, vec: int, max_shift: int = 0):
     """(window_off, window_lane0, window_vecs) of the rows kernels' VEC-wide windows: a window starts
-    at the aligned column group_start - window_off and covers lanes window_lane0 ..
-    window_lane0 + (KW-1)*dilation_w + vec - 1 in window_vecs vectors (at most four)."""
+    at the aligned column group_start - window_off (- a row's shift, up to max_shift) and covers lanes
+    window_lane0 (+ shift) .. + (KW-1)*dilation_w + vec - 1 in window_vecs vectors (at most four)."""
     if vec == 1:
         return 0, 0, 1
     window_off = cdiv(geom.pad_left, vec) * vec
     window_lane0 = window_off - geom.pad_left
-    window_vecs = cdiv(window_lane0 + (geom.kernel_w - 1) * geom.dilation_w + vec, vec)
+    window_vecs = cdiv(window_lane0 + max_shift + (geom.kernel_w - 1) * geom.dilation_w + vec, vec)
     assert window_vecs <= 4, "the window holds at most four vectors"
     return window_off, window_lane0, window_vecs
+
+
+def odd_rows_alignable(x: torch.Tensor, geom: ConvGeometry) -> bool:
+    """Contiguous NCHW rows of 2 mod 4 elements in planes of whole 4-vectors (even height), read by
+    the rows kernel with an even ring: odd rows are 2 elements off a vector boundary, statically."""
+    return (x.is_contiguous() and geom.in_w % 4 == 2 and geom.in_h % 2 == 0 and ring_size(geom) % 2 == 0
+            and geom.stride_w == 1 and x.data_ptr() % 16 == 0)
 
 
 def _stride_unit(t: torch.Tensor, vec: int, width: int) -> int:
@@ -408,8 +437,9 @@ def conv_forward(
         chunks = cdiv(geom.out_h, config.block_h)
         vec = config.vec
         assert vec == 1 or (vec in (4, 8) and geom.stride_w == 1 and x.stride(3) == 1), "vec 4 needs unit column steps"
-        window_off, window_lane0, window_vecs = window_layout(geom, vec)
         x_unit = _stride_unit(x, vec, geom.in_w)
+        odd_row_align = int(vec == 4 and x_unit == 2 and odd_rows_alignable(x, geom))
+        window_off, window_lane0, window_vecs = window_layout(geom, vec, 2 if odd_row_align else 0)
         y_unit = _stride_unit(out, vec, geom.out_w)
         x_strides = [s // x_unit for s in x.stride()[:3]] + [x.stride(3)]
         y_strides = [s // y_unit for s in out.stride()[:3]] + [out.stride(3)]
@@ -420,6 +450,7 @@ def conv_forward(
             DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, SLOTS=ring_size(geom),
             TAPS=next_power_of_2(geom.kernel_h * geom.kernel_w), VEC=vec, WINDOW_OFF=window_off,
             WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
+            ODD_ROW_ALIGN=odd_row_align, PAD_TOP_ODD=geom.pad_top % 2,
             **common,
         )
     else:
