@@ -177,8 +177,8 @@ def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeom
     depthwise_grad_input_tile_kernel[(geom.batch * geom.in_channels * tiles,)](
         grad_out, weight.contiguous(), dx, geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w,
         *grad_out.stride(), *dx.stride(), geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w,
-        STRIDE_H=geom.stride_h, STRIDE_W=geom.stride_w, MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, INDEX_64=index_64,
-        ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h, BLOCK_W=block_w,
+        STRIDE_H=geom.stride_h, STRIDE_W=geom.stride_w, MULTIPLIER=geom.multiplier, KH=geom.kernel_h,
+        KW=geom.kernel_w, INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h, BLOCK_W=block_w,
         num_warps=max(1, min(8, block_h * block_w // 64)),
     )
     return dx
