@@ -7,20 +7,18 @@ grad_input runs with its default launch (for stride 1 it is the forward kernel);
 """
 
 import argparse
-import csv
 import statistics
 import sys
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
-from dwconv.bench import FORWARD_SHAPES, KB84, Timer, make_inputs, measure_copy
+from dwconv.bench import make_inputs
 from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_weight, grad_weight_config,
                                  input_grad_geometry)
 from dwconv.ops.forward import conv_forward, forward_config
-from sweep_forward import variants as forward_variants
+from sweep_forward import sweep_setup, variants as forward_variants, write_csv
 
 
 def variants(geom, x):
@@ -45,12 +43,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="only #84")
     ap.add_argument("--csv")
     args = ap.parse_args()
-    timer = Timer(warmup=2, iters=10)
-    copy_gbps = measure_copy(timer)
-    print(f"copy {copy_gbps:.0f} GB/s", flush=True)
-    cases = [replace(KB84, dtype=d) for d in ("float32", "bfloat16")]
-    if not args.quick:
-        cases += [replace(c, dtype=d) for c in FORWARD_SHAPES for d in ("float32", "bfloat16")]
+    timer, copy_gbps, cases = sweep_setup(args.quick, warmup=2, iters=10)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for case in cases:
@@ -109,11 +102,7 @@ def main():
         print(f"    default {d[0][0]:.4f} ms {default}" if d else f"    default {default} not in sweep", flush=True)
         del x, grad_out, y, xg, wg
         torch.cuda.empty_cache()
-    if args.csv and rows:
-        with open(args.csv, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+    write_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

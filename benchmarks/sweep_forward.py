@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
-from dwconv.bench import FORWARD_SHAPES, KB84, Timer, make_inputs, measure_copy, progress
+from dwconv.bench import FORWARD_SHAPES, KB84, Timer, make_inputs, measure_copy
 from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
 
 
@@ -47,18 +47,24 @@ def variants(geom, full, vecs):
     return out
 
 
+def sweep_setup(quick, warmup, iters):
+    """The timer, the device copy rate measured with it, and the layers to sweep (#84 only if quick)."""
+    timer = Timer(warmup=warmup, iters=iters)
+    copy_gbps = measure_copy(timer)
+    print(f"copy {copy_gbps:.0f} GB/s", flush=True)
+    cases = [replace(KB84, dtype=d) for d in ("float32", "bfloat16")]
+    if not quick:
+        cases += [replace(c, dtype=d) for c in FORWARD_SHAPES for d in ("float32", "bfloat16")]
+    return timer, copy_gbps, cases
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only #84")
     ap.add_argument("--csv")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
-    timer = Timer(warmup=3, iters=args.iters)
-    copy_gbps = measure_copy(timer)
-    print(f"copy {copy_gbps:.0f} GB/s", flush=True)
-    cases = [replace(KB84, dtype=d) for d in ("float32", "bfloat16")]
-    if not args.quick:
-        cases += [replace(c, dtype=d) for c in FORWARD_SHAPES for d in ("float32", "bfloat16")]
+    timer, copy_gbps, cases = sweep_setup(args.quick, warmup=3, iters=args.iters)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for case in cases:
@@ -97,11 +103,15 @@ def main():
             print(f"    default {d[0][0]:.4f} ms {d[0][1]}")
         del x, out
         torch.cuda.empty_cache()
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+    write_csv(args.csv, rows)
+
+
+def write_csv(path, rows):
+    if path and rows:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
 
 
 if __name__ == "__main__":

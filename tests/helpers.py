@@ -7,6 +7,20 @@ import torch.nn.functional as F
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (stride, padding, dilation) combinations every kernel size is tested with
+CONV_OPTIONS = [
+    (1, 0, 1),
+    (1, 1, 1),
+    (2, 1, 1),
+    (3, 0, 1),
+    (1, (2, 1), 2),
+    ((2, 1), (0, 3), 3),
+    (1, "same", 1),
+    (1, "same", (2, 3)),
+    (2, "valid", 1),
+]
+
 # |out - ref| <= atol + rtol * |ref| against a float64 reference computed from the same inputs.
 TOLERANCES = {
     torch.float64: (1e-10, 1e-10),

@@ -11,21 +11,12 @@ import torch.nn.functional as F
 import dwconv
 from dwconv._geometry import conv_geometry
 from dwconv.ops.backward import GradWeightConfig, conv_grad_input, conv_grad_weight
-from helpers import DEVICE, assert_close, poisoned, randn
+from helpers import CONV_OPTIONS, DEVICE, DTYPES, assert_close, poisoned, randn
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 KERNELS = [(1, 1), (2, 2), (3, 3), (5, 5), (1, 3), (5, 3)]
-# (stride, padding, dilation)
-OPTIONS = [
-    (1, 0, 1),
-    (1, 1, 1),
-    (2, 1, 1),
-    (3, 0, 1),
-    (1, (2, 1), 2),
-    ((2, 1), (0, 3), 3),
-    (1, "same", (2, 3)),
-    (1, 4, 1),  # padding wider than the kernel: the flipped conv crops
-]
+# the forward's (stride, padding, dilation) grid less two cases, plus padding wider than the
+# kernel (the flipped convolution of grad_input then crops)
+OPTIONS = [o for o in CONV_OPTIONS if o not in ((1, "same", 1), (2, "valid", 1))] + [(1, 4, 1)]
 
 
 def reference_grads(x, weight, bias, grad_out, stride, padding, dilation):

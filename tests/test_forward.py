@@ -10,22 +10,9 @@ import torch
 import dwconv
 from dwconv._geometry import conv_geometry
 from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config, odd_rows_alignable, output_memory_format
-from helpers import DEVICE, assert_close, poisoned, randn, reference_conv
+from helpers import CONV_OPTIONS as OPTIONS, DEVICE, DTYPES, assert_close, poisoned, randn, reference_conv
 
 KERNELS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (7, 7), (1, 3), (3, 1), (5, 3)]
-# (stride, padding, dilation)
-OPTIONS = [
-    (1, 0, 1),
-    (1, 1, 1),
-    (2, 1, 1),
-    (3, 0, 1),
-    (1, (2, 1), 2),
-    ((2, 1), (0, 3), 3),
-    (1, "same", 1),
-    (1, "same", (2, 3)),
-    (2, "valid", 1),
-]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def run_kernel(x, weight, bias, stride, padding, dilation, config=None):
