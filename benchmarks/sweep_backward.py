@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
 from dwconv.bench import make_inputs
-from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_weight, grad_weight_config,
+from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight, conv_grad_weight,
+                                 fused_backward_applies, fused_backward_config, grad_weight_config,
                                  input_grad_geometry)
-from dwconv.ops.forward import conv_forward, forward_config
+from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
 from sweep_forward import sweep_setup, variants as forward_variants, write_csv
 
 
@@ -100,6 +101,22 @@ def main():
             print(f"    grad_weight {ms:.4f} ms {100 * nbytes / ms / 1e6 / copy_gbps:5.1f}% copy  {cfg}")
         d = [r for r in results if r[1] == default]
         print(f"    default {d[0][0]:.4f} ms {default}" if d else f"    default {default} not in sweep", flush=True)
+        if fused_backward_applies(geom, x, grad_out):  # one pass for grad_input and grad_weight
+            gi_geom = input_grad_geometry(geom)
+            fused_configs = {fused_backward_config(gi_geom, grad_out)}
+            for bw, warps, vec in ((256, 2, 4), (256, 1, 4), (128, 1, 4), (128, 2, 1), (64, 1, 1)):
+                if bw <= 2 * geom.in_w and (vec == 1 or x.shape[3] % 2 == 0):
+                    fused_configs.add(ForwardConfig("rows", 128 if geom.in_h >= 128 else 32, bw, warps, vec))
+            for cfg in sorted(fused_configs, key=str):
+                try:
+                    fx, fw = conv_grad_input_and_weight(grad_out[:2], x[:2], w, geom2, cfg)
+                    err = max((fx.double() - ref_gx).abs().max().item() / max(1.0, ref_gx.abs().max().item()),
+                              (fw.double() - ref_gw).abs().max().item() / max(1.0, ref_gw.abs().max().item()))
+                    ms = statistics.fmean(timer(lambda: conv_grad_input_and_weight(grad_out, x, w, geom, cfg)))
+                except Exception as e:
+                    print(f"    fused {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                print(f"    fused grad_input+grad_weight {ms:.4f} ms (rel err {err:.2g})  {cfg}", flush=True)
         del x, grad_out, y, xg, wg
         torch.cuda.empty_cache()
     write_csv(args.csv, rows)

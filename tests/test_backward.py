@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 import dwconv
 from dwconv._geometry import conv_geometry
-from dwconv.ops.backward import GradWeightConfig, conv_grad_input, conv_grad_weight
+from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight, conv_grad_weight,
+                                 fused_backward_applies)
+from dwconv.ops.forward import ForwardConfig
 from helpers import CONV_OPTIONS, DEVICE, DTYPES, assert_close, poisoned, randn
 
 KERNELS = [(1, 1), (2, 2), (3, 3), (5, 5), (1, 3), (5, 3)]
@@ -207,3 +209,41 @@ def test_gradients_past_2_31_elements(shape):
     out = F.conv2d(xs, weight[-c:].float(), None, 1, (0, 1), 1, groups=c)
     ref = torch.autograd.grad(out, xs, grad_out[-1:, -c:, height - 40:height - 1].float())[0]
     assert_close(grad_x[-1:, -c:, height - 39:height - 2], ref[:, :, 2:39], torch.float16, "grad_input")
+
+
+@pytest.mark.parametrize(
+    "shape,kernel,padding,dilation,vec",
+    [
+        ((2, 2, 10, 22), (3, 3), 0, 1, 4),  # rows of 2 mod 4 elements: aligned odd-row windows
+        ((2, 2, 9, 21), (3, 3), 1, 1, 1),
+        ((1, 2, 12, 24), (5, 3), (2, 1), 1, 4),
+        ((1, 2, 11, 22), (3, 3), 2, 2, 1),  # dilation: ring of 8
+        ((1, 2, 8, 22), (2, 4), "same", 1, 4),  # asymmetric padding
+    ],
+    ids=str,
+)
+def test_fused_backward(shape, kernel, padding, dilation, vec):
+    """grad_input and grad_weight from one pass of the rows kernel over grad_out, in chunks of 4 rows
+    (each grad_out row counted by one chunk only)."""
+    x = randn(*shape)
+    weight = randn(shape[1], 1, *kernel)
+    geom = conv_geometry(x, weight, None, 1, padding, dilation)
+    assert fused_backward_applies(geom, x, randn(*geom.output_shape)) or DEVICE != "cuda"
+    grad_out = randn(*geom.output_shape)
+    grad_x, grad_w = conv_grad_input_and_weight(grad_out, x, weight, geom, ForwardConfig("rows", 4, 16, 1, vec))
+    ref = reference_grads(x, weight, None, grad_out, 1, padding, dilation)
+    assert_close(grad_x, ref[0], torch.float32, "grad_input")
+    assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight")
+
+
+def test_fused_backward_through_autograd(monkeypatch):
+    import dwconv.ops.backward as ops
+
+    calls = []
+    fused = ops.conv_grad_input_and_weight
+    monkeypatch.setattr(ops, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(ops, "conv_grad_input_and_weight", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    x = randn(2, 3, 8, 34)
+    weight = randn(3, 1, 3, 3)
+    check_grads(x, weight, randn(3), 1, 1, 1)
+    assert calls, "the fused path did not run"

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from .forward import (_ACC_DTYPES, _load_row_window, _needs_int64, _row_under_tap, _stride_unit, conv_forward,
-                      output_memory_format, window_layout)
+                      ForwardConfig, forward_config, launch_forward, output_memory_format, window_layout)
 
 
 @triton.jit
@@ -155,6 +155,43 @@ def input_grad_geometry(geom: ConvGeometry) -> ConvGeometry:
         pad_bottom=geom.in_h - geom.out_h - pad_top + (geom.kernel_h - 1) * geom.dilation_h,
         pad_right=geom.in_w - geom.out_w - pad_left + (geom.kernel_w - 1) * geom.dilation_w,
     )
+
+
+# The fused backward is correct (tests) but not yet timed on the GPU: off until a sweep shows it faster.
+FUSED_BACKWARD = False
+
+
+def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    """Whether grad_input and grad_weight can come from one pass (the rows kernel on grad_out):
+    stride 1, multiplier 1, padding within the kernel's reach (every grad_out row is visited)."""
+    if not (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and x.stride(3) == 1):
+        return False
+    gi_geom = input_grad_geometry(geom)
+    if min(gi_geom.pad_top, gi_geom.pad_bottom, gi_geom.pad_left, gi_geom.pad_right) < 0:
+        return False
+    return fused_backward_config(gi_geom, grad_out).kernel == "rows"
+
+
+def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> ForwardConfig:
+    """The grad_input launch of the fused backward: the forward's choice on the GPU (the fused path
+    applies where that is the rows kernel); under the interpreter one 32 x 32 block per plane."""
+    if grad_out.is_cuda:
+        return forward_config(gi_geom, grad_out)
+    return ForwardConfig("rows", min(32, next_power_of_2(gi_geom.out_h)), min(32, next_power_of_2(gi_geom.out_w)), 1)
+
+
+def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,
+                               config=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fused backward (see fused_backward_applies): grad_input and grad_weight from one read of
+    grad_out and x. Partial sums per program, added per channel in a fixed order."""
+    gi_geom = input_grad_geometry(geom)
+    if config is None:
+        config = fused_backward_config(gi_geom, grad_out)
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
+    dx, partial = launch_forward(grad_out, weight.flip(2, 3), None, gi_geom, config, out=dx, weight_grad_from=x)
+    taps = geom.kernel_h * geom.kernel_w
+    grad_w = partial.view(geom.batch, geom.out_channels, -1, partial.shape[1])[..., :taps].sum(dim=(0, 2))
+    return dx, grad_w.view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight.dtype)
 
 
 def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,

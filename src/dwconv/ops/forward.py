@@ -15,7 +15,7 @@ sees that they can pass 2**31 (INDEX_64).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -213,10 +213,11 @@ def _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_
 
 @triton.jit(do_not_specialize=["pad_left"])
 def depthwise_fwd_rows_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, f_ptr, partial_ptr,
     out_channels, in_h, in_w, out_h, out_w,
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
+    f_stride_n, f_stride_c, f_stride_h,
     stride_w, pad_top, pad_left, rows_per_program,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
@@ -224,6 +225,7 @@ def depthwise_fwd_rows_kernel(
     SLOTS: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
     VEC: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
     X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, ODD_ROW_ALIGN: tl.constexpr, PAD_TOP_ODD: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr, F_UNIT: tl.constexpr,
 ):
     """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
     loading each input row once and adding it into the partial sums of every output row it
@@ -239,6 +241,13 @@ def depthwise_fwd_rows_kernel(
     registers: 16-byte loads instead of VEC * KW scalar ones.
     Widths and strides of x (y) arrive divided by X_UNIT (Y_UNIT), the largest power of two up
     to VEC dividing all of them, so that the compiler can prove the alignment of vector accesses.
+
+    WEIGHT_GRAD (the fused backward, stride 1, multiplier 1): this launch is grad_input, i.e. x is
+    grad_out and the weight is flipped; f is the forward's input, of y's shape. Padded grad_out row
+    j also meets f rows j - reach + kh*DILATION_H (the rows the ring holds), and the view for the
+    flipped tap KW-1-kw pairs with f at the program's own columns, so the program adds those
+    products into per-tap registers: grad_weight[kh, kw] partial sums, stored per program in
+    partial[pid, TAPS]. Each grad_out row is counted by one chunk only.
     """
     in_w = in_w * X_UNIT
     out_w = out_w * Y_UNIT
@@ -274,6 +283,11 @@ def depthwise_fwd_rows_kernel(
 
     acc = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE)
     finished = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE)
+    if WEIGHT_GRAD:
+        weight_taps = tl.arange(0, TAPS)[:, None, None]  # the tap axis each thread holds whole
+        weight_grad = tl.zeros([TAPS, GROUPS, VEC], dtype=ACC_DTYPE)
+        f_plane = f_ptr + (plane // out_channels).to(tl.int64) * (f_stride_n * F_UNIT) \
+            + (plane % out_channels).to(tl.int64) * (f_stride_c * F_UNIT)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + out_c).to(ACC_DTYPE)
@@ -283,6 +297,7 @@ def depthwise_fwd_rows_kernel(
         zero = tl.zeros([1, 1, 1], dtype=tl.int64)
     else:
         zero = tl.zeros([1, 1, 1], dtype=tl.int32)
+    last_chunk = (zero + last_row) >= out_h
     # j is the input row in padded coordinates: out row r reads padded rows r + kh*DILATION_H.
     for j0 in range(first_row - first_row % SLOTS, last_row + reach, SLOTS):
         for phase in tl.static_range(SLOTS):
@@ -307,6 +322,18 @@ def depthwise_fwd_rows_kernel(
                                    kw, DILATION_W, WINDOW_LANE0 + ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), VEC)
                 tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=2, keep_dims=True)
                 acc += tl.where(tap_ok, tap_weight, 0.0) * x.to(ACC_DTYPE)
+            if WEIGHT_GRAD:  # this chunk counts padded rows [first_row, last_row), the last one the rest
+                counted = (j >= first_row) & ((j < last_row) | last_chunk)
+                for f_kh in tl.static_range(KH):
+                    f_row = j - reach + f_kh * DILATION_H
+                    f_ok = counted & (f_row >= 0) & (f_row < out_h) & col_ok
+                    f = tl.load(f_plane + f_row * (f_stride_h * F_UNIT) + out_cols, mask=f_ok, other=0.0)
+                    for kw in tl.static_range(KW):
+                        g = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left,
+                                           x_stride_w, KW - 1 - kw, DILATION_W,
+                                           WINDOW_LANE0 + ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), VEC)
+                        weight_grad = tl.where(weight_taps == f_kh * KW + kw,
+                                               weight_grad + g.to(ACC_DTYPE) * f.to(ACC_DTYPE), weight_grad)
             # park the finished row; the ring slot starts the row SLOTS further down
             done_slot = slots == (phase - reach % SLOTS + SLOTS) % SLOTS
             finished = tl.where(done_slot, acc, finished)
@@ -318,6 +345,10 @@ def depthwise_fwd_rows_kernel(
         store_ok = col_ok & (done >= first_row) & (done < last_row)
         tl.store(y_base + done * (y_stride_h * Y_UNIT) + out_cols * y_stride_w,
                  (finished + bias).to(y_ptr.dtype.element_ty), mask=store_ok)
+    if WEIGHT_GRAD:
+        tap_ids = tl.arange(0, TAPS)
+        tl.store(partial_ptr + pid.to(tl.int64) * TAPS + tap_ids, tl.sum(tl.sum(weight_grad, axis=2), axis=1),
+                 mask=tap_ids < KH * KW)
 
 
 @dataclass(frozen=True)
@@ -414,11 +445,26 @@ def conv_forward(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Launches the forward kernel. x, weight, bias are already checked against geom."""
+    return launch_forward(x, weight, bias, geom, config, out)[0]
+
+
+def launch_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    geom: ConvGeometry,
+    config: Optional[ForwardConfig] = None,
+    out: Optional[torch.Tensor] = None,
+    weight_grad_from: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """conv_forward, and the fused backward: with weight_grad_from (the forward's input; rows
+    kernel, stride 1, multiplier 1) this call is grad_input (x = grad_out, weight flipped) and also
+    returns partial[program, tap], grad_weight partial sums in the original tap order."""
     if out is None:
         out = torch.empty(geom.output_shape, device=x.device, dtype=x.dtype,
                           memory_format=output_memory_format(x))
     if out.numel() == 0:
-        return out
+        return out, None
     if config is None:
         config = forward_config(geom, x)
     weight = weight.contiguous()
@@ -432,6 +478,7 @@ def conv_forward(
         num_warps=config.num_warps,
     )
     sizes = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride())
+    partial = None
     if config.kernel == "rows":
         assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
         chunks = cdiv(geom.out_h, config.block_h)
@@ -443,21 +490,34 @@ def conv_forward(
         y_unit = _stride_unit(out, vec, geom.out_w)
         x_strides = [s // x_unit for s in x.stride()[:3]] + [x.stride(3)]
         y_strides = [s // y_unit for s in out.stride()[:3]] + [out.stride(3)]
-        depthwise_fwd_rows_kernel[(planes * chunks * tiles_w,)](
-            x, weight, bias_arg, out, geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h,
-            geom.out_w // y_unit, *x_strides, *y_strides,
+        programs = planes * chunks * tiles_w
+        taps = next_power_of_2(geom.kernel_h * geom.kernel_w)
+        features, f_unit = out, 1  # placeholders when WEIGHT_GRAD is off
+        if weight_grad_from is not None:
+            assert geom.multiplier == 1 and geom.stride_w == 1 and weight_grad_from.shape == out.shape
+            assert weight_grad_from.stride(3) == 1, "the fused backward reads the input with unit column steps"
+            features = weight_grad_from
+            f_unit = _stride_unit(features, vec, geom.out_w)
+            acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+            partial = torch.full((programs, taps), float("nan"), device=x.device, dtype=acc_dtype)
+        depthwise_fwd_rows_kernel[(programs,)](
+            x, weight, bias_arg, out, features, partial if partial is not None else out,
+            geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h,
+            geom.out_w // y_unit, *x_strides, *y_strides, *[s // f_unit for s in features.stride()[:3]],
             geom.stride_w, geom.pad_top, geom.pad_left, config.block_h,
             DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, SLOTS=ring_size(geom),
-            TAPS=next_power_of_2(geom.kernel_h * geom.kernel_w), VEC=vec, WINDOW_OFF=window_off,
+            TAPS=taps, VEC=vec, WINDOW_OFF=window_off,
             WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
             ODD_ROW_ALIGN=odd_row_align, PAD_TOP_ODD=geom.pad_top % 2,
+            WEIGHT_GRAD=weight_grad_from is not None, F_UNIT=f_unit,
             **common,
         )
     else:
+        assert weight_grad_from is None, "the fused backward runs on the rows kernel"
         tiles = cdiv(geom.out_h, config.block_h) * tiles_w
         depthwise_fwd_tile_kernel[(planes * tiles,)](
             x, weight, bias_arg, out, *sizes,
             geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w,
             UNROLL_KH=geom.kernel_h * geom.kernel_w <= 64, BLOCK_H=config.block_h, **common,
         )
-    return out
+    return out, partial
