@@ -297,7 +297,8 @@ def depthwise_fwd_rows_kernel(
         zero = tl.zeros([1, 1, 1], dtype=tl.int64)
     else:
         zero = tl.zeros([1, 1, 1], dtype=tl.int32)
-    last_chunk = (zero + last_row) >= out_h
+    if WEIGHT_GRAD:
+        last_chunk = (zero + last_row) >= out_h
     # j is the input row in padded coordinates: out row r reads padded rows r + kh*DILATION_H.
     for j0 in range(first_row - first_row % SLOTS, last_row + reach, SLOTS):
         for phase in tl.static_range(SLOTS):
