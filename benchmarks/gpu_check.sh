@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|sweep|sweep84|sweepbwd|backward|bench|bench84|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|sweep|sweep84|sweepbwd|probe|backward|bench|bench84|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -14,6 +14,7 @@ for step in $steps; do
     sweep|all) python3 benchmarks/sweep_forward.py --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;&
     sweep84) python3 benchmarks/sweep_forward.py --quick --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;
     sweepbwd) python3 benchmarks/sweep_backward.py --csv "$OUT/sweep_backward.csv" 2>&1 | tee "$OUT/sweep_backward.log" ;;
+    probe) python3 benchmarks/probe_grad_input.py 2>&1 | tee "$OUT/probe.log" ;;
     backward|all) python3 -m dwconv bench --suite forward --backward --csv "$OUT/bench_backward.csv" 2>&1 | tee "$OUT/bench_backward.log" ;;&
     bench|all) python3 -m dwconv bench --suite forward --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" ;;&
     bench|all|bench84) python3 -m dwconv bench --dtype all --compile --csv "$OUT/bench84.csv" 2>&1 | tee "$OUT/bench84.log" ;;

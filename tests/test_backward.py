@@ -209,6 +209,12 @@ def test_gradients_past_2_31_elements(shape):
     out = F.conv2d(xs, weight[-c:].float(), None, 1, (0, 1), 1, groups=c)
     ref = torch.autograd.grad(out, xs, grad_out[-1:, -c:, height - 40:height - 1].float())[0]
     assert_close(grad_x[-1:, -c:, height - 39:height - 2], ref[:, :, 2:39], torch.float16, "grad_input")
+    del grad_x
+    assert fused_backward_applies(geom, x, grad_out)  # the fused pass: the same sums, another order
+    fused_x, fused_w = conv_grad_input_and_weight(grad_out, x, weight, geom)
+    worst = (fused_w.double() - ref_w).abs().max().item()
+    assert worst <= 1e-3 * typical + 2e-3 * ref_w.abs().max().item(), f"fused grad_weight off by {worst}"
+    assert_close(fused_x[-1:, -c:, height - 39:height - 2], ref[:, :, 2:39], torch.float16, "fused grad_input")
 
 
 @pytest.mark.parametrize(
@@ -245,5 +251,8 @@ def test_fused_backward_through_autograd(monkeypatch):
     monkeypatch.setattr(ops, "conv_grad_input_and_weight", lambda *a, **k: calls.append(1) or fused(*a, **k))
     x = randn(2, 3, 8, 34)
     weight = randn(3, 1, 3, 3)
-    check_grads(x, weight, randn(3), 1, 1, 1)
+    check_grads(x, weight, None, 1, 1, 1)
     assert calls, "the fused path did not run"
+    calls.clear()  # a bias gradient takes the two kernels (grad_weight sums grad_out for it)
+    check_grads(x, weight, randn(3), 1, 1, 1)
+    assert not calls, "the fused path ran with a bias gradient"

@@ -70,15 +70,15 @@ class _DepthwiseConv2dFunction(torch.autograd.Function):
         input, weight = ctx.saved_tensors
         geom = ctx.geom
         grad_input = grad_weight = grad_bias = None
-        if (ops.FUSED_BACKWARD and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]
+        want_bias = ctx.has_bias and ctx.needs_input_grad[2]
+        # The fused pass does not sum grad_out for the bias; a separate sum would read grad_out
+        # again, about what the fused pass saves, so with a bias gradient the two kernels run.
+        if (ops.FUSED_BACKWARD and ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not want_bias
                 and ops.fused_backward_applies(geom, input, grad_out)):
             grad_input, grad_weight = ops.conv_grad_input_and_weight(grad_out, input, weight, geom)
-            if ctx.has_bias and ctx.needs_input_grad[2]:  # one more read of grad_out
-                grad_bias = grad_out.sum(dim=(0, 2, 3), dtype=torch.float32).to(weight.dtype)
-            return grad_input, grad_weight, grad_bias, None
+            return grad_input, grad_weight, None, None
         # grad_weight first: its partial sums are freed before grad_input is allocated, so the
         # peak stays at PyTorch's (grad_input + grad_weight beside the saved tensors).
-        want_bias = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1] or want_bias:
             grad_weight, grad_bias = ops.conv_grad_weight(grad_out, input, geom, weight.dtype, want_bias)
             if not ctx.needs_input_grad[1]:

@@ -158,7 +158,8 @@ def input_grad_geometry(geom: ConvGeometry) -> ConvGeometry:
 
 
 # The fused backward is correct (tests) but not yet timed on the GPU: off until a sweep shows it faster.
-FUSED_BACKWARD = False
+# Session-3 sweep: #84 backward 4.5 ms as two kernels -> 3.41 ms fused (fp32), 2.8 -> 2.16 ms (bf16).
+FUSED_BACKWARD = True
 
 
 def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
@@ -176,7 +177,12 @@ def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> Forw
     """The grad_input launch of the fused backward: the forward's choice on the GPU (the fused path
     applies where that is the rows kernel); under the interpreter one 32 x 32 block per plane."""
     if grad_out.is_cuda:
-        return forward_config(gi_geom, grad_out)
+        config = forward_config(gi_geom, grad_out)
+        # Session-3 sweep, #84: float32 best at two 4-vectors a thread (3.41 ms), half precision at
+        # one (2.16 ms against 2.51 at two: the per-tap accumulators are float32 either way).
+        if config.vec > 1 and grad_out.element_size() < 4:
+            config = ForwardConfig(config.kernel, config.block_h, min(config.block_w, 128), 1, config.vec)
+        return config
     return ForwardConfig("rows", min(32, next_power_of_2(gi_geom.out_h)), min(32, next_power_of_2(gi_geom.out_w)), 1)
 
 
@@ -236,13 +242,16 @@ def grad_weight_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightConfig:
     if not x.is_cuda:  # interpreter: few, large programs
         block_w = min(32, next_power_of_2(geom.out_w))
         return GradWeightConfig(block_w, 1, 1, min(geom.batch, total_rows))
-    # Session-2 sweep: two vectors (or columns) a thread; more programs per channel help narrow
-    # planes (their programs are short), 16 per channel was best on #84 float32.
+    # Session-3 sweep: 4 grad_out rows a step (their loads in flight together) except for k7 and up
+    # (49 taps x 4 rows of registers), about 16384 programs; 4-vectors: one a thread for float32
+    # (#84 2.12 ms), two for half precision (bf16 1.64 ms); narrow planes: two columns a thread.
+    rows = 4 if geom.kernel_h * geom.kernel_w <= 25 else 1
     vec = 4 if (geom.stride_w == 1 and _stride_unit(x, 4, geom.in_w) == 4 and geom.out_w > 128) else 1
     block_w = min(512 if vec > 1 else 64, next_power_of_2(geom.out_w))
-    items = total_rows * cdiv(geom.out_w, block_w)
-    splits = min(items, cdiv(2048 if vec > 1 else 16384, geom.out_channels))
-    return GradWeightConfig(block_w, max(1, block_w // (vec * 64)), vec, splits)
+    per_thread = (1 if x.element_size() >= 4 else 2) if vec > 1 else 2
+    items = cdiv(total_rows, rows) * cdiv(geom.out_w, block_w)
+    splits = min(items, cdiv(16384, geom.out_channels))
+    return GradWeightConfig(block_w, max(1, block_w // (vec * 32 * per_thread)), vec, splits, rows)
 
 
 def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,

@@ -1,0 +1,60 @@
+"""Developer probe (GPU): where the small layers' forward+backward time goes. For each layer,
+microseconds per call of the host (Python + launches; the GPU queue is not full) and of the wall
+(host and GPU, back to back, no L2 flush), for dwconv and PyTorch eager; then a cProfile of
+dwconv's forward+backward on the first layer.
+
+    PYTHONPATH=src python benchmarks/host_overhead_gpu.py
+"""
+
+import cProfile
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+import dwconv
+
+LAYERS = [((64, 144, 56, 56), 3, 1, 1), ((32, 256, 64, 64), 3, 2, 2), ((64, 384, 14, 14), 7, 3, 1)]
+
+
+def per_call_us(fn, calls=200):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return host / calls * 1e6, wall / calls * 1e6
+
+
+def main():
+    profiled = None
+    for shape, k, pad, dil in LAYERS:
+        x = torch.randn(shape, device="cuda").requires_grad_()
+        w = torch.randn(shape[1], 1, k, k, device="cuda").requires_grad_()
+        g = torch.randn_like(F.conv2d(x, w, None, 1, pad, dil, groups=shape[1]))
+        runs = {
+            "dwconv forward": lambda: dwconv.depthwise_conv2d(x.detach(), w.detach(), None, 1, pad, dil),
+            "dwconv fwd+bwd": lambda: torch.autograd.grad(dwconv.depthwise_conv2d(x, w, None, 1, pad, dil), (x, w), g),
+            "eager fwd+bwd": lambda: torch.autograd.grad(F.conv2d(x, w, None, 1, pad, dil, groups=shape[1]), (x, w), g),
+        }
+        for name, fn in runs.items():
+            host, wall = per_call_us(fn)
+            print(f"{shape} k{k} p{pad} d{dil} {name:16s} host {host:7.1f} us  wall {wall:7.1f} us", flush=True)
+        if profiled is None:
+            profiled = runs["dwconv fwd+bwd"]
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(200):
+        profiled()
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
