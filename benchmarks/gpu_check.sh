@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|sweep|sweep84|sweepbwd|probe|backward|bench|bench84|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|sweep|sweep84|sweepbwd|probe|host|backward|bench|bench84|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -10,11 +10,12 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 steps=${*:-all}
 for step in $steps; do
   case $step in
-    tests|all) python3 -m pytest -q -x tests -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tests.log" ;;&
+    tests|all) python3 -m pytest -q -x tests -p no:cacheprovider >"$OUT/tests.log" 2>&1; tail -25 "$OUT/tests.log" ;;&
     sweep|all) python3 benchmarks/sweep_forward.py --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;&
     sweep84) python3 benchmarks/sweep_forward.py --quick --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;
     sweepbwd) python3 benchmarks/sweep_backward.py --csv "$OUT/sweep_backward.csv" 2>&1 | tee "$OUT/sweep_backward.log" ;;
-    probe) python3 benchmarks/probe_grad_input.py 2>&1 | tee "$OUT/probe.log" ;;
+    probe) python3 benchmarks/probe_odd_out.py 2>&1 | tee "$OUT/probe.log" ;;
+    host) python3 benchmarks/host_overhead_gpu.py 2>&1 | tee "$OUT/host.log" ;;
     backward|all) python3 -m dwconv bench --suite forward --backward --csv "$OUT/bench_backward.csv" 2>&1 | tee "$OUT/bench_backward.log" ;;&
     bench|all) python3 -m dwconv bench --suite forward --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" ;;&
     bench|all|bench84) python3 -m dwconv bench --dtype all --compile --csv "$OUT/bench84.csv" 2>&1 | tee "$OUT/bench84.log" ;;

@@ -1,7 +1,7 @@
 """Developer probe (GPU): where the small layers' forward+backward time goes. For each layer,
 microseconds per call of the host (Python + launches; the GPU queue is not full) and of the wall
 (host and GPU, back to back, no L2 flush), for dwconv and PyTorch eager; then a cProfile of
-dwconv's forward+backward on the first layer.
+dwconv's forward+backward on the first layer (64x144x56x56, the fused backward).
 
     PYTHONPATH=src python benchmarks/host_overhead_gpu.py
 """
@@ -31,17 +31,21 @@ def per_call_us(fn, calls=200):
     return host / calls * 1e6, wall / calls * 1e6
 
 
+def make_runs(x, w, g, pad, dil):
+    return {
+        "dwconv forward": lambda: dwconv.depthwise_conv2d(x.detach(), w.detach(), None, 1, pad, dil),
+        "dwconv fwd+bwd": lambda: torch.autograd.grad(dwconv.depthwise_conv2d(x, w, None, 1, pad, dil), (x, w), g),
+        "eager fwd+bwd": lambda: torch.autograd.grad(F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1]), (x, w), g),
+    }
+
+
 def main():
     profiled = None
     for shape, k, pad, dil in LAYERS:
         x = torch.randn(shape, device="cuda").requires_grad_()
         w = torch.randn(shape[1], 1, k, k, device="cuda").requires_grad_()
         g = torch.randn_like(F.conv2d(x, w, None, 1, pad, dil, groups=shape[1]))
-        runs = {
-            "dwconv forward": lambda: dwconv.depthwise_conv2d(x.detach(), w.detach(), None, 1, pad, dil),
-            "dwconv fwd+bwd": lambda: torch.autograd.grad(dwconv.depthwise_conv2d(x, w, None, 1, pad, dil), (x, w), g),
-            "eager fwd+bwd": lambda: torch.autograd.grad(F.conv2d(x, w, None, 1, pad, dil, groups=shape[1]), (x, w), g),
-        }
+        runs = make_runs(x, w, g, pad, dil)
         for name, fn in runs.items():
             host, wall = per_call_us(fn)
             print(f"{shape} k{k} p{pad} d{dil} {name:16s} host {host:7.1f} us  wall {wall:7.1f} us", flush=True)

@@ -9,7 +9,8 @@ import torch
 
 import dwconv
 from dwconv._geometry import conv_geometry
-from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config, odd_rows_alignable, output_memory_format
+from dwconv.ops.forward import (ForwardConfig, _forward_plan, conv_forward, forward_config, odd_rows_alignable,
+                                output_memory_format)
 from helpers import CONV_OPTIONS as OPTIONS, DEVICE, DTYPES, assert_close, poisoned, randn, reference_conv
 
 KERNELS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (7, 7), (1, 3), (3, 1), (5, 3)]
@@ -160,6 +161,29 @@ def test_row_sliding_window_odd_rows(dtype, shape, kernel, padding, dilation):
     weight = randn(shape[1], 1, *kernel, dtype=dtype)
     assert odd_rows_alignable(x, conv_geometry(x, weight, None, 1, padding, dilation))
     check(x, weight, randn(shape[1], dtype=dtype), 1, padding, dilation, config=ForwardConfig("rows", 5, 16, 1, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape,kernel,padding,dilation,block_w",
+    [
+        ((2, 2, 10, 24), (3, 3), 0, 1, 16),  # #84's case: 22-wide output rows, two column strips
+        ((1, 3, 12, 28), (3, 7), (1, 0), 1, 32),  # a window of four vectors
+        ((1, 2, 10, 28), (3, 3), 0, 3, 16),  # dilation: ring of 8
+        ((1, 2, 8, 24), (5, 5), 1, 1, 8),  # padding: the window starts left of the row
+    ],
+    ids=str,
+)
+def test_row_sliding_odd_output_rows(dtype, shape, kernel, padding, dilation, block_w):
+    """Output rows of 2 mod 4 elements (even height): odd rows are computed 2 columns to the left
+    and stored as aligned vectors, with pairs at the row ends."""
+    x = randn(*shape, dtype=dtype)
+    weight = randn(shape[1], 1, *kernel, dtype=dtype)
+    geom = conv_geometry(x, weight, None, 1, padding, dilation)
+    config = ForwardConfig("rows", 5, block_w, 1, 4)
+    plan = _forward_plan(geom, config, x, poisoned(geom.output_shape, dtype), True, None)
+    assert plan.constants["ODD_OUT_ALIGN"] == 1, "the aligned odd-row stores are not in use"
+    check(x, weight, randn(shape[1], dtype=dtype), 1, padding, dilation, config=config)
 
 
 def test_default_config_is_valid():

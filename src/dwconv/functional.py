@@ -73,10 +73,10 @@ class _DepthwiseConv2dFunction(torch.autograd.Function):
         want_bias = ctx.has_bias and ctx.needs_input_grad[2]
         # The fused pass does not sum grad_out for the bias; a separate sum would read grad_out
         # again, about what the fused pass saves, so with a bias gradient the two kernels run.
-        if (ops.FUSED_BACKWARD and ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not want_bias
-                and ops.fused_backward_applies(geom, input, grad_out)):
-            grad_input, grad_weight = ops.conv_grad_input_and_weight(grad_out, input, weight, geom)
-            return grad_input, grad_weight, None, None
+        if ops.FUSED_BACKWARD and ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not want_bias:
+            fused = ops.fused_backward_launch(geom, input, grad_out)
+            if fused is not None:
+                return (*ops.conv_grad_input_and_weight(grad_out, input, weight, geom, fused), None, None)
         # grad_weight first: its partial sums are freed before grad_input is allocated, so the
         # peak stays at PyTorch's (grad_input + grad_weight beside the saved tensors).
         if ctx.needs_input_grad[1] or want_bias:

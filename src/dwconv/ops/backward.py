@@ -13,6 +13,7 @@ sums of grad_weight are added in a fixed order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
+from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
 from .forward import (_ACC_DTYPES, _load_row_window, _needs_int64, _row_under_tap, _stride_unit, conv_forward,
                       ForwardConfig, forward_config, launch_forward, output_memory_format, window_layout)
 
@@ -143,6 +145,7 @@ def depthwise_grad_weight_kernel(
     tl.store(partial_ptr + (out_c * splits + split) * TAPS + tap_ids, sums, mask=tap_ids < KH * KW + BIAS_GRAD)
 
 
+@functools.lru_cache(maxsize=1024)
 def input_grad_geometry(geom: ConvGeometry) -> ConvGeometry:
     """For stride 1: grad_input = forward conv of grad_out (out_h x out_w) with the flipped weight,
     padded by (K-1)*dilation - pad before (negative: cropped), giving in_h x in_w."""
@@ -157,7 +160,6 @@ def input_grad_geometry(geom: ConvGeometry) -> ConvGeometry:
     )
 
 
-# The fused backward is correct (tests) but not yet timed on the GPU: off until a sweep shows it faster.
 # Session-3 sweep: #84 backward 4.5 ms as two kernels -> 3.41 ms fused (fp32), 2.8 -> 2.16 ms (bf16).
 FUSED_BACKWARD = True
 
@@ -165,12 +167,26 @@ FUSED_BACKWARD = True
 def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
     """Whether grad_input and grad_weight can come from one pass (the rows kernel on grad_out):
     stride 1, multiplier 1, padding within the kernel's reach (every grad_out row is visited)."""
+    return fused_backward_launch(geom, x, grad_out) is not None
+
+
+def fused_backward_launch(geom: ConvGeometry, x: torch.Tensor, grad_out: torch.Tensor) -> Optional[ForwardConfig]:
+    """The fused backward's launch configuration, or None where it does not apply (cached per layout)."""
+    return cached_plan(_FUSED_LAUNCHES, (geom, layout_key(x), layout_key(grad_out)),
+                       lambda: _fused_backward_launch(geom, x, grad_out))
+
+
+_FUSED_LAUNCHES: dict = {}
+
+
+def _fused_backward_launch(geom: ConvGeometry, x: torch.Tensor, grad_out: torch.Tensor) -> Optional[ForwardConfig]:
     if not (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and x.stride(3) == 1):
-        return False
+        return None
     gi_geom = input_grad_geometry(geom)
     if min(gi_geom.pad_top, gi_geom.pad_bottom, gi_geom.pad_left, gi_geom.pad_right) < 0:
-        return False
-    return fused_backward_config(gi_geom, grad_out).kernel == "rows"
+        return None
+    config = fused_backward_config(gi_geom, grad_out)
+    return config if config.kernel == "rows" else None
 
 
 def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> ForwardConfig:
@@ -190,11 +206,11 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
                                config=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused backward (see fused_backward_applies): grad_input and grad_weight from one read of
     grad_out and x. Partial sums per program, added per channel in a fixed order."""
-    gi_geom = input_grad_geometry(geom)
     if config is None:
-        config = fused_backward_config(gi_geom, grad_out)
+        config = fused_backward_launch(geom, x, grad_out)
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
-    dx, partial = launch_forward(grad_out, weight.flip(2, 3), None, gi_geom, config, out=dx, weight_grad_from=x)
+    dx, partial = launch_forward(grad_out, weight.flip(2, 3), None, input_grad_geometry(geom), config, out=dx,
+                                 weight_grad_from=x)
     taps = geom.kernel_h * geom.kernel_w
     grad_w = partial.view(geom.batch, geom.out_channels, -1, partial.shape[1])[..., :taps].sum(dim=(0, 2))
     return dx, grad_w.view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight.dtype)
@@ -213,18 +229,28 @@ def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeom
         return dx.zero_()
     if geom.stride_h == 1 and geom.stride_w == 1 and geom.multiplier == 1:
         return conv_forward(grad_out, weight.flip(2, 3), None, input_grad_geometry(geom), out=dx)
+    plan = cached_plan(_GRAD_INPUT_PLANS, (geom, layout_key(grad_out), layout_key(dx)),
+                       lambda: _grad_input_plan(geom, grad_out, dx))
+    depthwise_grad_input_tile_kernel[plan.grid](grad_out, weight.contiguous(), dx, *plan.scalars, **plan.constants)
+    return dx
+
+
+_GRAD_INPUT_PLANS: dict = {}
+
+
+def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> LaunchPlan:
     block_w = min(64, next_power_of_2(geom.in_w)) if grad_out.is_cuda else min(32, next_power_of_2(geom.in_w))
     block_h = max(1, min(next_power_of_2(geom.in_h), (256 if grad_out.is_cuda else 1024) // block_w))
     tiles = cdiv(geom.in_h, block_h) * cdiv(geom.in_w, block_w)
     index_64 = _needs_int64(grad_out, (geom.out_h, geom.out_w)) or _needs_int64(dx, (geom.in_h, geom.in_w))
-    depthwise_grad_input_tile_kernel[(geom.batch * geom.in_channels * tiles,)](
-        grad_out, weight.contiguous(), dx, geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w,
-        *grad_out.stride(), *dx.stride(), geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w,
+    scalars = (geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *grad_out.stride(), *dx.stride(),
+               geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
+    constants = dict(
         STRIDE_H=geom.stride_h, STRIDE_W=geom.stride_w, MULTIPLIER=geom.multiplier, KH=geom.kernel_h,
-        KW=geom.kernel_w, INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h, BLOCK_W=block_w,
-        num_warps=max(1, min(8, block_h * block_w // 64)),
+        KW=geom.kernel_w, INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h,
+        BLOCK_W=block_w, num_warps=max(1, min(8, block_h * block_w // 64)),
     )
-    return dx
+    return LaunchPlan(False, (geom.batch * geom.in_channels * tiles,), scalars, constants)
 
 
 @dataclass(frozen=True)
@@ -259,35 +285,45 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias (C*m,)."""
     taps = geom.kernel_h * geom.kernel_w
-    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     if grad_out.numel() == 0:
         grad_w = torch.zeros((geom.out_channels, 1, geom.kernel_h, geom.kernel_w), device=x.device, dtype=weight_dtype)
         return grad_w, (torch.zeros(geom.out_channels, device=x.device, dtype=weight_dtype) if bias_grad else None)
+    plan = cached_plan(_GRAD_WEIGHT_PLANS, (geom, config, layout_key(grad_out), layout_key(x), bool(bias_grad)),
+                       lambda: _grad_weight_plan(geom, config, grad_out, x, bool(bias_grad)))
+    partial = new_partial(plan, x.device)
+    depthwise_grad_weight_kernel[plan.grid](grad_out, x, partial, *plan.scalars, **plan.constants)
+    # Fixed-order reductions over the splits (deterministic), each one op into a fresh tensor.
+    grad_w = partial[:, :, :taps].sum(dim=1).view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w)
+    grad_b = partial[:, :, taps].sum(dim=1).to(weight_dtype) if bias_grad else None
+    return grad_w.to(weight_dtype), grad_b
+
+
+_GRAD_WEIGHT_PLANS: dict = {}
+
+
+def _grad_weight_plan(geom: ConvGeometry, config: Optional[GradWeightConfig], grad_out: torch.Tensor,
+                      x: torch.Tensor, bias_grad: bool) -> LaunchPlan:
     if config is None:
         config = grad_weight_config(geom, x)
     vec, block_w = config.vec, config.block_w
     total_rows = geom.batch * geom.out_h
     splits = max(1, min(config.splits, cdiv(total_rows, config.rows) * cdiv(geom.out_w, block_w)))
-    padded_taps = next_power_of_2(taps + int(bias_grad))
-    # NaN-filled (a few KB): a partial sum no program wrote would poison the result, not pass silently
-    partial = torch.full((geom.out_channels, splits, padded_taps), float("nan"), device=x.device, dtype=acc_dtype)
+    padded_taps = next_power_of_2(geom.kernel_h * geom.kernel_w + int(bias_grad))
     assert vec == 1 or (geom.stride_w == 1 and x.stride(3) == 1), "vec > 1 needs unit column steps"
     window_off, window_lane0, window_vecs = window_layout(geom, vec)
     x_unit = _stride_unit(x, vec, geom.in_w)
     g_unit = _stride_unit(grad_out, vec, geom.out_w)
     index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(grad_out, (geom.out_h, geom.out_w))
-    depthwise_grad_weight_kernel[(geom.out_channels * splits,)](
-        grad_out, x, partial, geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h,
-        geom.out_w // g_unit, total_rows, splits,
-        *[s // x_unit for s in x.stride()[:3]], x.stride(3), *[s // g_unit for s in grad_out.stride()[:3]],
-        grad_out.stride(3), geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left,
+    scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // g_unit, total_rows, splits,
+               *[s // x_unit for s in x.stride()[:3]], x.stride(3), *[s // g_unit for s in grad_out.stride()[:3]],
+               grad_out.stride(3), geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left)
+    constants = dict(
         MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, DILATION_H=geom.dilation_h,
-        DILATION_W=geom.dilation_w, BIAS_GRAD=bool(bias_grad), INDEX_64=index_64,
+        DILATION_W=geom.dilation_w, BIAS_GRAD=bias_grad, INDEX_64=index_64,
         ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), TAPS=padded_taps, BLOCK_W=block_w, VEC=vec,
         WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, G_UNIT=g_unit,
         ROWS=config.rows, num_warps=config.num_warps,
     )
-    # Fixed-order reductions over the splits (deterministic), each one op into a fresh tensor.
-    grad_w = partial[:, :, :taps].sum(dim=1).view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w)
-    grad_b = partial[:, :, taps].sum(dim=1).to(weight_dtype) if bias_grad else None
-    return grad_w.to(weight_dtype), grad_b
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return LaunchPlan(False, (geom.out_channels * splits,), scalars, constants,
+                      (geom.out_channels, splits, padded_taps), acc_dtype)

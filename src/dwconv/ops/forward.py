@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
+from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
 
 
 @triton.jit
@@ -225,7 +226,7 @@ def depthwise_fwd_rows_kernel(
     SLOTS: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
     VEC: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
     X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, ODD_ROW_ALIGN: tl.constexpr, PAD_TOP_ODD: tl.constexpr,
-    WEIGHT_GRAD: tl.constexpr, F_UNIT: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr, F_UNIT: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr = 0,
 ):
     """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
     loading each input row once and adding it into the partial sums of every output row it
@@ -248,6 +249,12 @@ def depthwise_fwd_rows_kernel(
     flipped tap KW-1-kw pairs with f at the program's own columns, so the program adds those
     products into per-tap registers: grad_weight[kh, kw] partial sums, stored per program in
     partial[pid, TAPS]. Each grad_out row is counted by one chunk only.
+
+    ODD_OUT_ALIGN (VEC 4; output rows of 2 mod 4 elements in planes of whole vectors, even SLOTS):
+    odd output rows start 2 elements past a vector boundary, so on odd rows (odd slots) group g
+    holds columns 4g-2 .. 4g+1 instead of 4g .. 4g+3 (views 2 lanes to the left in a window one
+    vector wider) and stores them as one aligned vector; the 2-column pieces at the row ends go
+    out as pairs.
     """
     in_w = in_w * X_UNIT
     out_w = out_w * Y_UNIT
@@ -280,6 +287,11 @@ def depthwise_fwd_rows_kernel(
     if ODD_ROW_ALIGN > 0:  # element offset of the plane: a multiple of 4 (written so the compiler sees it)
         x_plane_offset = (((plane // out_channels).to(tl.int64) * x_stride_n
                            + ((plane % out_channels) // MULTIPLIER).to(tl.int64) * x_stride_c) * X_UNIT // 4) * 4
+
+    if ODD_OUT_ALIGN > 0:
+        odd_slots = (slots % 2) == 1  # slot parity is output row parity (SLOTS is even)
+        y_plane_offset = (((plane // out_channels).to(tl.int64) * y_stride_n
+                           + (plane % out_channels).to(tl.int64) * y_stride_c) * Y_UNIT // 4) * 4
 
     acc = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE)
     finished = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE)
@@ -321,6 +333,8 @@ def depthwise_fwd_rows_kernel(
             for kw in tl.static_range(KW):
                 x = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
                                    kw, DILATION_W, WINDOW_LANE0 + ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), VEC)
+                if ODD_OUT_ALIGN > 0:  # odd output rows: the view 2 columns to the left
+                    x = tl.where(odd_slots, _window_view(w0, w1, w2, w3, WINDOW_LANE0 - 2 + kw * DILATION_W, VEC), x)
                 tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=2, keep_dims=True)
                 acc += tl.where(tap_ok, tap_weight, 0.0) * x.to(ACC_DTYPE)
             if WEIGHT_GRAD:  # this chunk counts padded rows [first_row, last_row), the last one the rest
@@ -343,9 +357,19 @@ def depthwise_fwd_rows_kernel(
         # from issuing the next row's loads early (x and y might alias), one row in flight at a time.
         # Slot s finished out row j0 - reach + ((s + reach) % SLOTS), as j0 is a multiple of SLOTS.
         done = zero + (j0 - reach) + (slots + reach) % SLOTS  # 64-bit when INDEX_64
-        store_ok = col_ok & (done >= first_row) & (done < last_row)
-        tl.store(y_base + done * (y_stride_h * Y_UNIT) + out_cols * y_stride_w,
-                 (finished + bias).to(y_ptr.dtype.element_ty), mask=store_ok)
+        if ODD_OUT_ALIGN > 0:  # rows addressed from the vector boundary at or below their start
+            y_row = y_ptr + ((y_plane_offset + done * (y_stride_h * Y_UNIT)) // 4) * 4
+            first = group_cols - 2 * odd_slots  # the row column of the group's lane 0
+            rows_ok = (done >= first_row) & (done < last_row)
+            whole = rows_ok & (first >= 0) & (first + VEC <= out_w)  # uniform over each vector
+            tl.store(y_row + out_cols, (finished + bias).to(y_ptr.dtype.element_ty), mask=whole)
+            pair_first = first + (lanes // 2) * 2  # the row ends: pairs (the width is even)
+            ends = rows_ok & ((first < 0) | (first + VEC > out_w)) & (pair_first >= 0) & (pair_first + 2 <= out_w)
+            tl.store(y_row + out_cols, (finished + bias).to(y_ptr.dtype.element_ty), mask=ends)
+        else:
+            store_ok = col_ok & (done >= first_row) & (done < last_row)
+            tl.store(y_base + done * (y_stride_h * Y_UNIT) + out_cols * y_stride_w,
+                     (finished + bias).to(y_ptr.dtype.element_ty), mask=store_ok)
     if WEIGHT_GRAD:
         tap_ids = tl.arange(0, TAPS)
         tl.store(partial_ptr + pid.to(tl.int64) * TAPS + tap_ids, tl.sum(tl.sum(weight_grad, axis=2), axis=1),
@@ -408,13 +432,14 @@ def _needs_int64(t: torch.Tensor, sizes) -> bool:
     return extent >= 2**31 - 1
 
 
-def window_layout(geom: ConvGeometry, vec: int, max_shift: int = 0):
+def window_layout(geom: ConvGeometry, vec: int, max_shift: int = 0, left_shift: int = 0):
     """(window_off, window_lane0, window_vecs) of the rows kernels' VEC-wide windows: a window starts
     at the aligned column group_start - window_off (- a row's shift, up to max_shift) and covers lanes
-    window_lane0 (+ shift) .. + (KW-1)*dilation_w + vec - 1 in window_vecs vectors (at most four)."""
+    window_lane0 (+ shift) .. + (KW-1)*dilation_w + vec - 1 in window_vecs vectors (at most four).
+    left_shift: views may also start that many lanes left of window_lane0 (odd output rows)."""
     if vec == 1:
         return 0, 0, 1
-    window_off = cdiv(geom.pad_left, vec) * vec
+    window_off = cdiv(geom.pad_left + left_shift, vec) * vec
     window_lane0 = window_off - geom.pad_left
     window_vecs = cdiv(window_lane0 + max_shift + (geom.kernel_w - 1) * geom.dilation_w + vec, vec)
     assert window_vecs <= 4, "the window holds at most four vectors"
@@ -426,6 +451,17 @@ def odd_rows_alignable(x: torch.Tensor, geom: ConvGeometry) -> bool:
     the rows kernel with an even ring: odd rows are 2 elements off a vector boundary, statically."""
     return (x.is_contiguous() and geom.in_w % 4 == 2 and geom.in_h % 2 == 0 and ring_size(geom) % 2 == 0
             and geom.stride_w == 1 and x.data_ptr() % 16 == 0)
+
+
+def odd_out_rows_alignable(out: torch.Tensor, geom: ConvGeometry) -> bool:
+    """Contiguous NCHW output rows of 2 mod 4 elements in planes of whole 4-vectors (even height),
+    written by the rows kernel with an even ring: odd rows are 2 elements off a vector boundary."""
+    return (out.is_contiguous() and geom.out_w % 4 == 2 and geom.out_h % 2 == 0 and ring_size(geom) % 2 == 0
+            and out.data_ptr() % 16 == 0)
+
+
+# Aligned stores on odd output rows (the kernel's ODD_OUT_ALIGN); a switch so the sweep can time both.
+ODD_OUT_ALIGN = True
 
 
 def _stride_unit(t: torch.Tensor, vec: int, width: int) -> int:
@@ -466,59 +502,73 @@ def launch_forward(
                           memory_format=output_memory_format(x))
     if out.numel() == 0:
         return out, None
-    if config is None:
-        config = forward_config(geom, x)
+    fused = weight_grad_from is not None
+    key = (geom, config, layout_key(x), layout_key(out), bias is not None,
+           layout_key(weight_grad_from) if fused else None, ODD_OUT_ALIGN)
+    plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
+                                                                  weight_grad_from))
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
+    if not plan.rows:
+        depthwise_fwd_tile_kernel[plan.grid](x, weight, bias_arg, out, *plan.scalars, **plan.constants)
+        return out, None
+    partial = new_partial(plan, x.device) if fused else None
+    depthwise_fwd_rows_kernel[plan.grid](
+        x, weight, bias_arg, out, weight_grad_from if fused else out, partial if fused else out,
+        *plan.scalars, **plan.constants)
+    return out, partial
+
+
+_FORWARD_PLANS: dict = {}
+
+
+def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.Tensor, out: torch.Tensor,
+                  has_bias: bool, features: Optional[torch.Tensor]) -> LaunchPlan:
+    """Grid and arguments of one forward launch (see launch_forward); features: the fused
+    backward's input, whose weight gradient the rows kernel also accumulates."""
+    if config is None:
+        config = forward_config(geom, x)
     index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(out, (geom.out_h, geom.out_w))
     planes = geom.batch * geom.out_channels
     tiles_w = cdiv(geom.out_w, config.block_w)
     common = dict(
-        MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=bias is not None,
+        MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=has_bias,
         INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), BLOCK_W=config.block_w,
         num_warps=config.num_warps,
     )
-    sizes = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride())
-    partial = None
-    if config.kernel == "rows":
-        assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
-        chunks = cdiv(geom.out_h, config.block_h)
-        vec = config.vec
-        assert vec == 1 or (vec in (4, 8) and geom.stride_w == 1 and x.stride(3) == 1), "vec 4 needs unit column steps"
-        x_unit = _stride_unit(x, vec, geom.in_w)
-        odd_row_align = int(vec == 4 and x_unit == 2 and odd_rows_alignable(x, geom))
-        window_off, window_lane0, window_vecs = window_layout(geom, vec, 2 if odd_row_align else 0)
-        y_unit = _stride_unit(out, vec, geom.out_w)
-        x_strides = [s // x_unit for s in x.stride()[:3]] + [x.stride(3)]
-        y_strides = [s // y_unit for s in out.stride()[:3]] + [out.stride(3)]
-        programs = planes * chunks * tiles_w
-        taps = next_power_of_2(geom.kernel_h * geom.kernel_w)
-        features, f_unit = out, 1  # placeholders when WEIGHT_GRAD is off
-        if weight_grad_from is not None:
-            assert geom.multiplier == 1 and geom.stride_w == 1 and weight_grad_from.shape == out.shape
-            assert weight_grad_from.stride(3) == 1, "the fused backward reads the input with unit column steps"
-            features = weight_grad_from
-            f_unit = _stride_unit(features, vec, geom.out_w)
-            acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-            partial = torch.full((programs, taps), float("nan"), device=x.device, dtype=acc_dtype)
-        depthwise_fwd_rows_kernel[(programs,)](
-            x, weight, bias_arg, out, features, partial if partial is not None else out,
-            geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h,
-            geom.out_w // y_unit, *x_strides, *y_strides, *[s // f_unit for s in features.stride()[:3]],
-            geom.stride_w, geom.pad_top, geom.pad_left, config.block_h,
-            DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, SLOTS=ring_size(geom),
-            TAPS=taps, VEC=vec, WINDOW_OFF=window_off,
-            WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
-            ODD_ROW_ALIGN=odd_row_align, PAD_TOP_ODD=geom.pad_top % 2,
-            WEIGHT_GRAD=weight_grad_from is not None, F_UNIT=f_unit,
-            **common,
-        )
-    else:
-        assert weight_grad_from is None, "the fused backward runs on the rows kernel"
+    if config.kernel != "rows":
+        assert features is None, "the fused backward runs on the rows kernel"
         tiles = cdiv(geom.out_h, config.block_h) * tiles_w
-        depthwise_fwd_tile_kernel[(planes * tiles,)](
-            x, weight, bias_arg, out, *sizes,
-            geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w,
-            UNROLL_KH=geom.kernel_h * geom.kernel_w <= 64, BLOCK_H=config.block_h, **common,
-        )
-    return out, partial
+        scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
+                   geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
+        return LaunchPlan(False, (planes * tiles,), scalars,
+                          dict(UNROLL_KH=geom.kernel_h * geom.kernel_w <= 64, BLOCK_H=config.block_h, **common))
+    assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
+    chunks = cdiv(geom.out_h, config.block_h)
+    vec = config.vec
+    assert vec == 1 or (vec in (4, 8) and geom.stride_w == 1 and x.stride(3) == 1), "vec 4 needs unit column steps"
+    x_unit = _stride_unit(x, vec, geom.in_w)
+    odd_row_align = int(vec == 4 and x_unit == 2 and odd_rows_alignable(x, geom))
+    y_unit = _stride_unit(out, vec, geom.out_w)
+    odd_out_align = int(ODD_OUT_ALIGN and vec == 4 and x_unit == 4 and y_unit == 2 and features is None
+                        and odd_out_rows_alignable(out, geom))
+    window_off, window_lane0, window_vecs = window_layout(geom, vec, 2 if odd_row_align else 0, 2 * odd_out_align)
+    programs = planes * chunks * tiles_w
+    taps = next_power_of_2(geom.kernel_h * geom.kernel_w)
+    f_strides, f_unit, partial_shape = out.stride(), 1, None  # placeholders when WEIGHT_GRAD is off
+    if features is not None:
+        assert geom.multiplier == 1 and geom.stride_w == 1 and features.shape == out.shape
+        assert features.stride(3) == 1, "the fused backward reads the input with unit column steps"
+        f_strides, f_unit, partial_shape = features.stride(), _stride_unit(features, vec, geom.out_w), (programs, taps)
+    scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // y_unit,
+               *[s // x_unit for s in x.stride()[:3]], x.stride(3), *[s // y_unit for s in out.stride()[:3]],
+               out.stride(3), *[s // f_unit for s in f_strides[:3]], geom.stride_w, geom.pad_top, geom.pad_left,
+               config.block_h)
+    constants = dict(
+        DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, SLOTS=ring_size(geom), TAPS=taps, VEC=vec,
+        WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
+        ODD_ROW_ALIGN=odd_row_align, PAD_TOP_ODD=geom.pad_top % 2, WEIGHT_GRAD=features is not None, F_UNIT=f_unit,
+        ODD_OUT_ALIGN=odd_out_align, **common,
+    )
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return LaunchPlan(True, (programs,), scalars, constants, partial_shape, acc_dtype)

@@ -1,0 +1,39 @@
+"""Developer probe (session 3): #84's forward with and without aligned stores on odd output rows
+(`dwconv.ops.forward.ODD_OUT_ALIGN`): its output rows are 510 elements, so odd rows start 8 bytes
+past a 16-byte boundary. Also the same convolution with 512-wide output rows (padding (0, 1)), whose
+stores are all aligned, as the bound to compare with.
+
+    PYTHONPATH=src python benchmarks/probe_odd_out.py
+"""
+
+import statistics
+
+import torch
+
+import dwconv.ops.forward as forward
+from dwconv._geometry import conv_geometry
+from dwconv.bench import Timer, measure_copy
+from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
+
+timer = Timer(warmup=2, iters=20)
+copy = measure_copy(timer)
+print(f"copy {copy:.0f} GB/s")
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(64, 128, 256, 512, device="cuda", dtype=dtype)
+    w = torch.randn(128, 1, 3, 3, device="cuda", dtype=dtype)
+    for pad in (0, (0, 1)):
+        geom = conv_geometry(x, w, None, 1, pad, 1)
+        out = torch.empty(geom.output_shape, device="cuda", dtype=dtype)
+        ref = torch.nn.functional.conv2d(x[:2].float(), w.float(), None, 1, pad, 1, groups=128)
+        nbytes = (x.numel() + out.numel()) * x.element_size()
+        for aligned in ((True, False) if pad == 0 else (True,)):
+            forward.ODD_OUT_ALIGN = aligned
+            for cfg in (forward_config(geom, x), ForwardConfig("rows", 128, 512, 4, 4)):
+                out.fill_(float("nan"))
+                conv_forward(x, w, None, geom, cfg, out=out)
+                err = (out[:2].float() - ref).abs().max().item()
+                ms = statistics.fmean(timer(lambda: conv_forward(x, w, None, geom, cfg, out=out)))
+                print(f"{str(dtype)[6:]} pad {pad} odd-row stores aligned {aligned!s:5}: {ms:.3f} ms "
+                      f"{100 * nbytes / ms / 1e6 / copy:5.1f}% (err {err:.2g})  {cfg}", flush=True)
+        del out
+    forward.ODD_OUT_ALIGN = True

@@ -1,0 +1,52 @@
+"""Launch plans: everything a kernel launch needs besides the tensors, computed once per geometry
+and tensor layout and then looked up.
+
+Small layers are bound by host time per call (docs/notes.md, session 3: ~600 us of CPU for a
+forward+backward whose kernels take ~0.26 ms), so the launchers do their arithmetic (kernel
+choice, block sizes, 64-bit indexing, alignment units, grid, argument lists) once. A plan depends
+only on what `layout_key` captures: shapes, strides, dtype, device type and the 16-byte alignment
+of the data pointer, which are also what Triton specialises a kernel on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Hashable, Optional, Tuple, TypeVar
+
+import torch
+
+T = TypeVar("T")
+_PLAN_LIMIT = 4096  # distinct (geometry, layout) pairs kept; past it the cache starts over
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    rows: bool  # the forward's row-sliding kernel (more tensor arguments than the others)
+    grid: Tuple[int, ...]
+    scalars: Tuple[int, ...]  # runtime arguments after the tensors
+    constants: Dict[str, object] = field(default_factory=dict)  # constexpr arguments, num_warps
+    partial_shape: Optional[Tuple[int, ...]] = None  # float32 partial sums the launch writes, if any
+    partial_dtype: torch.dtype = torch.float32
+
+
+def layout_key(t: torch.Tensor) -> Hashable:
+    return (t.shape, t.stride(), t.dtype, t.device.type, t.data_ptr() % 16)
+
+
+_MISSING = object()
+
+
+def cached_plan(cache: dict, key: Hashable, build: Callable[[], T]) -> T:
+    """cache[key], built on first use (a plan, or any value that depends only on the key)."""
+    plan = cache.get(key, _MISSING)
+    if plan is _MISSING:
+        if len(cache) >= _PLAN_LIMIT:
+            cache.clear()
+        plan = cache[key] = build()
+    return plan
+
+
+def new_partial(plan: LaunchPlan, device: torch.device) -> torch.Tensor:
+    """NaN-filled (a few KB to MB): a partial sum no program wrote poisons the result instead of
+    passing silently."""
+    return torch.full(plan.partial_shape, float("nan"), device=device, dtype=plan.partial_dtype)
