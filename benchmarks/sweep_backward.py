@@ -101,7 +101,7 @@ def main():
             print(f"    grad_weight {ms:.4f} ms {100 * nbytes / ms / 1e6 / copy_gbps:5.1f}% copy  {cfg}")
         d = [r for r in results if r[1] == default]
         print(f"    default {d[0][0]:.4f} ms {default}" if d else f"    default {default} not in sweep", flush=True)
-        if fused_backward_applies(geom, x, grad_out):  # one pass for grad_input and grad_weight
+        if fused_backward_applies(geom, x):  # one pass for grad_input and grad_weight
             gi_geom = input_grad_geometry(geom)
             fused_configs = {fused_backward_config(gi_geom, grad_out)}
             for bw, warps, vec in ((256, 2, 4), (256, 1, 4), (128, 1, 4), (128, 2, 1), (64, 1, 1)):

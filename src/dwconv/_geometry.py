@@ -25,6 +25,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
+    n = int(n)  # (a SymInt while torch.compile traces the backward formula)
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
@@ -108,8 +109,11 @@ def conv_geometry(
     stride: IntOrPair = 1,
     padding: Padding = 0,
     dilation: IntOrPair = 1,
+    sides: Optional[Sequence[int]] = None,
 ) -> ConvGeometry:
-    """Checks a depthwise conv2d call (groups == input channels) and returns its geometry."""
+    """Checks a depthwise conv2d call (groups == input channels) and returns its geometry.
+    sides: explicit (top, bottom, left, right) padding in place of `padding` (the registered ops
+    take padding resolved this way, since 'same' may be asymmetric)."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if not isinstance(weight, torch.Tensor):
@@ -160,7 +164,12 @@ def conv_geometry(
     if min(dilation_hw) < 1:
         raise ValueError(f"dilation must be >= 1, got {dilation!r}")
     kernel = (kernel_h, kernel_w)
-    top, bottom, left, right = _resolve_padding(padding, kernel, stride_hw, dilation_hw)
+    if sides is None:
+        top, bottom, left, right = _resolve_padding(padding, kernel, stride_hw, dilation_hw)
+    else:
+        top, bottom, left, right = (int(v) for v in sides)
+        if min(top, bottom, left, right) < 0:
+            raise ValueError(f"padding must be non-negative, got {tuple(sides)}")
 
     span_h = dilation_hw[0] * (kernel_h - 1) + 1
     span_w = dilation_hw[1] * (kernel_w - 1) + 1

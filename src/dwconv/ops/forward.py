@@ -393,15 +393,20 @@ def ring_size(geom: ConvGeometry) -> int:
     return next_power_of_2(geom.dilation_h * (geom.kernel_h - 1) + 1)
 
 
+def rows_kernel_fits(geom: ConvGeometry) -> bool:
+    """Where the GPU runs the row-sliding kernel. Rows need a ring of register rows: fine up to 8
+    rows of 25 taps (k5, or k3 with dilation 2); beyond that (k7: 8 x 49 weights a phase) the tile
+    kernel is faster (session 2 sweep)."""
+    ring_fits = ring_size(geom) <= 4 or (ring_size(geom) <= 8 and geom.kernel_h * geom.kernel_w <= 25)
+    return geom.stride_h == 1 and ring_fits and geom.out_w >= 32
+
+
 def forward_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     """Picks the kernel and block sizes for a geometry and input (measured choices: docs/notes.md)."""
     if x.device.type != "cuda":  # interpreter: each program costs ~the same, so one tile per plane
         return ForwardConfig("tile", min(32, next_power_of_2(geom.out_h)),
                              min(32, next_power_of_2(geom.out_w)), 4)
-    # Rows need a ring of register rows: fine up to 8 rows of 25 taps (k5, or k3 with dilation 2);
-    # beyond that (k7: 8 x 49 weights a phase) the tile kernel is faster (session 2 sweep).
-    ring_fits = ring_size(geom) <= 4 or (ring_size(geom) <= 8 and geom.kernel_h * geom.kernel_w <= 25)
-    if geom.stride_h == 1 and ring_fits and geom.out_w >= 32:
+    if rows_kernel_fits(geom):
         rows = 128 if geom.out_h >= 128 else 32
         # Wide rows: 4-column windows, two a thread, whatever the dtype (session 2 sweep: #84 fp32
         # 2.34 ms, bf16 1.19 ms; VEC 8 was slower for bf16). Narrow rows leave threads idle there,

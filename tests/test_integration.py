@@ -1,0 +1,254 @@
+"""PyTorch integration: the registered custom ops (opcheck, fake tensors), torch.compile without
+graph breaks, autocast, CUDA graphs (GPU only) and dwconv.convert.
+
+On a machine without CUDA the ops run the Triton kernels under TRITON_INTERPRET=1 and
+torch.compile uses the aot_eager backend (no Inductor code generation for CPU Triton kernels);
+with CUDA the compile tests use the default (Inductor) backend and CUDA graphs.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import dwconv
+from dwconv import _library  # noqa: F401  (registers torch.ops.dwconv)
+from dwconv._geometry import conv_geometry
+from dwconv._library import conv_arguments
+from helpers import DEVICE, assert_close, randn
+
+GPU = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")
+BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
+
+
+def op_arguments(x, weight, bias, stride=1, padding=0, dilation=1):
+    return (x, weight, bias, *conv_arguments(conv_geometry(x, weight, bias, stride, padding, dilation)))
+
+
+CASES = [  # (shape, kernel, multiplier, stride, padding, dilation, channels_last)
+    ((2, 3, 9, 10), (3, 3), 1, 1, 1, 1, False),
+    ((1, 2, 8, 11), (2, 4), 2, 1, "same", 1, False),  # asymmetric padding, multiplier 2
+    ((2, 3, 9, 9), (3, 3), 1, 2, 1, 1, True),  # stride 2, channels_last
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_opcheck(case):
+    """Schema, fake tensors, autograd registration and AOT dispatch of the forward op."""
+    shape, kernel, multiplier, stride, padding, dilation, channels_last = case
+    x = randn(*shape)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = randn(shape[1] * multiplier, 1, *kernel)
+    args = op_arguments(x.requires_grad_(), weight.requires_grad_(), randn(shape[1] * multiplier).requires_grad_(),
+                        stride, padding, dilation)
+    torch.library.opcheck(torch.ops.dwconv.conv2d.default, args)
+
+
+def test_opcheck_backward_ops():
+    x, weight = randn(2, 3, 9, 34), randn(3, 1, 3, 3)
+    stride, padding, dilation = conv_arguments(conv_geometry(x, weight, None, 1, 1, 1))
+    grad_out = randn(2, 3, 9, 34)
+    for op, extra in ((torch.ops.dwconv.conv2d_grad_input.default, ()),
+                      (torch.ops.dwconv.conv2d_grad_weight.default, (True,)),
+                      (torch.ops.dwconv.conv2d_grad_weight.default, (False,)),
+                      (torch.ops.dwconv.conv2d_grad_input_weight.default, ())):
+        torch.library.opcheck(op, (grad_out, x, weight, stride, padding, dilation, *extra),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_fake_tensor_shapes_and_strides(case):
+    """The fake implementations give the real outputs' shapes, strides and dtypes."""
+    shape, kernel, multiplier, stride, padding, dilation, channels_last = case
+    x = randn(*shape, dtype=torch.float16)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = randn(shape[1] * multiplier, 1, *kernel, dtype=torch.float16)
+    args = op_arguments(x, weight, None, stride, padding, dilation)
+    real = torch.ops.dwconv.conv2d(*args)
+    grad_out = torch.randn_like(real)
+    real_grads = [torch.ops.dwconv.conv2d_grad_input(grad_out, x, weight, *args[3:]),
+                  *torch.ops.dwconv.conv2d_grad_weight(grad_out, x, weight, *args[3:], True)]
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fx, fw, fg = (mode.from_tensor(t) for t in (x, weight, grad_out))
+        fake = torch.ops.dwconv.conv2d(fx, fw, None, *args[3:])
+        fake_grads = [torch.ops.dwconv.conv2d_grad_input(fg, fx, fw, *args[3:]),
+                      *torch.ops.dwconv.conv2d_grad_weight(fg, fx, fw, *args[3:], True)]
+    for name, r, f in zip(("output", "grad_input", "grad_weight", "grad_bias"), [real, *real_grads], [fake, *fake_grads]):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype), name
+
+
+class DepthwiseNet(nn.Module):
+    """Two depthwise layers around a pointwise one, as in a MobileNet block."""
+
+    def __init__(self, channels=4):
+        super().__init__()
+        self.dw1 = nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False)
+        self.pw = nn.Conv2d(channels, 2 * channels, 1)
+        self.dw2 = nn.Conv2d(2 * channels, 2 * channels, (5, 3), stride=(1, 2), padding=(2, 1),
+                             groups=2 * channels)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.dw2(self.act(self.pw(self.act(self.dw1(x))))).mean(dim=(2, 3))
+
+
+def test_compile_fullgraph_forward_and_backward():
+    """No graph break (fullgraph=True); the same values and gradients as eager."""
+    torch.manual_seed(0)
+    model = dwconv.convert(DepthwiseNet().to(DEVICE), verbose=False)
+    compiled = torch.compile(copy.deepcopy(model), fullgraph=True, backend=BACKEND)
+    x = randn(2, 4, 12, 12)
+    eager_out = model(x)
+    eager_out.square().sum().backward()
+    out = compiled(x)
+    out.square().sum().backward()
+    assert_close(out, eager_out.double(), torch.float32, "compiled output")
+    for (name, p), q in zip(model.named_parameters(), compiled.parameters()):
+        assert_close(q.grad, p.grad.double(), torch.float32, f"compiled grad of {name}")
+
+
+def test_compiled_graph_holds_the_custom_ops():
+    """The compiled forward graph calls dwconv::conv2d (not F.conv2d), and the backward its grad ops."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(graph, _):
+            seen.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+            return make_boxed_func(graph.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
+
+    layer = dwconv.DepthwiseConv2d(3, 3, 3, padding=1, bias=False).to(DEVICE)
+    torch.compile(layer, fullgraph=True, backend=backend)(randn(1, 3, 8, 34)).sum().backward()
+    assert any("dwconv.conv2d.default" in s for s in seen), seen
+    assert any("dwconv.conv2d_grad" in s for s in seen), seen
+    assert not any("convolution" in s for s in seen), seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_casts_like_conv2d(dtype):
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    x, weight, bias = randn(2, 3, 9, 10), randn(3, 1, 3, 3), randn(3)
+    with torch.autocast(device_type, dtype=dtype):
+        out = dwconv.depthwise_conv2d(x, weight, bias, 1, 1)
+        ref = F.conv2d(x, weight, bias, 1, 1, 1, 3)
+    assert out.dtype == ref.dtype == dtype
+    assert_close(out, F.conv2d(x.to(dtype).double(), weight.to(dtype).double(), bias.to(dtype).double(), 1, 1, 1, 3),
+                 dtype)
+
+
+@GPU
+def test_cuda_graph_training_step():
+    """A whole training step (forward, backward, optimizer) captured in a CUDA graph and replayed."""
+    torch.manual_seed(0)
+    model = dwconv.convert(DepthwiseNet().cuda(), verbose=False)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    static_x = randn(2, 4, 12, 12)
+
+    def step(m, o, x):
+        o.zero_grad(set_to_none=False)
+        loss = m(x).square().sum()
+        loss.backward()
+        o.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: compile the kernels, fill the allocator's pools
+            step(model, opt, static_x)
+            step(reference, ref_opt, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(model, opt, static_x)
+    for _ in range(3):
+        static_x.copy_(randn(2, 4, 12, 12))
+        graph.replay()
+        ref_loss = step(reference, ref_opt, static_x)
+        assert_close(static_loss, ref_loss.double(), torch.float32, "replayed loss")
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_close(p, q.double(), torch.float32, "parameters after replays")
+
+
+@GPU
+def test_compile_reduce_overhead():
+    torch.manual_seed(0)
+    model = dwconv.convert(DepthwiseNet().cuda(), verbose=False)
+    compiled = torch.compile(copy.deepcopy(model), mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        x = randn(2, 4, 12, 12)
+        assert_close(compiled(x), model(x).double(), torch.float32, "reduce-overhead output")
+
+
+# ---- dwconv.convert -----------------------------------------------------------------------------
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)  # not depthwise: left alone
+        self.block = nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False),
+            nn.BatchNorm2d(8),
+            nn.Conv2d(8, 16, (5, 3), stride=2, padding="valid", dilation=(1, 2), groups=8),  # multiplier 2
+        )
+        self.reflect = nn.Conv2d(16, 16, 3, padding=1, groups=16, padding_mode="reflect")  # left alone
+        self.grouped = nn.Conv2d(16, 16, 3, padding=1, groups=4)  # grouped, not depthwise: left alone
+        self.head = nn.Conv2d(16, 16, 7, padding="same", groups=16)
+
+    def forward(self, x):
+        return self.head(self.grouped(self.reflect(self.block(self.stem(x)))))
+
+
+def test_convert_replaces_only_depthwise_layers(capsys):
+    model = Mixed().to(DEVICE)
+    converted = dwconv.convert(model)
+    assert "replaced 3 depthwise Conv2d" in capsys.readouterr().out
+    assert converted.dwconv_converted == 3
+    kinds = {name: type(m).__name__ for name, m in converted.named_modules() if isinstance(m, nn.Conv2d)}
+    assert kinds == {"stem": "Conv2d", "block.0": "DepthwiseConv2d", "block.2": "DepthwiseConv2d",
+                     "reflect": "Conv2d", "grouped": "Conv2d", "head": "DepthwiseConv2d"}
+    assert all(type(m) is nn.Conv2d for m in model.modules() if isinstance(m, nn.Conv2d)), "not in place: untouched"
+    x = randn(2, 3, 17, 19)
+    assert_close(converted(x), model(x).double(), torch.float32, "converted model")
+
+
+def test_convert_keeps_weights_device_dtype_layout_and_mode():
+    model = Mixed().to(DEVICE, torch.float64).to(memory_format=torch.channels_last).eval()
+    converted = dwconv.convert(model, verbose=False)
+    for (name, p), (name2, q) in zip(model.named_parameters(), converted.named_parameters()):
+        assert name == name2 and torch.equal(p, q) and p.data_ptr() != q.data_ptr()
+        assert (q.dtype, q.device, q.stride(), q.requires_grad) == (p.dtype, p.device, p.stride(), p.requires_grad)
+    assert not any(m.training for m in converted.modules())
+    same = dwconv.convert(model, inplace=True, verbose=False)
+    assert same is model and isinstance(model.head, dwconv.DepthwiseConv2d)
+
+
+def test_convert_state_dict_round_trip():
+    stock = Mixed().to(DEVICE)
+    converted = dwconv.convert(stock, verbose=False)
+    assert list(stock.state_dict()) == list(converted.state_dict())
+    fresh = Mixed().to(DEVICE)
+    fresh.load_state_dict(converted.state_dict())  # converted -> stock
+    x = randn(1, 3, 11, 13)
+    assert_close(fresh(x), converted(x).double(), torch.float32, "stock model with converted weights")
+    again = dwconv.convert(Mixed().to(DEVICE), verbose=False)
+    again.load_state_dict(fresh.state_dict())  # stock -> converted
+    assert_close(again(x), fresh(x).double(), torch.float32, "converted model with stock weights")
+
+
+def test_convert_a_single_layer_and_bad_input():
+    layer = nn.Conv2d(4, 4, 3, groups=4)
+    assert isinstance(dwconv.convert(layer, verbose=False), dwconv.DepthwiseConv2d)
+    with pytest.raises(TypeError, match="model"):
+        dwconv.convert("not a model")
