@@ -252,3 +252,14 @@ def test_convert_a_single_layer_and_bad_input():
     assert isinstance(dwconv.convert(layer, verbose=False), dwconv.DepthwiseConv2d)
     with pytest.raises(TypeError, match="model"):
         dwconv.convert("not a model")
+
+
+def test_model_bench_helpers():
+    """`bench --model`'s building blocks on the tiny model (the timing itself needs a GPU)."""
+    from dwconv.bench_models import build_model, compare_outputs
+
+    torch.manual_seed(0)
+    stock = build_model("tiny").to(DEVICE)
+    converted = dwconv.convert(stock, verbose=False)
+    assert converted.dwconv_converted == 2
+    assert compare_outputs(stock, converted, randn(2, 3, 16, 16)) < 1e-5

@@ -87,6 +87,12 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--csv", metavar="FILE", help="write the rows to a CSV file")
+    p.add_argument("--model", action="append", metavar="NAME",
+                   help="time a whole model (torchvision or timm name, or 'tiny'), stock against dwconv.convert: "
+                        "training step and inference, eager and compiled, float32 and bf16 autocast channels_last "
+                        "(repeatable; overrides the layer flags)")
+    p.add_argument("--model-batch", type=int, default=64)
+    p.add_argument("--image", type=int, default=224)
     return p.parse_args(argv)
 
 
@@ -313,6 +319,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         return demo_without_gpu()
     print(environment())
+    if args.model:
+        from .bench_models import bench_model, print_model_table
+
+        rows = [r for name in args.model for r in bench_model(name, args.model_batch, args.image, args.warmup,
+                                                                 min(args.iters, 20))]
+        print_model_table(rows)
+        write_csv(args.csv, rows)
+        return 0
     timer = Timer(args.warmup, args.iters)
     progress("timing the device copy")
     copy_gbps = measure_copy(timer)
@@ -321,11 +335,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows += measure_case(case, args, timer, copy_gbps)
         torch.cuda.empty_cache()
     print_table(rows, copy_gbps)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["copy_gbps", "device"])
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({**row, "copy_gbps": copy_gbps, "device": environment()})
-        print(f"wrote {args.csv}")
+    write_csv(args.csv, [{**row, "copy_gbps": copy_gbps} for row in rows])
     return 0
+
+
+def write_csv(path: Optional[str], rows: List[Dict]) -> None:
+    if not path or not rows:
+        return
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["device"])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "device": environment()})
+    print(f"wrote {path}")

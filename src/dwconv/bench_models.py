@@ -1,0 +1,137 @@
+"""`python -m dwconv bench --model NAME`: whole models, stock against dwconv.convert, on the GPU.
+
+For each precision (float32 NCHW; bfloat16 autocast with channels_last) a training step (forward,
+cross-entropy, backward, SGD step) and an inference forward (eval, no_grad) are timed with CUDA
+events after warm-up, for the stock model and the converted one, each eager and compiled
+(torch.compile, default mode). Random weights and inputs: nothing is downloaded. Before timing, the
+converted model's eval outputs are compared with the stock model's.
+
+Models come from torchvision (mobilenet_v2, efficientnet_b0, convnext_tiny, ...) or, failing that,
+timm; `tiny` is a small depthwise network for smoke tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .convert import convert
+
+
+class TinyDepthwiseNet(nn.Module):
+    def __init__(self, width: int = 16, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, 2, 1), nn.ReLU(),
+            nn.Conv2d(width, width, 3, 1, 1, groups=width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 1), nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 7, 1, 3, groups=2 * width), nn.ReLU(),
+        )
+        self.head = nn.Linear(2 * width, classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def build_model(name: str) -> nn.Module:
+    if name == "tiny":
+        return TinyDepthwiseNet()
+    try:
+        import torchvision
+
+        if hasattr(torchvision.models, name):
+            return getattr(torchvision.models, name)(weights=None)
+    except ImportError:
+        pass
+    try:
+        import timm
+
+        return timm.create_model(name, pretrained=False)
+    except ImportError as e:
+        raise SystemExit(f"--model {name}: neither torchvision nor timm has it ({e})") from e
+
+
+def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer, autocast_dtype) -> Callable[[], None]:
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+    return step
+
+
+def inference(model: nn.Module, x: torch.Tensor, autocast_dtype) -> Callable[[], None]:
+    def forward():
+        with torch.no_grad(), torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            model(x)
+    return forward
+
+
+def time_ms(fn: Callable[[], None], warmup: int, iters: int) -> List[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def compare_outputs(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> float:
+    """Relative max difference of the eval-mode outputs (float32, NCHW)."""
+    with torch.no_grad():
+        a, b = stock.eval()(x), converted.eval()(x)
+    return ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
+
+
+def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_too: bool = True) -> List[Dict]:
+    torch.manual_seed(0)
+    stock = build_model(name).cuda()
+    converted = convert(stock, verbose=False)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(batch, 3, image, image, device="cuda", generator=gen)
+    y = torch.randint(0, 10, (batch,), device="cuda", generator=gen)
+    rel = compare_outputs(stock, converted, x[:8])
+    print(f"{name}: {converted.dwconv_converted} depthwise layers converted; eval outputs differ by {rel:.2e} "
+          f"(relative, float32)", flush=True)
+    rows = []
+    for precision, dtype, memory_format in (("float32", None, torch.contiguous_format),
+                                            ("bf16 autocast CL", torch.bfloat16, torch.channels_last)):
+        inputs = x.contiguous(memory_format=memory_format)
+        for variant, source in (("stock", stock), ("dwconv", converted)):
+            for compiled in ((False, True) if compile_too else (False,)):
+                model = copy.deepcopy(source).to(memory_format=memory_format)
+                run = torch.compile(model) if compiled else model
+                optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+                path = f"{variant} {'compiled' if compiled else 'eager'}"
+                for mode, fn in (("train step", training_step(run.train(), inputs, y, optimizer, dtype)),
+                                 ("inference", inference(run.eval(), inputs, dtype))):
+                    ms = time_ms(fn, warmup, iters)
+                    rows.append(dict(model=name, precision=precision, mode=mode, path=path,
+                                     ms=statistics.fmean(ms), std=statistics.pstdev(ms)))
+                    print(f"  {precision:<17} {mode:<10} {path:<16} {rows[-1]['ms']:8.3f} ms", flush=True)
+                del model, run, optimizer
+                torch.cuda.empty_cache()
+    for row in rows:  # speedup against the stock model of the same precision, mode and compilation
+        base = next(r for r in rows if (r["precision"], r["mode"]) == (row["precision"], row["mode"])
+                    and r["path"] == "stock " + row["path"].split()[1])
+        row["vs_stock"] = base["ms"] / row["ms"]
+    return rows
+
+
+def print_model_table(rows: List[Dict]) -> None:
+    print(f"\n{'model':<16} {'precision':<17} {'mode':<10} {'path':<16} {'ms':>9} {'std':>7} {'vs stock':>8}")
+    print("-" * 88)
+    for r in rows:
+        print(f"{r['model']:<16} {r['precision']:<17} {r['mode']:<10} {r['path']:<16} {r['ms']:9.3f} "
+              f"{r['std']:7.3f} {r['vs_stock']:7.2f}x")
