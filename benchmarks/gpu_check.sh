@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|sweep|sweep84|sweepbwd|probe|host|backward|bench|bench84|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|sweep|sweep84|sweepbwd|probe|host|models|ddp|backward|bench|bench84|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -16,6 +16,8 @@ for step in $steps; do
     sweepbwd) python3 benchmarks/sweep_backward.py --csv "$OUT/sweep_backward.csv" 2>&1 | tee "$OUT/sweep_backward.log" ;;
     probe) python3 benchmarks/probe_odd_out.py 2>&1 | tee "$OUT/probe.log" ;;
     host) python3 benchmarks/host_overhead_gpu.py 2>&1 | tee "$OUT/host.log" ;;
+    models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;
+    ddp) torchrun --nproc_per_node=2 examples/train_ddp.py --steps 5 --check 2>&1 | tee "$OUT/ddp.log" ;;
     backward|all) python3 -m dwconv bench --suite forward --backward --csv "$OUT/bench_backward.csv" 2>&1 | tee "$OUT/bench_backward.log" ;;&
     bench|all) python3 -m dwconv bench --suite forward --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" ;;&
     bench|all|bench84) python3 -m dwconv bench --dtype all --compile --csv "$OUT/bench84.csv" 2>&1 | tee "$OUT/bench84.log" ;;

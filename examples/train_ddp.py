@@ -3,8 +3,9 @@ that its first steps match a single-process run of the same global batch.
 
     torchrun --nproc_per_node=2 examples/train_ddp.py --steps 5 --check
 
-One process a GPU with NCCL (CPU processes with gloo when there is no GPU: then the kernels run
-under TRITON_INTERPRET=1, so keep the sizes small). Every rank builds the same model from the same
+One process a GPU with NCCL; without a GPU, CPU processes with gloo, where dwconv falls back to
+PyTorch's convolution unless TRITON_INTERPRET=1 is set (the interpreter takes seconds a layer even
+at toy sizes), which still checks the training loop and the comparison. Every rank builds the same model from the same
 seed and draws the same global batch each step, then trains on its own slice; plain DDP averages
 the gradients. With --check, rank 0 also trains a copy of the model on the whole global batch in
 one process and compares the loss of every step and the gradients of the first: DDP's averaged
@@ -20,8 +21,6 @@ import sys
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-if not __import__("torch").cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before dwconv's kernels are imported
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -115,8 +114,12 @@ def main() -> int:
     losses, grads = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), args.steps,
                           args.global_batch, args.image, device, rank, world)
     if rank == 0:
+        from dwconv.functional import uses_triton
+
+        kernels = "dwconv's Triton kernels" if uses_triton(next(model.parameters())) else "PyTorch's fallback"
         print(f"world {world} ({'NCCL, ' + torch.cuda.get_device_name() if cuda else 'gloo, CPU'}), "
-              f"{model.dwconv_converted} dwconv layers; loss per step: " + " ".join(f"{v:.5f}" for v in losses))
+              f"{model.dwconv_converted} dwconv layers on {kernels}; loss per step: "
+              + " ".join(f"{v:.5f}" for v in losses))
     status = 0
     if args.check and rank == 0:
         ref_losses, ref_grads = train(reference, torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9),
