@@ -60,6 +60,16 @@ def test_opcheck_backward_ops():
                               test_utils=("test_schema", "test_faketensor"))
 
 
+def test_backward_ops_on_an_empty_batch():
+    x, weight = randn(0, 3, 9, 34), randn(3, 1, 3, 3)
+    args = conv_arguments(conv_geometry(x, weight, None, 1, 1, 1))
+    grad_out = randn(0, 3, 9, 34)
+    grad_input, grad_weight = torch.ops.dwconv.conv2d_grad_input_weight(grad_out, x, weight, *args)
+    assert grad_input.shape == x.shape and torch.equal(grad_weight, torch.zeros_like(weight))
+    (grad_weight,) = torch.ops.dwconv.conv2d_grad_weight(grad_out, x, weight, *args, False)
+    assert torch.equal(grad_weight, torch.zeros_like(weight))
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_fake_tensor_shapes_and_strides(case):
     """The fake implementations give the real outputs' shapes, strides and dtypes."""

@@ -197,6 +197,8 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
                                config=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused backward (see fused_backward_applies): grad_input and grad_weight from one read of
     grad_out and x. Partial sums per program, added per channel in a fixed order."""
+    if x.numel() == 0 or grad_out.numel() == 0:  # nothing to launch: the separate paths give the zeros
+        return conv_grad_input(grad_out, weight, geom, x), conv_grad_weight(grad_out, x, geom, weight.dtype, False)[0]
     if config is None:
         config = fused_backward_config(input_grad_geometry(geom), grad_out)
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
