@@ -56,7 +56,8 @@ def depthwise_conv2d(
     geom = conv_geometry(input, weight, bias, stride, padding, dilation)
     if not uses_triton(input):
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups=geom.in_channels)
-    from ._library import DepthwiseConv2dFunction, conv_arguments, conv_forward
+    from ._library import DepthwiseConv2dFunction, conv_arguments
+    from .ops.forward import conv_forward
 
     if torch.compiler.is_compiling():  # one custom op in the graph, with its registered backward
         return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))

@@ -5,9 +5,10 @@ stride-1 rows), then `forward_config` (which kernel and block sizes), then `conv
 (allocate, launch). Argument checking lives in dwconv._geometry; this layer trusts it.
 
 Both kernels read the input through its four strides, so NCHW, channels_last and other
-strided inputs all give the right answer (a native channels_last kernel is later work). Every
-load and store is 4 bytes wide for now: shifted views and rows of odd length are never 16-byte
-aligned (docs/notes.md). Each program computes output of one (n, out_channel) plane.
+strided inputs all give the right answer (a native channels_last kernel is later work). On
+unit-stride rows the rows kernel loads 16-byte vectors and builds the shifted views in registers;
+rows of 2 mod 4 elements are read and written from the vector boundary below their start
+(docs/notes.md). Each program computes output of one (n, out_channel) plane.
 Offsets of a plane's base are 64-bit; offsets inside a plane are 32-bit unless the launcher
 sees that they can pass 2**31 (INDEX_64).
 """
@@ -361,11 +362,12 @@ def depthwise_fwd_rows_kernel(
             y_row = y_ptr + ((y_plane_offset + done * (y_stride_h * Y_UNIT)) // 4) * 4
             first = group_cols - 2 * odd_slots  # the row column of the group's lane 0
             rows_ok = (done >= first_row) & (done < last_row)
+            values = (finished + bias).to(y_ptr.dtype.element_ty)
             whole = rows_ok & (first >= 0) & (first + VEC <= out_w)  # uniform over each vector
-            tl.store(y_row + out_cols, (finished + bias).to(y_ptr.dtype.element_ty), mask=whole)
+            tl.store(y_row + out_cols, values, mask=whole)
             pair_first = first + (lanes // 2) * 2  # the row ends: pairs (the width is even)
             ends = rows_ok & ((first < 0) | (first + VEC > out_w)) & (pair_first >= 0) & (pair_first + 2 <= out_w)
-            tl.store(y_row + out_cols, (finished + bias).to(y_ptr.dtype.element_ty), mask=ends)
+            tl.store(y_row + out_cols, values, mask=ends)
         else:
             store_ok = col_ok & (done >= first_row) & (done < last_row)
             tl.store(y_base + done * (y_stride_h * Y_UNIT) + out_cols * y_stride_w,
