@@ -1,11 +1,13 @@
 """Developer probe (session 3): #84's forward with and without aligned stores on odd output rows
 (`dwconv.ops.forward.ODD_OUT_ALIGN`): its output rows are 510 elements, so odd rows start 8 bytes
 past a 16-byte boundary. Also the same convolution with 512-wide output rows (padding (0, 1)), whose
-stores are all aligned, as the bound to compare with.
+stores are all aligned, as the bound to compare with; streaming cache hints (ForwardConfig.stream);
+one program per plane strip (block_h 254: no halo rows read twice).
 
     PYTHONPATH=src python benchmarks/probe_odd_out.py
 """
 
+import dataclasses
 import statistics
 
 import torch
@@ -28,7 +30,9 @@ for dtype in (torch.float32, torch.bfloat16):
         nbytes = (x.numel() + out.numel()) * x.element_size()
         for aligned in ((True, False) if pad == 0 else (True,)):
             forward.ODD_OUT_ALIGN = aligned
-            for cfg in (forward_config(geom, x), ForwardConfig("rows", 128, 512, 4, 4)):
+            default = forward_config(geom, x)
+            for cfg in (default, ForwardConfig("rows", 128, 512, 4, 4), dataclasses.replace(default, stream=True),
+                        ForwardConfig("rows", 254, 512, 2, 4)):
                 out.fill_(float("nan"))
                 conv_forward(x, w, None, geom, cfg, out=out)
                 err = (out[:2].float() - ref).abs().max().item()

@@ -186,6 +186,13 @@ def test_row_sliding_odd_output_rows(dtype, shape, kernel, padding, dilation, bl
     check(x, weight, randn(shape[1], dtype=dtype), 1, padding, dilation, config=config)
 
 
+def test_row_sliding_streaming_hints():
+    """ForwardConfig.stream only adds cache hints: the same values."""
+    x = randn(2, 2, 10, 24)
+    weight = randn(2, 1, 3, 3)
+    check(x, weight, randn(2), 1, 0, 1, config=ForwardConfig("rows", 5, 16, 1, 4, stream=True))
+
+
 def test_default_config_is_valid():
     x = randn(1, 2, 9, 9)
     geom = conv_geometry(x, randn(2, 1, 3, 3), None, 2, 1, 1)

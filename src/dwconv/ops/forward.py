@@ -162,7 +162,7 @@ def _window_view(w0, w1, w2, w3, start: tl.constexpr, VEC: tl.constexpr):
 
 @triton.jit
 def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w, SHIFT: tl.constexpr, WHOLE: tl.constexpr,
-                        VEC: tl.constexpr):
+                        VEC: tl.constexpr, EVICT: tl.constexpr = ""):
     """One aligned vector of an input row per thread: elements x_row + first_cols + lanes, which are
     row columns first_cols - SHIFT + lanes (SHIFT > 0: x_row is the row start moved back to a vector
     boundary). WHOLE: the vector is loaded whole when it overlaps the row (a mask uniform over the
@@ -171,32 +171,36 @@ def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w, SHIFT: tl.conste
     cols = first_cols + lanes
     if WHOLE:
         first = first_cols - SHIFT
-        vector = tl.load(x_row + cols, mask=row_ok & (first + VEC > 0) & (first < in_w), other=0.0)
+        vector = tl.load(x_row + cols, mask=row_ok & (first + VEC > 0) & (first < in_w), other=0.0,
+                         eviction_policy=EVICT)
         vector = tl.where((cols - SHIFT >= 0) & (cols - SHIFT < in_w), vector, 0.0)
     else:
-        vector = tl.load(x_row + cols, mask=row_ok & (cols >= 0) & (cols < in_w), other=0.0)
+        vector = tl.load(x_row + cols, mask=row_ok & (cols >= 0) & (cols < in_w), other=0.0, eviction_policy=EVICT)
     return vector
 
 
 @triton.jit
 def _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF: tl.constexpr, WINDOW_VECS: tl.constexpr,
-                     VEC: tl.constexpr, SHIFT: tl.constexpr = 0, WHOLE: tl.constexpr = False):
+                     VEC: tl.constexpr, SHIFT: tl.constexpr = 0, WHOLE: tl.constexpr = False,
+                     EVICT: tl.constexpr = ""):
     """The WINDOW_VECS aligned vectors (from column group_cols - WINDOW_OFF - SHIFT) holding every
     input column a thread's VEC outputs read from this row; unused ones repeat the first. VEC == 1:
     no window (placeholders; `_row_under_tap` loads each tap itself)."""
     if VEC == 1:  # (a compile-time branch: one return, whose types may differ between VECs)
         w0 = lanes
     else:
-        w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w, SHIFT, WHOLE, VEC)
+        w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w, SHIFT, WHOLE, VEC, EVICT)
     w1 = w0
     w2 = w0
     w3 = w0
     if VEC > 1 and WINDOW_VECS > 1:
-        w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC)
+        w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC, EVICT)
     if VEC > 1 and WINDOW_VECS > 2:
-        w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC)
+        w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC,
+                                 EVICT)
     if VEC > 1 and WINDOW_VECS > 3:
-        w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC)
+        w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC,
+                                 EVICT)
     return w0, w1, w2, w3
 
 
@@ -228,6 +232,7 @@ def depthwise_fwd_rows_kernel(
     VEC: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
     X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, ODD_ROW_ALIGN: tl.constexpr, PAD_TOP_ODD: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr, F_UNIT: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr = 0,
+    EVICT: tl.constexpr = "", STORE_CACHE: tl.constexpr = "",
 ):
     """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
     loading each input row once and adding it into the partial sums of every output row it
@@ -256,6 +261,9 @@ def depthwise_fwd_rows_kernel(
     holds columns 4g-2 .. 4g+1 instead of 4g .. 4g+3 (views 2 lanes to the left in a window one
     vector wider) and stores them as one aligned vector; the 2-column pieces at the row ends go
     out as pairs.
+
+    EVICT / STORE_CACHE: cache hints for the input loads and output stores ("evict_first" / ".cs":
+    each row is read and written once), chosen by ForwardConfig.stream.
     """
     in_w = in_w * X_UNIT
     out_w = out_w * Y_UNIT
@@ -330,7 +338,7 @@ def depthwise_fwd_rows_kernel(
             if ODD_ROW_ALIGN > 0:  # the row start rounded down to a vector (a no-op on even rows)
                 x_row = x_ptr + ((x_plane_offset + in_row * (x_stride_h * X_UNIT)) // 4) * 4
             w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC,
-                                              ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), ODD_ROW_ALIGN > 0)
+                                              ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), ODD_ROW_ALIGN > 0, EVICT)
             for kw in tl.static_range(KW):
                 x = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
                                    kw, DILATION_W, WINDOW_LANE0 + ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), VEC)
@@ -364,14 +372,14 @@ def depthwise_fwd_rows_kernel(
             rows_ok = (done >= first_row) & (done < last_row)
             values = (finished + bias).to(y_ptr.dtype.element_ty)
             whole = rows_ok & (first >= 0) & (first + VEC <= out_w)  # uniform over each vector
-            tl.store(y_row + out_cols, values, mask=whole)
+            tl.store(y_row + out_cols, values, mask=whole, cache_modifier=STORE_CACHE)
             pair_first = first + (lanes // 2) * 2  # the row ends: pairs (the width is even)
             ends = rows_ok & ((first < 0) | (first + VEC > out_w)) & (pair_first >= 0) & (pair_first + 2 <= out_w)
-            tl.store(y_row + out_cols, values, mask=ends)
+            tl.store(y_row + out_cols, values, mask=ends, cache_modifier=STORE_CACHE)
         else:
             store_ok = col_ok & (done >= first_row) & (done < last_row)
             tl.store(y_base + done * (y_stride_h * Y_UNIT) + out_cols * y_stride_w,
-                     (finished + bias).to(y_ptr.dtype.element_ty), mask=store_ok)
+                     (finished + bias).to(y_ptr.dtype.element_ty), mask=store_ok, cache_modifier=STORE_CACHE)
     if WEIGHT_GRAD:
         tap_ids = tl.arange(0, TAPS)
         tl.store(partial_ptr + pid.to(tl.int64) * TAPS + tap_ids, tl.sum(tl.sum(weight_grad, axis=2), axis=1),
@@ -385,6 +393,7 @@ class ForwardConfig:
     block_w: int
     num_warps: int
     vec: int = 1  # "rows": output columns a thread owns (4 or 8: window loads, stride_w 1 only)
+    stream: bool = False  # "rows": streaming cache hints (evict_first loads, .cs stores); not yet timed
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
@@ -576,7 +585,8 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
         DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, SLOTS=ring_size(geom), TAPS=taps, VEC=vec,
         WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
         ODD_ROW_ALIGN=odd_row_align, PAD_TOP_ODD=geom.pad_top % 2, WEIGHT_GRAD=features is not None, F_UNIT=f_unit,
-        ODD_OUT_ALIGN=odd_out_align, **common,
+        ODD_OUT_ALIGN=odd_out_align, EVICT="evict_first" if config.stream else "",
+        STORE_CACHE=".cs" if config.stream else "", **common,
     )
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return LaunchPlan(True, (programs,), scalars, constants, partial_shape, acc_dtype)
