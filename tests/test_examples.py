@@ -24,3 +24,14 @@ def test_train_ddp_matches_one_process():
          "--width", "8", "--check"],
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "MATCH" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU `python -m dwconv bench` is the full benchmark")
+def test_bench_demo_without_gpu():
+    """The README's main command on a machine without a GPU: the interpreter demo, started from an
+    environment without TRITON_INTERPRET (the demo sets it before the kernels are imported)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-m", "dwconv", "bench"], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and "demo passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]

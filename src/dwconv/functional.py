@@ -14,18 +14,13 @@ from ._geometry import IntOrPair, Padding, conv_geometry
 _INTERPRET: Optional[bool] = None
 
 
-@torch.compiler.assume_constant_result
 def triton_interpreter_enabled() -> bool:
-    """True when Triton runs kernels on CPU tensors (TRITON_INTERPRET=1, which Triton reads at
-    import; read once here too, so that torch.compile traces a constant)."""
+    """True when Triton runs kernels on CPU tensors: TRITON_INTERPRET=1, read from the environment
+    as Triton reads it (importing Triton or torch._dynamo here would fix its mode before a caller
+    such as the no-GPU demo sets the variable), once, so that torch.compile traces a constant."""
     global _INTERPRET
     if _INTERPRET is None:
-        try:
-            import triton
-
-            _INTERPRET = bool(triton.knobs.runtime.interpret)
-        except AttributeError:  # older Triton without knobs
-            _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+        _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     return _INTERPRET
 
 
