@@ -199,14 +199,18 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
     grad_out and x. Partial sums per program, added per channel in a fixed order."""
     if x.numel() == 0 or grad_out.numel() == 0:  # nothing to launch: the separate paths give the zeros
         return conv_grad_input(grad_out, weight, geom, x), conv_grad_weight(grad_out, x, geom, weight.dtype, False)[0]
-    if config is None:
-        config = fused_backward_config(input_grad_geometry(geom), grad_out)
+    gi_geom = input_grad_geometry(geom)
+    if config is None:  # once per layout, like the launch plans: this is on every eager backward
+        config = cached_plan(_FUSED_CONFIGS, (gi_geom, layout_key(grad_out)),
+                             lambda: fused_backward_config(gi_geom, grad_out))
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
-    dx, partial = launch_forward(grad_out, weight.flip(2, 3), None, input_grad_geometry(geom), config, out=dx,
-                                 weight_grad_from=x)
+    dx, partial = launch_forward(grad_out, weight.flip(2, 3), None, gi_geom, config, out=dx, weight_grad_from=x)
     taps = geom.kernel_h * geom.kernel_w
     grad_w = partial.view(geom.batch, geom.out_channels, -1, partial.shape[1])[..., :taps].sum(dim=(0, 2))
     return dx, grad_w.view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight.dtype)
+
+
+_FUSED_CONFIGS: dict = {}
 
 
 def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,
