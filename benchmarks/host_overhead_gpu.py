@@ -14,11 +14,14 @@ import torch
 import torch.nn.functional as F
 
 import dwconv
+from dwconv._geometry import conv_geometry
+from dwconv.ops.backward import conv_grad_input, conv_grad_input_and_weight, conv_grad_weight, fused_backward_applies
+from dwconv.ops.forward import conv_forward
 
-LAYERS = [((64, 144, 56, 56), 3, 1, 1), ((32, 256, 64, 64), 3, 2, 2), ((64, 384, 14, 14), 7, 3, 1)]
+LAYERS = [((64, 144, 56, 56), 3, 1, 1), ((32, 256, 64, 64), 3, 2, 2), ((64, 384, 14, 14), 7, 3, 1), ((64, 960, 7, 7), 3, 1, 1)]
 
 
-def per_call_us(fn, calls=200):
+def per_call_us(fn, calls=50):  # (few enough that the launch queue never fills)
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -31,11 +34,26 @@ def per_call_us(fn, calls=200):
     return host / calls * 1e6, wall / calls * 1e6
 
 
+def single_threaded_grad(out, inputs, grad):
+    """Backward on the calling thread (CUDA backward normally runs on the engine's device thread)."""
+    with torch.autograd.set_multithreading_enabled(False):
+        return torch.autograd.grad(out, inputs, grad)
+
+
 def make_runs(x, w, g, pad, dil):
+    geom = conv_geometry(x, w, None, 1, pad, dil)
+    xd, wd = x.detach(), w.detach()
+    fused = fused_backward_applies(geom, xd)
     return {
-        "dwconv forward": lambda: dwconv.depthwise_conv2d(x.detach(), w.detach(), None, 1, pad, dil),
+        "dwconv forward": lambda: dwconv.depthwise_conv2d(xd, wd, None, 1, pad, dil),
         "dwconv fwd+bwd": lambda: torch.autograd.grad(dwconv.depthwise_conv2d(x, w, None, 1, pad, dil), (x, w), g),
+        # the same kernels without the autograd engine, and with it on one thread
+        "dwconv launchers": lambda: (conv_forward(xd, wd, None, geom),
+                                     conv_grad_input_and_weight(g, xd, wd, geom) if fused else
+                                     (conv_grad_weight(g, xd, geom, wd.dtype, False), conv_grad_input(g, wd, geom, xd))),
+        "dwconv 1-thread": lambda: single_threaded_grad(dwconv.depthwise_conv2d(x, w, None, 1, pad, dil), (x, w), g),
         "eager fwd+bwd": lambda: torch.autograd.grad(F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1]), (x, w), g),
+        "eager 1-thread": lambda: single_threaded_grad(F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1]), (x, w), g),
     }
 
 

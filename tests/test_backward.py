@@ -213,8 +213,10 @@ def test_gradients_past_2_31_elements(shape):
     ref = torch.autograd.grad(out, xs, grad_out[-1:, -c:, height - 40:height - 1].float())[0]
     assert_close(grad_x[-1:, -c:, height - 39:height - 2], ref[:, :, 2:39], torch.float16, "grad_input")
     del grad_x
-    assert fused_backward_applies(geom, x.to("meta"))  # the fused pass: the same sums, another order
-    fused_x, fused_w = conv_grad_input_and_weight(grad_out, x, weight, geom)
+    if not fused_backward_applies(geom, x):  # on the GPU, rows narrower than 32 take the separate passes
+        assert x.is_cuda and width < 32
+        return
+    fused_x, fused_w = conv_grad_input_and_weight(grad_out, x, weight, geom)  # the same sums, another order
     worst = (fused_w.double() - ref_w).abs().max().item()
     assert worst <= 1e-3 * typical + 2e-3 * ref_w.abs().max().item(), f"fused grad_weight off by {worst}"
     assert_close(fused_x[-1:, -c:, height - 39:height - 2], ref[:, :, 2:39], torch.float16, "fused grad_input")

@@ -118,7 +118,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                                  ("inference", inference(run.eval(), inputs, dtype))):
                     ms = time_ms(fn, warmup, iters)
                     rows.append(dict(model=name, precision=precision, mode=mode, path=path,
-                                     ms=statistics.fmean(ms), std=statistics.pstdev(ms)))
+                                     ms=statistics.median(ms), std=statistics.pstdev(ms)))
                     print(f"  {precision:<17} {mode:<10} {path:<16} {rows[-1]['ms']:8.3f} ms", flush=True)
                 del model, run, optimizer
                 torch.cuda.empty_cache()
