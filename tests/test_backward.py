@@ -36,11 +36,16 @@ def dwconv_grads(x, weight, bias, grad_out, stride, padding, dilation):
     return torch.autograd.grad(out, leaves, grad_out)
 
 
-def check_grads(x, weight, bias, stride=1, padding=0, dilation=1):
+def check_grads(x, weight, bias, stride=1, padding=0, dilation=1, grad_out_format=None):
+    """grad_out in x's memory format unless grad_out_format says otherwise (mixed layouts)."""
     geom = conv_geometry(x, weight, bias, stride, padding, dilation)
-    grad_out = randn(*geom.output_shape, dtype=x.dtype)
+    channels_last = x.shape[1] > 1 and x.stride(1) == 1 and not x.is_contiguous()
+    grad_out = randn(*geom.output_shape, dtype=x.dtype).contiguous(
+        memory_format=grad_out_format or (torch.channels_last if channels_last else torch.contiguous_format))
     got = dwconv_grads(x, weight, bias, grad_out, stride, padding, dilation)
     ref = reference_grads(x, weight, bias, grad_out, stride, padding, dilation)
+    if channels_last:
+        assert got[0].is_contiguous(memory_format=torch.channels_last), "grad_input lost the channels_last layout"
     for name, g, r in zip(("grad_input", "grad_weight", "grad_bias"), got, ref):
         assert g.dtype == x.dtype, f"{name} dtype {g.dtype}"
         # grad_weight sums N*H*W products: scale the tolerance by the sum of |terms|, not the result
@@ -56,10 +61,14 @@ def assert_close_sum(got, ref, x, grad_out, name):
     assert worst <= bound, f"{name}: max error {worst:.3g} > {bound:.3g}; got {got.flatten()[:6]}, ref {ref.flatten()[:6]}"
 
 
+LAYOUTS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"k{k[0]}x{k[1]}")
 @pytest.mark.parametrize("stride,padding,dilation", OPTIONS, ids=str)
-def test_gradient_grid(kernel, stride, padding, dilation):
-    x = randn(2, 2, 9, 10)
+def test_gradient_grid(kernel, stride, padding, dilation, layout):
+    x = randn(2, 2, 9, 10).contiguous(memory_format=LAYOUTS[layout])
     weight = randn(4, 1, *kernel)  # multiplier 2
     try:
         conv_geometry(x, weight, None, stride, padding, dilation)
@@ -71,10 +80,20 @@ def test_gradient_grid(kernel, stride, padding, dilation):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("multiplier", [1, 3])
 @pytest.mark.parametrize("kernel,stride,padding", [(3, 1, 1), (3, 2, 1), (4, 1, "same")], ids=str)
-def test_gradient_dtypes(dtype, multiplier, kernel, stride, padding):
-    x = randn(2, 2, 8, 10, dtype=dtype)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradient_dtypes(dtype, multiplier, kernel, stride, padding, layout):
+    x = randn(2, 2, 8, 10, dtype=dtype).contiguous(memory_format=LAYOUTS[layout])
     weight = randn(2 * multiplier, 1, kernel, kernel, dtype=dtype)
     check_grads(x, weight, randn(2 * multiplier, dtype=dtype), stride, padding)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("x_layout,grad_out_layout", [("channels_last", "nchw"), ("nchw", "channels_last")], ids=str)
+def test_gradients_mixed_layouts(x_layout, grad_out_layout, stride):
+    """A channels_last input with an NCHW grad_out, and the reverse: right values, grad_input in x's layout."""
+    x = randn(2, 3, 9, 10).contiguous(memory_format=LAYOUTS[x_layout])
+    grad_x = check_grads(x, randn(3, 1, 3, 3), randn(3), stride, 1, grad_out_format=LAYOUTS[grad_out_layout])[0]
+    assert grad_x.is_contiguous(memory_format=LAYOUTS[x_layout])
 
 
 @pytest.mark.parametrize("kernel,padding,vec,rows", [((3, 3), 0, 4, 1), ((3, 3), 1, 4, 3), ((5, 3), (2, 1), 4, 2),

@@ -26,15 +26,26 @@ def run_kernel(x, weight, bias, stride, padding, dilation, config=None):
 def check(x, weight, bias, stride=1, padding=0, dilation=1, config=None):
     out = run_kernel(x, weight, bias, stride, padding, dilation, config)
     assert out.dtype == x.dtype
+    if x.shape[1] > 1 and x.stride(1) == 1 and not x.is_contiguous():  # channels_last in, channels_last out
+        assert out.is_contiguous(memory_format=torch.channels_last), "output lost the channels_last layout"
     ref = reference_conv(x, weight, bias, stride, padding, dilation)
     assert_close(out, ref, x.dtype)
     return out
 
 
+def in_layout(x, layout):
+    """x in the layout a test runs: "nchw" (contiguous) or "channels_last" (the NHWC kernels)."""
+    return x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
+
+
+LAYOUTS = ["nchw", "channels_last"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"k{k[0]}x{k[1]}")
 @pytest.mark.parametrize("stride,padding,dilation", OPTIONS, ids=str)
-def test_geometry_grid(kernel, stride, padding, dilation):
-    x = randn(2, 3, 17, 13)
+def test_geometry_grid(kernel, stride, padding, dilation, layout):
+    x = in_layout(randn(2, 3, 17, 13), layout)
     weight = randn(6, 1, *kernel)  # multiplier 2
     bias = randn(6)
     try:
@@ -50,8 +61,9 @@ def test_geometry_grid(kernel, stride, padding, dilation):
 @pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("multiplier", [1, 2])
 @pytest.mark.parametrize("kernel,padding", [(3, 1), (5, 0), (4, "same")])
-def test_dtypes_bias_multiplier(dtype, has_bias, multiplier, kernel, padding):
-    x = randn(2, 3, 11, 19, dtype=dtype)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dtypes_bias_multiplier(dtype, has_bias, multiplier, kernel, padding, layout):
+    x = in_layout(randn(2, 3, 11, 19, dtype=dtype), layout)
     weight = randn(3 * multiplier, 1, kernel, kernel, dtype=dtype)
     bias = randn(3 * multiplier, dtype=dtype) if has_bias else None
     check(x, weight, bias, 1, padding)
@@ -70,8 +82,9 @@ def test_dtypes_bias_multiplier(dtype, has_bias, multiplier, kernel, padding):
     ],
     ids=str,
 )
-def test_odd_and_tiny_sizes(shape, kernel, padding):
-    x = randn(*shape)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_odd_and_tiny_sizes(shape, kernel, padding, layout):
+    x = in_layout(randn(*shape), layout)
     k = (kernel, kernel) if isinstance(kernel, int) else kernel
     weight = randn(shape[1], 1, *k)
     check(x, weight, randn(shape[1]), 1, padding)
@@ -197,6 +210,30 @@ def test_default_config_is_valid():
     x = randn(1, 2, 9, 9)
     geom = conv_geometry(x, randn(2, 1, 3, 3), None, 2, 1, 1)
     assert forward_config(geom, x).kernel in ("tile", "rows")
+
+
+def test_channels_last_takes_the_nhwc_kernel():
+    """Only tensors with unit channel strides on both sides go to the NHWC kernel."""
+    x = randn(2, 5, 9, 9).contiguous(memory_format=torch.channels_last)
+    geom = conv_geometry(x, randn(5, 1, 3, 3), None, 1, 1, 1)
+    assert forward_config(geom, x).kernel == "nhwc"
+    assert forward_config(geom, x, torch.empty(geom.output_shape, device=DEVICE)).kernel != "nhwc"
+    assert forward_config(geom, x.contiguous()).kernel != "nhwc"
+    one_channel = randn(2, 1, 9, 9).contiguous(memory_format=torch.channels_last)
+    assert forward_config(conv_geometry(one_channel, randn(1, 1, 3, 3), None), one_channel).kernel != "nhwc"
+
+
+@pytest.mark.parametrize("out_format", [torch.contiguous_format, torch.channels_last], ids=["nchw_out", "cl_out"])
+@pytest.mark.parametrize("in_format", [torch.contiguous_format, torch.channels_last], ids=["nchw_in", "cl_in"])
+def test_mixed_layouts(in_format, out_format):
+    """An output buffer in the other layout than the input: still the right values, in its layout."""
+    x = randn(2, 6, 10, 11).contiguous(memory_format=in_format)
+    weight, bias = randn(6, 1, 3, 3), randn(6)
+    geom = conv_geometry(x, weight, bias, 1, 1, 1)
+    out = poisoned(geom.output_shape, x.dtype, memory_format=out_format)
+    conv_forward(x, weight, bias, geom, out=out)
+    assert out.is_contiguous(memory_format=out_format)
+    assert_close(out, reference_conv(x, weight, bias, 1, 1, 1), torch.float32)
 
 
 def test_public_api_matches_reference():

@@ -21,7 +21,7 @@ _PLAN_LIMIT = 4096  # distinct (geometry, layout) pairs kept; past it the cache 
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    rows: bool  # the forward's row-sliding kernel (more tensor arguments than the others)
+    kernel: str  # which kernel the plan launches (forward: "tile", "rows" or "nhwc")
     grid: Tuple[int, ...]
     scalars: Tuple[int, ...]  # runtime arguments after the tensors
     constants: Dict[str, object] = field(default_factory=dict)  # constexpr arguments, num_warps

@@ -24,7 +24,7 @@ import triton.language as tl
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
 from .forward import (_ACC_DTYPES, _load_row_window, _needs_int64, _row_under_tap, _stride_unit, conv_forward,
-                      ForwardConfig, forward_config, launch_forward, output_memory_format, rows_kernel_fits,
+                      ForwardConfig, launch_forward, nchw_config, output_memory_format, rows_kernel_fits,
                       window_layout)
 
 
@@ -186,7 +186,7 @@ def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> Forw
     """The grad_input launch of the fused backward: the forward's choice on the GPU (the fused path
     applies where that is the rows kernel); under the interpreter one 32 x 32 block per plane."""
     if grad_out.is_cuda:
-        config = forward_config(gi_geom, grad_out)
+        config = nchw_config(gi_geom, grad_out)  # (a channels_last grad_out too: the rows kernel takes strides)
         # Session-3 sweep, #84: float32 best at two 4-vectors a thread (3.41 ms), half precision at
         # one (2.16 ms against 2.51 at two: the per-tap accumulators are float32 either way).
         if config.vec > 1 and grad_out.element_size() < 4:
@@ -249,7 +249,7 @@ def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tenso
         KW=geom.kernel_w, INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h,
         BLOCK_W=block_w, num_warps=max(1, min(8, block_h * block_w // 64)),
     )
-    return LaunchPlan(False, (geom.batch * geom.in_channels * tiles,), scalars, constants)
+    return LaunchPlan("grad_input", (geom.batch * geom.in_channels * tiles,), scalars, constants)
 
 
 @dataclass(frozen=True)
@@ -324,5 +324,5 @@ def _grad_weight_plan(geom: ConvGeometry, config: Optional[GradWeightConfig], gr
         ROWS=config.rows, num_warps=config.num_warps,
     )
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return LaunchPlan(False, (geom.out_channels * splits,), scalars, constants,
+    return LaunchPlan("grad_weight", (geom.out_channels * splits,), scalars, constants,
                       (geom.out_channels, splits, padded_taps), acc_dtype)

@@ -386,14 +386,68 @@ def depthwise_fwd_rows_kernel(
                  mask=tap_ids < KH * KW)
 
 
+# ---- channels_last (NHWC) ---------------------------------------------------------------------
+
+@triton.jit
+def depthwise_fwd_nhwc_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    channels, in_h, in_w, out_h, out_w,
+    x_stride_n, x_stride_h, x_stride_w,
+    y_stride_n, y_stride_h, y_stride_w,
+    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Channels_last tensors (unit channel stride in x and y): one program = a BLOCK_H x BLOCK_W
+    patch of output pixels of one image by BLOCK_C output channels. Loads run along the channels,
+    the contiguous axis; the KH x KW taps re-read overlapping pixels, which come from L1."""
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    tiles = tl.cdiv(out_h, BLOCK_H) * tiles_w
+    n = pid // tiles
+    tile = pid % tiles
+    out_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_c = out_c // MULTIPLIER
+    c_ok = out_c < channels
+    out_rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)
+    out_cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)
+    if INDEX_64:
+        out_rows = out_rows.to(tl.int64)
+        out_cols = out_cols.to(tl.int64)
+    x_image = x_ptr + n.to(tl.int64) * x_stride_n
+    in_rows0 = out_rows * stride_h - pad_top
+    in_cols0 = out_cols * stride_w - pad_left
+    acc = tl.zeros([BLOCK_H, BLOCK_W, BLOCK_C], dtype=ACC_DTYPE)
+    for kh in tl.static_range(KH):
+        in_rows = in_rows0 + kh * dilation_h
+        rows_ok = (in_rows >= 0) & (in_rows < in_h)
+        for kw in tl.static_range(KW):
+            in_cols = in_cols0 + kw * dilation_w
+            ok = rows_ok[:, None, None] & ((in_cols >= 0) & (in_cols < in_w))[None, :, None] & c_ok[None, None, :]
+            offsets = (in_rows * x_stride_h)[:, None, None] + (in_cols * x_stride_w)[None, :, None] \
+                + in_c[None, None, :]
+            x = tl.load(x_image + offsets, mask=ok, other=0.0)
+            w = tl.load(w_ptr + out_c * (KH * KW) + (kh * KW + kw), mask=c_ok, other=0.0)
+            acc += x.to(ACC_DTYPE) * w.to(ACC_DTYPE)[None, None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + out_c, mask=c_ok, other=0.0).to(ACC_DTYPE)[None, None, :]
+    y_offsets = (out_rows * y_stride_h)[:, None, None] + (out_cols * y_stride_w)[None, :, None] + out_c[None, None, :]
+    y_ok = ((out_rows < out_h)[:, None, None] & (out_cols < out_w)[None, :, None]) & c_ok[None, None, :]
+    tl.store(y_ptr + n.to(tl.int64) * y_stride_n + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+
+
+# ---- choosing and launching -------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class ForwardConfig:
-    kernel: str  # "tile" or "rows"
-    block_h: int  # tile rows ("tile") or output rows per program ("rows")
+    kernel: str  # "tile", "rows" or "nhwc"
+    block_h: int  # tile rows ("tile", "nhwc") or output rows per program ("rows")
     block_w: int
     num_warps: int
     vec: int = 1  # "rows": output columns a thread owns (4 or 8: window loads, stride_w 1 only)
     stream: bool = False  # "rows": streaming cache hints (evict_first loads, .cs stores); not yet timed
+    block_c: int = 1  # "nhwc": channels a program covers
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
@@ -412,8 +466,34 @@ def rows_kernel_fits(geom: ConvGeometry) -> bool:
     return geom.stride_h == 1 and ring_fits and geom.out_w >= 32
 
 
-def forward_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
-    """Picks the kernel and block sizes for a geometry and input (measured choices: docs/notes.md)."""
+def channels_last_kernel_applies(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
+    """Whether the input (and the output, when given) have unit channel strides and are not also
+    NCHW-contiguous (one channel, or 1 x 1 images, are both): the NHWC kernel's layout."""
+    return (x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1 and not x.is_contiguous()
+            and (out is None or (out.stride(1) == 1 and out.shape[1] > 1)))
+
+
+def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
+    """Blocks of the NHWC kernel: up to 64 channels (a 256-byte float32 run) by a patch of pixels."""
+    block_c = min(64, next_power_of_2(geom.out_channels))
+    if x.device.type != "cuda":  # interpreter: few, large programs
+        return ForwardConfig("nhwc", min(8, next_power_of_2(geom.out_h)), min(8, next_power_of_2(geom.out_w)), 1,
+                             block_c=block_c)
+    block_w = min(8, next_power_of_2(geom.out_w))
+    block_h = max(1, min(next_power_of_2(geom.out_h), 2048 // (block_w * block_c)))
+    return ForwardConfig("nhwc", block_h, block_w, 4, block_c=block_c)
+
+
+def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> ForwardConfig:
+    """Picks the kernel and block sizes for a geometry, input and output (measured choices:
+    docs/notes.md): the NHWC kernel for channels_last tensors, else by the geometry."""
+    if channels_last_kernel_applies(x, out):
+        return nhwc_config(geom, x)
+    return nchw_config(geom, x)
+
+
+def nchw_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
+    """The tile or rows kernel (any strides; fast on NCHW)."""
     if x.device.type != "cuda":  # interpreter: each program costs ~the same, so one tile per plane
         return ForwardConfig("tile", min(32, next_power_of_2(geom.out_h)),
                              min(32, next_power_of_2(geom.out_w)), 4)
@@ -525,8 +605,9 @@ def launch_forward(
                                                                   weight_grad_from))
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
-    if not plan.rows:
-        depthwise_fwd_tile_kernel[plan.grid](x, weight, bias_arg, out, *plan.scalars, **plan.constants)
+    if plan.kernel != "rows":
+        kernel = depthwise_fwd_nhwc_kernel if plan.kernel == "nhwc" else depthwise_fwd_tile_kernel
+        kernel[plan.grid](x, weight, bias_arg, out, *plan.scalars, **plan.constants)
         return out, None
     partial = new_partial(plan, x.device) if fused else None
     depthwise_fwd_rows_kernel[plan.grid](
@@ -543,7 +624,10 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     """Grid and arguments of one forward launch (see launch_forward); features: the fused
     backward's input, whose weight gradient the rows kernel also accumulates."""
     if config is None:
-        config = forward_config(geom, x)
+        config = forward_config(geom, x, out)
+    if config.kernel == "nhwc":
+        assert features is None, "the fused backward runs on the rows kernel"
+        return _nhwc_plan(geom, config, x, out, has_bias)
     index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(out, (geom.out_h, geom.out_w))
     planes = geom.batch * geom.out_channels
     tiles_w = cdiv(geom.out_w, config.block_w)
@@ -557,7 +641,7 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
         tiles = cdiv(geom.out_h, config.block_h) * tiles_w
         scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
                    geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
-        return LaunchPlan(False, (planes * tiles,), scalars,
+        return LaunchPlan("tile", (planes * tiles,), scalars,
                           dict(UNROLL_KH=geom.kernel_h * geom.kernel_w <= 64, BLOCK_H=config.block_h, **common))
     assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
     chunks = cdiv(geom.out_h, config.block_h)
@@ -589,4 +673,20 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
         STORE_CACHE=".cs" if config.stream else "", **common,
     )
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return LaunchPlan(True, (programs,), scalars, constants, partial_shape, acc_dtype)
+    return LaunchPlan("rows", (programs,), scalars, constants, partial_shape, acc_dtype)
+
+
+def _nhwc_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor,
+               has_bias: bool) -> LaunchPlan:
+    assert channels_last_kernel_applies(x, out), "the NHWC kernel needs unit channel strides"
+    # offsets inside one image are 32-bit unless they can reach 2**31
+    index_64 = any(sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:])) >= 2**31 - 1
+                   for t in (x, out))
+    tiles = cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
+    scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, x.stride(0), x.stride(2), x.stride(3),
+               out.stride(0), out.stride(2), out.stride(3), geom.stride_h, geom.stride_w, geom.pad_top,
+               geom.pad_left, geom.dilation_h, geom.dilation_w)
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=has_bias,
+                     INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), BLOCK_H=config.block_h,
+                     BLOCK_W=config.block_w, BLOCK_C=config.block_c, num_warps=config.num_warps)
+    return LaunchPlan("nhwc", (geom.batch * tiles, cdiv(geom.out_channels, config.block_c)), scalars, constants)
