@@ -15,4 +15,9 @@ if ! "$venv/bin/python" -c 'import torch, triton, pytest, dwconv' >/dev/null 2>&
   "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "pytest>=8" numpy >&2
   "$venv/bin/pip" install -q --disable-pip-version-check --no-deps -e "$root" >&2
 fi
+# The GPU machine's Triton (3.6), beside the venv's, only to compile the kernels for sm_90 with it
+# (tests/test_compile.py): a kernel can compile under one Triton and not the other.
+if [ ! -d "$root/.triton36/triton" ]; then
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --target "$root/.triton36" "triton==3.6.0" >&2
+fi
 echo "$venv/bin/python"

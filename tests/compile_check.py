@@ -1,0 +1,137 @@
+"""Compiles dwconv's kernels for an H100/H200 (sm_90) on a machine without a GPU, with the GPU
+configurations the launchers pick there, and launches nothing.
+
+The Triton interpreter, which runs the tests on CPU tensors, never compiles a kernel: a kernel that
+interprets fine can still fail to compile, or compile under one Triton and not another (session 4:
+a str default of a constexpr parameter compiled under Triton 3.9 and not 3.6, and every GPU backward
+raised). tests/test_compile.py runs this script in a fresh process (no TRITON_INTERPRET) under the
+installed Triton and, when scripts/setup.sh has put it there, under the GPU machine's Triton 3.6.
+
+    python tests/compile_check.py      # prints each kernel and configuration; exit status 1 on a failure
+"""
+
+import os
+import sys
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)  # (must be unset before the kernels are decorated)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+
+class CompileOnlyDriver:
+    """Triton's view of an sm_90 device that is not there: compiling works, launching does not."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+COMPILED = []
+
+
+def compile_instead_of_launch(self, grid):
+    def launch(*args, **kwargs):
+        self.warmup(*args, grid=grid, **kwargs)
+        COMPILED.append(self.__name__)
+    return launch
+
+
+driver.set_active(CompileOnlyDriver())
+JITFunction.__getitem__ = compile_instead_of_launch
+
+from dwconv._geometry import conv_geometry  # noqa: E402
+from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight,  # noqa: E402
+                                 conv_grad_weight)
+from dwconv.ops.forward import ForwardConfig, conv_forward  # noqa: E402
+
+CL = torch.channels_last
+
+
+def tensors(shape, kernel, dtype, stride=1, padding=0, dilation=1, multiplier=1, layout=torch.contiguous_format):
+    x = torch.randn(shape).to(dtype).contiguous(memory_format=layout)
+    weight = torch.randn(shape[1] * multiplier, 1, *kernel).to(dtype)
+    geom = conv_geometry(x, weight, None, stride, padding, dilation)
+    grad_out = torch.randn(geom.output_shape).to(dtype).contiguous(memory_format=layout)
+    return x, weight, geom, grad_out
+
+
+def forward(shape, kernel, dtype, config, **conv):
+    x, weight, geom, _ = tensors(shape, kernel, dtype, **conv)
+    conv_forward(x, weight, torch.randn(weight.shape[0]).to(dtype), geom, config)
+
+
+def fused_backward(shape, kernel, dtype, config, **conv):
+    x, weight, geom, grad_out = tensors(shape, kernel, dtype, **conv)
+    conv_grad_input_and_weight(grad_out, x, weight, geom, config)
+
+
+def grad_weight(shape, kernel, dtype, config, **conv):
+    x, weight, geom, grad_out = tensors(shape, kernel, dtype, **conv)
+    conv_grad_weight(grad_out, x, geom, dtype, True, config)
+
+
+def grad_input(shape, kernel, dtype, **conv):
+    x, weight, geom, grad_out = tensors(shape, kernel, dtype, **conv)
+    conv_grad_input(grad_out, weight, geom, x)
+
+
+f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
+# The GPU's choices (forward_config, fused_backward_config, grad_weight_config) at small sizes that
+# keep the same constexprs: #84-like rows of 510 outputs, narrow rows, strides, dilation, NHWC.
+CASES = [
+    ("rows, 4-vectors, odd output rows aligned", forward, ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("rows", 128, 512, 2, 4)), {}),
+    ("rows, streaming hints", forward, ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("rows", 128, 512, 2, 4, stream=True)), {}),
+    ("rows, 4-vectors, bfloat16", forward, ((1, 2, 18, 512), (3, 3), bf16, ForwardConfig("rows", 128, 512, 2, 4)), {}),
+    ("rows, 1 column a lane, dilation", forward, ((1, 2, 40, 64), (3, 3), f32, ForwardConfig("rows", 32, 64, 1)),
+     dict(padding=2, dilation=2)),
+    ("tile, stride 2, multiplier 2", forward, ((1, 2, 20, 20), (3, 3), f32, ForwardConfig("tile", 2, 64, 2)),
+     dict(stride=2, padding=1, multiplier=2)),
+    ("tile, float64", forward, ((1, 2, 20, 20), (5, 5), f64, ForwardConfig("tile", 8, 16, 2)), dict(padding=2)),
+    ("nhwc, float32", forward, ((1, 64, 12, 12), (3, 3), f32, ForwardConfig("nhwc", 4, 8, 4, block_c=64)),
+     dict(padding=1, layout=CL)),
+    ("nhwc, bfloat16, k7", forward, ((1, 96, 12, 12), (7, 7), bf16, ForwardConfig("nhwc", 4, 8, 4, block_c=64)),
+     dict(padding=3, layout=CL)),
+    ("fused backward, float32", fused_backward, ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("rows", 128, 512, 2, 4)), {}),
+    ("fused backward, bfloat16", fused_backward, ((1, 2, 18, 512), (3, 3), bf16, ForwardConfig("rows", 128, 128, 1, 4)), {}),
+    ("grad_weight, 4-vectors, 4 rows a step", grad_weight, ((1, 2, 18, 512), (3, 3), f32, GradWeightConfig(512, 4, 4, 64, 4)), {}),
+    ("grad_weight, bfloat16", grad_weight, ((1, 2, 18, 512), (3, 3), bf16, GradWeightConfig(512, 2, 4, 64, 4)), {}),
+    ("grad_weight, k7, 1 column a lane", grad_weight, ((2, 2, 20, 20), (7, 7), f32, GradWeightConfig(32, 1, 1, 8, 1)),
+     dict(padding=3)),
+    ("grad_input gather, stride 2", grad_input, ((1, 2, 20, 20), (3, 3), f32), dict(stride=2, padding=1)),
+]
+
+
+def main():
+    failed = 0
+    for name, run, args, conv in CASES:
+        before = len(COMPILED)
+        try:
+            run(*args, **conv)
+            print(f"ok    {name}: {', '.join(COMPILED[before:])}", flush=True)
+        except Exception:  # report every case, then fail
+            failed += 1
+            print(f"FAIL  {name}\n{traceback.format_exc()}", flush=True)
+    print(f"triton {triton.__version__}: {len(CASES) - failed}/{len(CASES)} cases compiled for sm_90")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
