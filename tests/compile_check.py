@@ -115,6 +115,10 @@ CASES = [
     ("grad_weight, bfloat16", grad_weight, ((1, 2, 18, 512), (3, 3), bf16, GradWeightConfig(512, 2, 4, 64, 4)), {}),
     ("grad_weight, k7, 1 column a lane", grad_weight, ((2, 2, 20, 20), (7, 7), f32, GradWeightConfig(32, 1, 1, 8, 1)),
      dict(padding=3)),
+    ("grad_weight, nhwc, float32", grad_weight, ((1, 64, 12, 12), (3, 3), f32, GradWeightConfig(16, 4, 1, 64, block_c=64)),
+     dict(padding=1, layout=CL)),
+    ("grad_weight, nhwc, bfloat16, k7", grad_weight, ((1, 96, 12, 12), (7, 7), bf16,
+                                                     GradWeightConfig(16, 4, 1, 64, block_c=64)), dict(padding=3, layout=CL)),
     ("grad_input gather, stride 2", grad_input, ((1, 2, 20, 20), (3, 3), f32), dict(stride=2, padding=1)),
 ]
 

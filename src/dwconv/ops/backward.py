@@ -1,11 +1,13 @@
 """Backward of the depthwise conv2d: grad_input and grad_weight / grad_bias kernels, launchers.
 
 Reading order: the grad_input kernel for any geometry (a gather over the taps that reach each
-input position: no atomics, no zero-stuffed tensors), the grad_weight kernel (row sliding; one
-float32 partial sum per tap, program and channel, then a second pass), then the launchers.
+input position: no atomics, no zero-stuffed tensors), the grad_weight kernels (NCHW: row sliding;
+channels_last: pixel tiles by channel blocks; both one float32 partial sum per tap, program and
+channel, then a second pass), then the launchers.
 
 grad_input with stride 1 and multiplier 1 is a forward convolution of grad_out with the flipped
-weight, so it runs on the forward's row-sliding kernel (`input_grad_geometry`).
+weight, so it runs on the forward's kernels (`input_grad_geometry`): rows for NCHW, NHWC for
+channels_last.
 Everything is deterministic: every output element is written by one program, and the partial
 sums of grad_weight are added in a fixed order.
 """
@@ -23,9 +25,9 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
-from .forward import (_ACC_DTYPES, _load_row_window, _needs_int64, _row_under_tap, _stride_unit, conv_forward,
-                      ForwardConfig, launch_forward, nchw_config, output_memory_format, rows_kernel_fits,
-                      window_layout)
+from .forward import (_ACC_DTYPES, _load_row_window, _needs_int64, _row_under_tap, _stride_unit,
+                      channels_last_kernel_applies, conv_forward, ForwardConfig, launch_forward, nchw_config,
+                      output_memory_format, rows_kernel_fits, window_layout)
 
 
 @triton.jit
@@ -148,6 +150,58 @@ def depthwise_grad_weight_kernel(
     tl.store(partial_ptr + (out_c * splits + split) * TAPS + tap_ids, sums, mask=tap_ids < KH * KW + BIAS_GRAD)
 
 
+@triton.jit
+def depthwise_grad_weight_nhwc_kernel(
+    g_ptr, x_ptr, partial_ptr,
+    channels, in_h, in_w, out_h, out_w, tiles, splits,
+    x_stride_n, x_stride_h, x_stride_w,
+    g_stride_n, g_stride_h, g_stride_w,
+    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """grad_weight (and grad_bias) of channels_last tensors (unit channel strides). Program (split,
+    channel block) walks the tiles split, split + splits, ... (a tile: BLOCK_W pixels of one grad_out
+    row by BLOCK_C channels, loaded along the contiguous channel axis), multiplies each tap's shifted
+    input pixels into it and sums over the pixels into a [TAPS, BLOCK_C] accumulator (slot KH*KW:
+    grad_out alone, for grad_bias). Writes partial[out_c, split, TAPS], as the NCHW kernel does."""
+    split = tl.program_id(0)
+    out_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = out_c < channels
+    in_c = out_c // MULTIPLIER
+    taps = tl.arange(0, TAPS)[:, None]
+    acc = tl.zeros([TAPS, BLOCK_C], dtype=ACC_DTYPE)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    for tile in range(split, tiles, splits):
+        row = tile // tiles_w  # of the flattened (n, out row) axis
+        n = row // out_h
+        out_row = row % out_h
+        out_cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)
+        if INDEX_64:
+            out_row = out_row.to(tl.int64)
+            out_cols = out_cols.to(tl.int64)
+        col_ok = out_cols < out_w
+        g_row = g_ptr + n.to(tl.int64) * g_stride_n + out_row * g_stride_h
+        g = tl.load(g_row + (out_cols * g_stride_w)[:, None] + out_c[None, :], mask=col_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(ACC_DTYPE)
+        x_image = x_ptr + n.to(tl.int64) * x_stride_n
+        for kh in tl.static_range(KH):
+            # the input row as a block like the columns (the interpreter makes a scalar & block mask int32)
+            in_rows = out_row * stride_h - pad_top + kh * dilation_h + tl.zeros_like(out_cols)
+            row_ok = (in_rows >= 0) & (in_rows < in_h)
+            for kw in tl.static_range(KW):
+                in_cols = out_cols * stride_w - pad_left + kw * dilation_w
+                ok = (row_ok & col_ok & (in_cols >= 0) & (in_cols < in_w))[:, None] & c_ok[None, :]
+                x = tl.load(x_image + (in_rows * x_stride_h + in_cols * x_stride_w)[:, None] + in_c[None, :], mask=ok,
+                            other=0.0)
+                acc = tl.where(taps == kh * KW + kw, acc + tl.sum(g * x.to(ACC_DTYPE), axis=0)[None, :], acc)
+        if BIAS_GRAD:
+            acc = tl.where(taps == KH * KW, acc + tl.sum(g, axis=0)[None, :], acc)
+    offsets = out_c[None, :].to(tl.int64) * (splits * TAPS) + split * TAPS + taps
+    tl.store(partial_ptr + offsets, acc, mask=c_ok[None, :])
+
+
 def _input_grad_geometry(geom: ConvGeometry) -> ConvGeometry:
     """For stride 1: grad_input = forward conv of grad_out (out_h x out_w) with the flipped weight,
     padded by (K-1)*dilation - pad before (negative: cropped), giving in_h x in_w."""
@@ -259,6 +313,7 @@ class GradWeightConfig:
     vec: int  # output columns a thread owns (4: window loads; stride_w 1 only)
     splits: int  # programs per output channel
     rows: int = 1  # grad_out rows a loop step handles (more loads in flight on narrow planes)
+    block_c: int = 1  # channels a program covers (channels_last kernel)
 
 
 def grad_weight_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightConfig:
@@ -290,7 +345,8 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
     plan = cached_plan(_GRAD_WEIGHT_PLANS, (geom, config, layout_key(grad_out), layout_key(x), bool(bias_grad)),
                        lambda: _grad_weight_plan(geom, config, grad_out, x, bool(bias_grad)))
     partial = new_partial(plan, x.device)
-    depthwise_grad_weight_kernel[plan.grid](grad_out, x, partial, *plan.scalars, **plan.constants)
+    kernel = depthwise_grad_weight_nhwc_kernel if plan.kernel == "grad_weight_nhwc" else depthwise_grad_weight_kernel
+    kernel[plan.grid](grad_out, x, partial, *plan.scalars, **plan.constants)
     # Fixed-order reductions over the splits (deterministic), each one op into a fresh tensor.
     grad_w = partial[:, :, :taps].sum(dim=1).view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w)
     grad_b = partial[:, :, taps].sum(dim=1).to(weight_dtype) if bias_grad else None
@@ -302,6 +358,8 @@ _GRAD_WEIGHT_PLANS: dict = {}
 
 def _grad_weight_plan(geom: ConvGeometry, config: Optional[GradWeightConfig], grad_out: torch.Tensor,
                       x: torch.Tensor, bias_grad: bool) -> LaunchPlan:
+    if channels_last_kernel_applies(x, grad_out):
+        return _grad_weight_nhwc_plan(geom, config, grad_out, x, bias_grad)
     if config is None:
         config = grad_weight_config(geom, x)
     vec, block_w = config.vec, config.block_w
@@ -325,4 +383,35 @@ def _grad_weight_plan(geom: ConvGeometry, config: Optional[GradWeightConfig], gr
     )
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return LaunchPlan("grad_weight", (geom.out_channels * splits,), scalars, constants,
+                      (geom.out_channels, splits, padded_taps), acc_dtype)
+
+
+def grad_weight_nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightConfig:
+    """Channels_last: tiles of 16 pixels by up to 64 channels; about 1024 programs in all (each
+    writes TAPS partial sums per channel, so more programs mean a larger second pass)."""
+    block_c = min(64, next_power_of_2(geom.out_channels))
+    block_w = min(16, next_power_of_2(geom.out_w))
+    tiles = geom.batch * geom.out_h * cdiv(geom.out_w, block_w)
+    programs = 1024 if x.is_cuda else 4  # (interpreter: the work is the same however it is split)
+    splits = min(tiles, cdiv(programs, cdiv(geom.out_channels, block_c)))
+    return GradWeightConfig(block_w, 4, 1, splits, block_c=block_c)
+
+
+def _grad_weight_nhwc_plan(geom: ConvGeometry, config: Optional[GradWeightConfig], grad_out: torch.Tensor,
+                           x: torch.Tensor, bias_grad: bool) -> LaunchPlan:
+    if config is None:
+        config = grad_weight_nhwc_config(geom, x)
+    tiles = geom.batch * geom.out_h * cdiv(geom.out_w, config.block_w)
+    splits = max(1, min(config.splits, tiles))
+    padded_taps = next_power_of_2(geom.kernel_h * geom.kernel_w + int(bias_grad))
+    index_64 = any(sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:])) >= 2**31 - 1
+                   for t in (x, grad_out))
+    scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, tiles, splits,
+               x.stride(0), x.stride(2), x.stride(3), grad_out.stride(0), grad_out.stride(2), grad_out.stride(3),
+               geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, BIAS_GRAD=bias_grad,
+                     INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), TAPS=padded_taps,
+                     BLOCK_W=config.block_w, BLOCK_C=config.block_c, num_warps=config.num_warps)
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return LaunchPlan("grad_weight_nhwc", (splits, cdiv(geom.out_channels, config.block_c)), scalars, constants,
                       (geom.out_channels, splits, padded_taps), acc_dtype)

@@ -1,11 +1,12 @@
 """Forward depthwise conv2d: Triton kernels and their launcher.
 
 Reading order: the kernels (a 2-D tile kernel for any geometry, a row-sliding kernel for
-stride-1 rows), then `forward_config` (which kernel and block sizes), then `conv_forward`
+stride-1 rows, an NHWC kernel for channels_last), then `forward_config` (which kernel and block sizes), then `conv_forward`
 (allocate, launch). Argument checking lives in dwconv._geometry; this layer trusts it.
 
-Both kernels read the input through its four strides, so NCHW, channels_last and other
-strided inputs all give the right answer (a native channels_last kernel is later work). On
+The tile and rows kernels read the input through its four strides, so any strided input gives
+the right answer; channels_last tensors (unit channel strides in and out) take the NHWC kernel,
+whose loads run along the channels. On
 unit-stride rows the rows kernel loads 16-byte vectors and builds the shifted views in registers;
 rows of 2 mod 4 elements are read and written from the vector boundary below their start
 (docs/notes.md). Each program computes output of one (n, out_channel) plane.
