@@ -9,7 +9,7 @@ the right answer; channels_last tensors (unit channel strides in and out) take t
 whose loads run along the channels. On
 unit-stride rows the rows kernel loads 16-byte vectors and builds the shifted views in registers;
 rows of 2 mod 4 elements are read and written from the vector boundary below their start
-(docs/notes.md). Each program computes output of one (n, out_channel) plane.
+(docs/notes.md). A tile or rows program computes output of one (n, out_channel) plane.
 Offsets of a plane's base are 64-bit; offsets inside a plane are 32-bit unless the launcher
 sees that they can pass 2**31 (INDEX_64).
 """
