@@ -11,22 +11,10 @@ import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
 from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
+from profile_model import events_ms as time_ms  # (benchmarks/ is on the path when run as a script)
 
 LAYERS = [((64, 128, 256, 512), 3, 0, 1), ((64, 96, 56, 56), 7, 3, 1), ((64, 144, 56, 56), 3, 1, 1),
           ((32, 256, 64, 64), 3, 2, 2)]
-
-
-def time_ms(fn, iters=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main():

@@ -44,13 +44,12 @@ class CompileOnlyDriver:
         return True
 
 
-COMPILED = []
+COMPILED = []  # (kernel name, CompiledKernel: .asm["ptx"] etc.) of every launch
 
 
 def compile_instead_of_launch(self, grid):
     def launch(*args, **kwargs):
-        self.warmup(*args, grid=grid, **kwargs)
-        COMPILED.append(self.__name__)
+        COMPILED.append((self.__name__, self.warmup(*args, grid=grid, **kwargs)))
     return launch
 
 
@@ -120,6 +119,7 @@ CASES = [
     ("grad_weight, nhwc, bfloat16, k7", grad_weight, ((1, 96, 12, 12), (7, 7), bf16,
                                                      GradWeightConfig(16, 4, 1, 64, block_c=64)), dict(padding=3, layout=CL)),
     ("grad_input gather, stride 2", grad_input, ((1, 2, 20, 20), (3, 3), f32), dict(stride=2, padding=1)),
+    ("grad_input gather, nhwc, stride 2", grad_input, ((1, 64, 20, 20), (3, 3), bf16), dict(stride=2, padding=1, layout=CL)),
 ]
 
 
@@ -129,7 +129,7 @@ def main():
         before = len(COMPILED)
         try:
             run(*args, **conv)
-            print(f"ok    {name}: {', '.join(COMPILED[before:])}", flush=True)
+            print(f"ok    {name}: {', '.join(kernel for kernel, _ in COMPILED[before:])}", flush=True)
         except Exception:  # report every case, then fail
             failed += 1
             print(f"FAIL  {name}\n{traceback.format_exc()}", flush=True)

@@ -90,7 +90,7 @@ def test_gradient_dtypes(dtype, multiplier, kernel, stride, padding, layout):
 def test_channels_last_takes_the_nhwc_kernels():
     """grad_weight of channels_last x and grad_out on the NHWC kernel, grad_input (stride 1) on the
     forward's NHWC kernel; an NCHW grad_out keeps the strided NCHW kernels."""
-    from dwconv.ops.backward import _grad_weight_plan, input_grad_geometry
+    from dwconv.ops.backward import _grad_input_plan, _grad_weight_plan, input_grad_geometry
     from dwconv.ops.forward import forward_config
     x = randn(2, 5, 9, 9).contiguous(memory_format=torch.channels_last)
     geom = conv_geometry(x, randn(5, 1, 3, 3), None, 1, 1, 1)
@@ -98,6 +98,10 @@ def test_channels_last_takes_the_nhwc_kernels():
     assert _grad_weight_plan(geom, None, grad_out, x, True).kernel == "grad_weight_nhwc"
     assert forward_config(input_grad_geometry(geom), grad_out, torch.empty_like(x)).kernel == "nhwc"
     assert _grad_weight_plan(geom, None, grad_out.contiguous(), x, True).kernel == "grad_weight"
+    strided = conv_geometry(x, randn(5, 1, 3, 3), None, 2, 1, 1)  # stride 2: the gather kernel, by channel blocks
+    grad_out = randn(*strided.output_shape).contiguous(memory_format=torch.channels_last)
+    assert _grad_input_plan(strided, grad_out, torch.empty_like(x)).constants["BLOCK_C"] > 1
+    assert _grad_input_plan(strided, grad_out.contiguous(), torch.empty_like(x)).constants["BLOCK_C"] == 1
 
 
 @pytest.mark.parametrize("stride", [1, 2])

@@ -39,9 +39,11 @@ def depthwise_grad_input_tile_kernel(
     pad_top, pad_left, dilation_h, dilation_w,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, INDEX_64: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """One program = one BLOCK_H x BLOCK_W tile of grad_input of one (n, in_channel) plane.
+    """One program = one BLOCK_H x BLOCK_W x BLOCK_C tile of grad_input (rows, columns, input
+    channels) of one image: BLOCK_C = 1 for NCHW (a plane's tile), a run of channels along the
+    contiguous axis for channels_last.
     Input row i received out row o through tap kh when o * stride_h - pad_top + kh * dilation_h == i:
     each tap gathers the out rows (i + pad_top - kh * dilation_h) / stride_h that divide exactly.
     The strides are compile-time constants: a division by a run-time value costs ~20 instructions
@@ -49,16 +51,18 @@ def depthwise_grad_input_tile_kernel(
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(in_w, BLOCK_W)
     tiles_per_plane = tl.cdiv(in_h, BLOCK_H) * tiles_w
+    channel_blocks = tl.cdiv(in_channels, BLOCK_C)
     plane = pid // tiles_per_plane
     tile = pid % tiles_per_plane
-    n = plane // in_channels
-    in_c = plane % in_channels
-    rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
+    n = plane // channel_blocks
+    in_c = (plane % channel_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
+    c_ok = in_c < in_channels
+    rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None, None]
+    cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :, None]
     if INDEX_64:
         rows = rows.to(tl.int64)
         cols = cols.to(tl.int64)
-    acc = tl.zeros([BLOCK_H, BLOCK_W], dtype=ACC_DTYPE)
+    acc = tl.zeros([BLOCK_H, BLOCK_W, BLOCK_C], dtype=ACC_DTYPE)
     for j in tl.static_range(MULTIPLIER):  # every output channel fed by this input channel
         out_c = in_c * MULTIPLIER + j
         g_base = g_ptr + n.to(tl.int64) * g_stride_n + out_c.to(tl.int64) * g_stride_c
@@ -69,13 +73,13 @@ def depthwise_grad_input_tile_kernel(
             for kw in range(KW):
                 num_w = cols + pad_left - kw * dilation_w
                 out_cols = num_w // STRIDE_W
-                ok = rows_ok & (num_w >= 0) & (num_w % STRIDE_W == 0) & (out_cols < out_w)
+                ok = rows_ok & (num_w >= 0) & (num_w % STRIDE_W == 0) & (out_cols < out_w) & c_ok
                 g = tl.load(g_base + out_rows * g_stride_h + out_cols * g_stride_w, mask=ok, other=0.0)
-                w = tl.load(w_ptr + (out_c * KH + kh) * KW + kw).to(ACC_DTYPE)
+                w = tl.load(w_ptr + (out_c * KH + kh) * KW + kw, mask=c_ok, other=0.0).to(ACC_DTYPE)
                 acc += g.to(ACC_DTYPE) * w
     dx_base = dx_ptr + n.to(tl.int64) * dx_stride_n + in_c.to(tl.int64) * dx_stride_c
     tl.store(dx_base + rows * dx_stride_h + cols * dx_stride_w, acc.to(dx_ptr.dtype.element_ty),
-             mask=(rows < in_h) & (cols < in_w))
+             mask=(rows < in_h) & (cols < in_w) & c_ok)
 
 
 @triton.jit(do_not_specialize=["pad_left"])
@@ -292,8 +296,14 @@ _GRAD_INPUT_PLANS: dict = {}
 
 
 def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> LaunchPlan:
-    block_w = min(64, next_power_of_2(geom.in_w)) if grad_out.is_cuda else min(32, next_power_of_2(geom.in_w))
-    block_h = max(1, min(next_power_of_2(geom.in_h), (256 if grad_out.is_cuda else 1024) // block_w))
+    if channels_last_kernel_applies(grad_out, dx):  # tiles of 4 x 8 pixels by up to 64 channels
+        block_c = min(64, next_power_of_2(geom.in_channels))
+        block_w = min(8, next_power_of_2(geom.in_w))
+        block_h = max(1, min(next_power_of_2(geom.in_h), (2048 if grad_out.is_cuda else 4096) // (block_w * block_c)))
+    else:  # one channel a program
+        block_c = 1
+        block_w = min(64, next_power_of_2(geom.in_w)) if grad_out.is_cuda else min(32, next_power_of_2(geom.in_w))
+        block_h = max(1, min(next_power_of_2(geom.in_h), (256 if grad_out.is_cuda else 1024) // block_w))
     tiles = cdiv(geom.in_h, block_h) * cdiv(geom.in_w, block_w)
     index_64 = _needs_int64(grad_out, (geom.out_h, geom.out_w)) or _needs_int64(dx, (geom.in_h, geom.in_w))
     scalars = (geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *grad_out.stride(), *dx.stride(),
@@ -301,9 +311,9 @@ def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tenso
     constants = dict(
         STRIDE_H=geom.stride_h, STRIDE_W=geom.stride_w, MULTIPLIER=geom.multiplier, KH=geom.kernel_h,
         KW=geom.kernel_w, INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h,
-        BLOCK_W=block_w, num_warps=max(1, min(8, block_h * block_w // 64)),
+        BLOCK_W=block_w, BLOCK_C=block_c, num_warps=max(1, min(8, block_h * block_w * block_c // 64)),
     )
-    return LaunchPlan("grad_input", (geom.batch * geom.in_channels * tiles,), scalars, constants)
+    return LaunchPlan("grad_input", (geom.batch * cdiv(geom.in_channels, block_c) * tiles,), scalars, constants)
 
 
 @dataclass(frozen=True)
