@@ -40,17 +40,18 @@ def _plane_pointers(x_ptr, y_ptr, plane, out_channels, MULTIPLIER: tl.constexpr,
 
 
 @triton.jit
-def _accumulate_kernel_row(acc, x_base, w_row_ptr, in_rows, in_cols0, in_h, in_w,
+def _accumulate_kernel_row(acc, x_base, w_row_ptr, w_stride_tap, c_ok, in_rows, in_cols0, in_h, in_w,
                            x_stride_h, x_stride_w, out_mask, dilation_w, KW: tl.constexpr,
                            ACC_DTYPE: tl.constexpr):
-    """acc += sum over kw of w[kw] * x[in_rows, in_cols0 + kw*dilation_w] for a 2-D tile."""
+    """acc += sum over kw of w[kw] * x[in_rows, in_cols0 + kw*dilation_w] for a [rows, cols, channels]
+    tile (x_base and w_row_ptr: one pointer per channel)."""
     row_ok = (in_rows >= 0) & (in_rows < in_h)
     row_offsets = in_rows * x_stride_h
     for kw in tl.static_range(KW):
         in_cols = in_cols0 + kw * dilation_w
-        mask = out_mask & row_ok[:, None] & ((in_cols >= 0) & (in_cols < in_w))[None, :]
-        x = tl.load(x_base + row_offsets[:, None] + in_cols[None, :] * x_stride_w, mask=mask, other=0.0)
-        w = tl.load(w_row_ptr + kw).to(ACC_DTYPE)
+        mask = out_mask & row_ok & ((in_cols >= 0) & (in_cols < in_w))
+        x = tl.load(x_base + row_offsets + in_cols * x_stride_w, mask=mask, other=0.0)
+        w = tl.load(w_row_ptr + kw * w_stride_tap, mask=c_ok, other=0.0).to(ACC_DTYPE)
         acc += x.to(ACC_DTYPE) * w
     return acc
 
@@ -64,44 +65,53 @@ def depthwise_fwd_tile_kernel(
     out_channels, in_h, in_w, out_h, out_w,
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
+    w_stride_c, w_stride_tap,
     stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     HAS_BIAS: tl.constexpr, UNROLL_KH: tl.constexpr, INDEX_64: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """One program = one BLOCK_H x BLOCK_W output tile of one plane; any stride/padding/dilation."""
+    """One program = one BLOCK_H x BLOCK_W x BLOCK_C output tile (rows, columns, output channels) of
+    one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW (a tile of one plane); for
+    channels_last a run of channels along the contiguous axis, with the weight taps-major
+    (w_stride_c 1) so that each tap's weights are one vector load too."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
     tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
+    channel_blocks = tl.cdiv(out_channels, BLOCK_C)
     plane = pid // tiles_per_plane
     tile = pid % tiles_per_plane
-    x_base, y_base, out_c = _plane_pointers(x_ptr, y_ptr, plane, out_channels, MULTIPLIER,
-                                            x_stride_n, x_stride_c, y_stride_n, y_stride_c)
+    n = plane // channel_blocks
+    out_c = (plane % channel_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
+    in_c = out_c // MULTIPLIER
+    x_base = x_ptr + n.to(tl.int64) * x_stride_n + in_c.to(tl.int64) * x_stride_c
+    y_base = y_ptr + n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c
 
-    out_rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)
-    out_cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)
+    out_rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None, None]
+    out_cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :, None]
     if INDEX_64:
         out_rows = out_rows.to(tl.int64)
         out_cols = out_cols.to(tl.int64)
-    out_mask = (out_rows < out_h)[:, None] & (out_cols < out_w)[None, :]
+    c_ok = out_c < out_channels
+    out_mask = (out_rows < out_h) & (out_cols < out_w) & c_ok
     in_rows0 = out_rows * stride_h - pad_top
     in_cols0 = out_cols * stride_w - pad_left
 
-    acc = tl.zeros([BLOCK_H, BLOCK_W], dtype=ACC_DTYPE)
-    w_plane = w_ptr + out_c * (KH * KW)
+    acc = tl.zeros([BLOCK_H, BLOCK_W, BLOCK_C], dtype=ACC_DTYPE)
+    w_taps = w_ptr + out_c * w_stride_c
     if UNROLL_KH:
         for kh in tl.static_range(KH):
-            acc = _accumulate_kernel_row(acc, x_base, w_plane + kh * KW, in_rows0 + kh * dilation_h,
-                                         in_cols0, in_h, in_w, x_stride_h, x_stride_w, out_mask,
-                                         dilation_w, KW, ACC_DTYPE)
+            acc = _accumulate_kernel_row(acc, x_base, w_taps + kh * KW * w_stride_tap, w_stride_tap, c_ok,
+                                         in_rows0 + kh * dilation_h, in_cols0, in_h, in_w, x_stride_h, x_stride_w,
+                                         out_mask, dilation_w, KW, ACC_DTYPE)
     else:  # large kernels: keep the code size bounded
         for kh in range(KH):
-            acc = _accumulate_kernel_row(acc, x_base, w_plane + kh * KW, in_rows0 + kh * dilation_h,
-                                         in_cols0, in_h, in_w, x_stride_h, x_stride_w, out_mask,
-                                         dilation_w, KW, ACC_DTYPE)
+            acc = _accumulate_kernel_row(acc, x_base, w_taps + kh * KW * w_stride_tap, w_stride_tap, c_ok,
+                                         in_rows0 + kh * dilation_h, in_cols0, in_h, in_w, x_stride_h, x_stride_w,
+                                         out_mask, dilation_w, KW, ACC_DTYPE)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + out_c).to(ACC_DTYPE)
-    y_offsets = out_rows[:, None] * y_stride_h + out_cols[None, :] * y_stride_w
+        acc += tl.load(b_ptr + out_c, mask=c_ok, other=0.0).to(ACC_DTYPE)
+    y_offsets = out_rows * y_stride_h + out_cols * y_stride_w
     tl.store(y_base + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -387,57 +397,6 @@ def depthwise_fwd_rows_kernel(
                  mask=tap_ids < KH * KW)
 
 
-# ---- channels_last (NHWC) ---------------------------------------------------------------------
-
-@triton.jit
-def depthwise_fwd_nhwc_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
-    channels, in_h, in_w, out_h, out_w,
-    x_stride_n, x_stride_h, x_stride_w,
-    y_stride_n, y_stride_h, y_stride_w,
-    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
-    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
-    INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Channels_last tensors (unit channel stride in x and y): one program = a BLOCK_H x BLOCK_W
-    patch of output pixels of one image by BLOCK_C output channels. Loads run along the channels,
-    the contiguous axis; the KH x KW taps re-read overlapping pixels, which come from L1."""
-    pid = tl.program_id(0)
-    tiles_w = tl.cdiv(out_w, BLOCK_W)
-    tiles = tl.cdiv(out_h, BLOCK_H) * tiles_w
-    n = pid // tiles
-    tile = pid % tiles
-    out_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    in_c = out_c // MULTIPLIER
-    c_ok = out_c < channels
-    out_rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)
-    out_cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)
-    if INDEX_64:
-        out_rows = out_rows.to(tl.int64)
-        out_cols = out_cols.to(tl.int64)
-    x_image = x_ptr + n.to(tl.int64) * x_stride_n
-    in_rows0 = out_rows * stride_h - pad_top
-    in_cols0 = out_cols * stride_w - pad_left
-    acc = tl.zeros([BLOCK_H, BLOCK_W, BLOCK_C], dtype=ACC_DTYPE)
-    for kh in tl.static_range(KH):
-        in_rows = in_rows0 + kh * dilation_h
-        rows_ok = (in_rows >= 0) & (in_rows < in_h)
-        for kw in tl.static_range(KW):
-            in_cols = in_cols0 + kw * dilation_w
-            ok = rows_ok[:, None, None] & ((in_cols >= 0) & (in_cols < in_w))[None, :, None] & c_ok[None, None, :]
-            offsets = (in_rows * x_stride_h)[:, None, None] + (in_cols * x_stride_w)[None, :, None] \
-                + in_c[None, None, :]
-            x = tl.load(x_image + offsets, mask=ok, other=0.0)
-            w = tl.load(w_ptr + out_c * (KH * KW) + (kh * KW + kw), mask=c_ok, other=0.0)
-            acc += x.to(ACC_DTYPE) * w.to(ACC_DTYPE)[None, None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + out_c, mask=c_ok, other=0.0).to(ACC_DTYPE)[None, None, :]
-    y_offsets = (out_rows * y_stride_h)[:, None, None] + (out_cols * y_stride_w)[None, :, None] + out_c[None, None, :]
-    y_ok = ((out_rows < out_h)[:, None, None] & (out_cols < out_w)[None, :, None]) & c_ok[None, None, :]
-    tl.store(y_ptr + n.to(tl.int64) * y_stride_n + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
-
-
 # ---- choosing and launching -------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -604,11 +563,12 @@ def launch_forward(
            layout_key(weight_grad_from) if fused else None, ODD_OUT_ALIGN)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
                                                                   weight_grad_from))
+    if plan.kernel == "nhwc":  # taps-major: a tap's weights for a run of channels are one vector
+        weight = weight.reshape(geom.out_channels, -1).t().contiguous()
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
     if plan.kernel != "rows":
-        kernel = depthwise_fwd_nhwc_kernel if plan.kernel == "nhwc" else depthwise_fwd_tile_kernel
-        kernel[plan.grid](x, weight, bias_arg, out, *plan.scalars, **plan.constants)
+        depthwise_fwd_tile_kernel[plan.grid](x, weight, bias_arg, out, *plan.scalars, **plan.constants)
         return out, None
     partial = new_partial(plan, x.device) if fused else None
     depthwise_fwd_rows_kernel[plan.grid](
@@ -626,9 +586,6 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     backward's input, whose weight gradient the rows kernel also accumulates."""
     if config is None:
         config = forward_config(geom, x, out)
-    if config.kernel == "nhwc":
-        assert features is None, "the fused backward runs on the rows kernel"
-        return _nhwc_plan(geom, config, x, out, has_bias)
     index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(out, (geom.out_h, geom.out_w))
     planes = geom.batch * geom.out_channels
     tiles_w = cdiv(geom.out_w, config.block_w)
@@ -639,11 +596,7 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     )
     if config.kernel != "rows":
         assert features is None, "the fused backward runs on the rows kernel"
-        tiles = cdiv(geom.out_h, config.block_h) * tiles_w
-        scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
-                   geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
-        return LaunchPlan("tile", (planes * tiles,), scalars,
-                          dict(UNROLL_KH=geom.kernel_h * geom.kernel_w <= 64, BLOCK_H=config.block_h, **common))
+        return _tile_plan(geom, config, x, out, common)
     assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
     chunks = cdiv(geom.out_h, config.block_h)
     vec = config.vec
@@ -677,17 +630,20 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     return LaunchPlan("rows", (programs,), scalars, constants, partial_shape, acc_dtype)
 
 
-def _nhwc_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor,
-               has_bias: bool) -> LaunchPlan:
-    assert channels_last_kernel_applies(x, out), "the NHWC kernel needs unit channel strides"
-    # offsets inside one image are 32-bit unless they can reach 2**31
-    index_64 = any(sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:])) >= 2**31 - 1
-                   for t in (x, out))
+def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, common: dict
+               ) -> LaunchPlan:
+    """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc": unit channel
+    strides; the launcher hands it the weight taps-major)."""
+    nhwc = config.kernel == "nhwc"
+    assert not nhwc or channels_last_kernel_applies(x, out), "the NHWC tiles need unit channel strides"
+    taps = geom.kernel_h * geom.kernel_w
+    block_c = config.block_c if nhwc else 1
+    if nhwc:  # offsets inside one image (not one plane) are 32-bit unless they can reach 2**31
+        common = dict(common, INDEX_64=any(sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:]))
+                                           >= 2**31 - 1 for t in (x, out)))
     tiles = cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
-    scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, x.stride(0), x.stride(2), x.stride(3),
-               out.stride(0), out.stride(2), out.stride(3), geom.stride_h, geom.stride_w, geom.pad_top,
+    scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
+               *((1, geom.out_channels) if nhwc else (taps, 1)), geom.stride_h, geom.stride_w, geom.pad_top,
                geom.pad_left, geom.dilation_h, geom.dilation_w)
-    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=has_bias,
-                     INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), BLOCK_H=config.block_h,
-                     BLOCK_W=config.block_w, BLOCK_C=config.block_c, num_warps=config.num_warps)
-    return LaunchPlan("nhwc", (geom.batch * tiles, cdiv(geom.out_channels, config.block_c)), scalars, constants)
+    constants = dict(common, UNROLL_KH=taps <= 64, BLOCK_H=config.block_h, BLOCK_C=block_c)
+    return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
