@@ -1,17 +1,18 @@
 """Forward depthwise conv2d: Triton kernels and their launcher.
 
-Reading order: the kernels (a 2-D tile kernel for any geometry, a row-sliding kernel for
-stride-1 rows, an NHWC kernel for channels_last), then `forward_config` (which kernel and block sizes), then `conv_forward`
+Reading order: the kernels (a tile kernel for any geometry and layout: one channel a program for
+NCHW, runs of channels along the contiguous axis for channels_last; a row-sliding kernel for
+stride-1 NCHW rows), then `forward_config` (which kernel and block sizes), then `conv_forward`
 (allocate, launch). Argument checking lives in dwconv._geometry; this layer trusts it.
 
-The tile and rows kernels read the input through its four strides, so any strided input gives
-the right answer; channels_last tensors (unit channel strides in and out) take the NHWC kernel,
-whose loads run along the channels. On
+Both kernels read the input through its four strides, so any strided input gives the right answer;
+channels_last tensors (unit channel strides in and out) take the tile kernel's channel-run
+configuration ("nhwc"). On
 unit-stride rows the rows kernel loads 16-byte vectors and builds the shifted views in registers;
 rows of 2 mod 4 elements are read and written from the vector boundary below their start
-(docs/notes.md). A tile or rows program computes output of one (n, out_channel) plane.
-Offsets of a plane's base are 64-bit; offsets inside a plane are 32-bit unless the launcher
-sees that they can pass 2**31 (INDEX_64).
+(docs/notes.md). A rows program computes output of one (n, out_channel) plane.
+Offsets of a plane's base are 64-bit; offsets inside a plane (an image, for "nhwc") are 32-bit
+unless the launcher sees that they can pass 2**31 (INDEX_64).
 """
 
 from __future__ import annotations
@@ -407,7 +408,7 @@ class ForwardConfig:
     num_warps: int
     vec: int = 1  # "rows": output columns a thread owns (4 or 8: window loads, stride_w 1 only)
     stream: bool = False  # "rows": streaming cache hints (evict_first loads, .cs stores); not yet timed
-    block_c: int = 1  # "nhwc": channels a program covers
+    block_c: int = 1  # "nhwc" (the tile kernel on channels_last tensors): channels a program covers
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
