@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|sweep|sweep84|sweepbwd|probe|host|models|ddp|backward|bench|bench84|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|sweep|sweep84|sweepbwd|probe|host|models|ddp|backward|bench|bench84|cl|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -20,6 +20,8 @@ for step in $steps; do
     ddp) torchrun --nproc_per_node=2 examples/train_ddp.py --steps 5 --check 2>&1 | tee "$OUT/ddp.log" ;;
     backward|all) python3 -m dwconv bench --suite forward --backward --csv "$OUT/bench_backward.csv" 2>&1 | tee "$OUT/bench_backward.log" ;;&
     bench|all) python3 -m dwconv bench --suite forward --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" ;;&
+    cl) python3 -m dwconv bench --suite forward --channels-last --csv "$OUT/bench_cl.csv" 2>&1 | tee "$OUT/bench_cl.log"
+        python3 -m dwconv bench --suite forward --channels-last --backward --csv "$OUT/bench_cl_backward.csv" 2>&1 | tee "$OUT/bench_cl_backward.log" ;;
     bench|all|bench84) python3 -m dwconv bench --dtype all --compile --csv "$OUT/bench84.csv" 2>&1 | tee "$OUT/bench84.log" ;;
   esac
 done

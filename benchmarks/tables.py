@@ -3,7 +3,8 @@
     python benchmarks/tables.py docs/data/kb84-session3.csv [more.csv ...]
 
 One table per file: a row per (layer, pass), dwconv's time and % of copy, each other path's time,
-and dwconv's speedup over it; peak memory when the file has it (forward+backward runs).
+and dwconv's speedup over it; with --channels-last runs, dwconv on channels_last tensors against
+cuDNN on the same; peak memory when the file has it (forward+backward runs).
 """
 
 import csv
@@ -19,6 +20,9 @@ def table(path):
     keys = list(dict.fromkeys((r["layer"], r["pass"]) for r in rows))
     has_peak = any(r["peak_mb"] not in ("", "nan") for r in rows)
     head = ["layer", "pass", "dwconv ms", "% of copy"] + [f"{NAMES[p]} ms" for p in paths] + [f"vs {NAMES[p]}" for p in paths]
+    has_cl = any(r["path"] == "dwconv_cl" for r in rows)  # --channels-last: dwconv against cuDNN, both NHWC
+    if has_cl:
+        head += ["dwconv channels_last ms", "its % of copy", "vs cuDNN channels_last (both NHWC)"]
     if has_peak:
         head.append("peak MB dwconv / eager")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -29,6 +33,10 @@ def table(path):
         others = [keyed.get((layer, pass_, p)) for p in paths]
         cells += [f"{float(o['ms']):.3f}" if o else "" for o in others]
         cells += [f"{float(o['ms']) / ms:.2f}x" if o else "" for o in others]
+        if has_cl:
+            ours_cl, cudnn_cl = keyed.get((layer, pass_, "dwconv_cl")), keyed.get((layer, pass_, "cudnn_cl"))
+            cells += [f"{float(ours_cl['ms']):.3f}", f"{float(ours_cl['pct_copy']):.1f}%",
+                      f"{float(cudnn_cl['ms']) / float(ours_cl['ms']):.2f}x" if cudnn_cl else ""] if ours_cl else ["", "", ""]
         if has_peak:
             eager = keyed.get((layer, pass_, "eager"))
             peak = ours["peak_mb"]

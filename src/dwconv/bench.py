@@ -83,6 +83,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES) + ["all"], default="float32")
     p.add_argument("--compile", action="store_true", help="also time torch.compile(F.conv2d)")
     p.add_argument("--no-cudnn-cl", action="store_true", help="skip cuDNN with channels_last tensors")
+    p.add_argument("--channels-last", action="store_true",
+                   help="also time dwconv on channels_last tensors (path dwconv_cl; compare with cudnn_cl)")
     p.add_argument("--backward", action="store_true", help="time forward+backward and backward instead of forward")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=3)
@@ -165,8 +167,13 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
     conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
     out = dwconv.depthwise_conv2d(x, weight, bias, **conv)
     max_err = check_values(out, x, weight, bias, case)
+    if args.channels_last:
+        out = dwconv.depthwise_conv2d(x.contiguous(memory_format=torch.channels_last), weight, bias, **conv)
+        max_err = max(max_err, check_values(out, x, weight, bias, case))
     if args.backward:
         max_err = max(max_err, check_gradients(x, weight, bias, case))
+        if args.channels_last:
+            max_err = max(max_err, check_gradients(x.contiguous(memory_format=torch.channels_last), weight, bias, case))
     nbytes = x.numel() * x.element_size() + out.numel() * out.element_size() + weight.numel() * weight.element_size()
     backward_bytes = 2 * x.numel() * x.element_size() + out.numel() * out.element_size()
     del out
@@ -175,6 +182,8 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
         "dwconv": lambda x, w, b: dwconv.depthwise_conv2d(x, w, b, **conv),
         "eager": lambda x, w, b: F.conv2d(x, w, b, groups=case.c, **conv),
     }
+    if args.channels_last:
+        convs["dwconv_cl"] = convs["dwconv"]
     if not args.no_cudnn_cl:
         convs["cudnn_cl"] = convs["eager"]
     if args.compile:
@@ -183,7 +192,7 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
 
     rows = []
     for name, conv_fn in convs.items():
-        if name == "cudnn_cl":
+        if name in ("cudnn_cl", "dwconv_cl"):
             args_ = (x.contiguous(memory_format=torch.channels_last),
                      weight.contiguous(memory_format=torch.channels_last), bias)
         else:
@@ -214,7 +223,7 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
             gbps = pass_bytes / mean / 1e6
             rows.append(dict(layer=case.label, path=name, **{"pass": pass_name}, ms=mean, std=statistics.pstdev(times),
                              gbps=gbps, pct_copy=100 * gbps / copy_gbps, peak_mb=peak_mb,
-                             max_err=max_err if name == "dwconv" else float("nan")))
+                             max_err=max_err if name.startswith("dwconv") else float("nan")))
         if args.backward:
             del graph_out, grad_out, leaves, wrt
     for row in rows:
