@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|sweep|sweep84|sweepbwd|probe|host|models|ddp|backward|bench|bench84|cl|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|host|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -11,6 +11,10 @@ steps=${*:-all}
 for step in $steps; do
   case $step in
     tests|all) python3 -m pytest -q -x tests -p no:cacheprovider >"$OUT/tests.log" 2>&1; tail -25 "$OUT/tests.log" ;;&
+    # the suite takes over 5 minutes on a fresh GPU machine (every shape compiles): two calls
+    tests1) python3 -m pytest -q -rf tests/test_backward.py -p no:cacheprovider >"$OUT/tests1.log" 2>&1; tail -25 "$OUT/tests1.log" ;;
+    tests2) python3 -m pytest -q -rf tests --deselect tests/test_backward.py -p no:cacheprovider >"$OUT/tests2.log" 2>&1
+            tail -25 "$OUT/tests2.log" ;;
     sweep|all) python3 benchmarks/sweep_forward.py --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;&
     sweep84) python3 benchmarks/sweep_forward.py --quick --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;
     sweepbwd) python3 benchmarks/sweep_backward.py --csv "$OUT/sweep_backward.csv" 2>&1 | tee "$OUT/sweep_backward.log" ;;
@@ -20,6 +24,9 @@ for step in $steps; do
     ddp) torchrun --nproc_per_node=2 examples/train_ddp.py --steps 5 --check 2>&1 | tee "$OUT/ddp.log" ;;
     backward|all) python3 -m dwconv bench --suite forward --backward --csv "$OUT/bench_backward.csv" 2>&1 | tee "$OUT/bench_backward.log" ;;&
     bench|all) python3 -m dwconv bench --suite forward --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" ;;&
+    # issue #4's suite, one dtype a call (each compiles its kernels): SUITE_DTYPE=float32|float16|bfloat16
+    suite) python3 -m dwconv bench --suite models --dtype "${SUITE_DTYPE:-bfloat16}" --csv "$OUT/suite_${SUITE_DTYPE:-bfloat16}.csv" \
+             --plot "$OUT/suite_${SUITE_DTYPE:-bfloat16}.png" 2>&1 | tee "$OUT/suite.log" ;;
     cl) python3 -m dwconv bench --suite forward --channels-last --csv "$OUT/bench_cl.csv" 2>&1 | tee "$OUT/bench_cl.log"
         python3 -m dwconv bench --suite forward --channels-last --backward --csv "$OUT/bench_cl_backward.csv" 2>&1 | tee "$OUT/bench_cl_backward.log" ;;
     bench|all|bench84) python3 -m dwconv bench --dtype all --compile --csv "$OUT/bench84.csv" 2>&1 | tee "$OUT/bench84.log" ;;

@@ -8,6 +8,9 @@ With --backward it times forward+backward (grads of input and weight, and bias w
 and backward alone; the bytes counted are x and y for the forward, grad_out and x read and
 grad_input written for the backward; peak_mb is torch.cuda.max_memory_allocated during one
 forward+backward, above what was allocated before it.
+--suite models: the depthwise layers of MobileNetV2, EfficientNet-B0 and ConvNeXt-T, a dilated layer
+and #84, each in float32 / float16 / bfloat16, forward and forward+backward, NCHW and channels_last
+(dwconv against eager NCHW and cuDNN channels_last); --plot FILE.png draws it.
 Without a GPU it says so and runs a small correctness demo under the Triton interpreter.
 """
 
@@ -41,10 +44,12 @@ class Case:
     multiplier: int = 1
     bias: bool = False
     dtype: str = "float32"
+    model: str = ""  # the network the layer comes from (suite "models")
 
     @property
     def label(self) -> str:
-        return (f"{self.n}x{self.c}x{self.h}x{self.w} k{self.kernel} s{self.stride} p{self.padding} "
+        return (f"{self.model + ' ' if self.model else ''}"
+                f"{self.n}x{self.c}x{self.h}x{self.w} k{self.kernel} s{self.stride} p{self.padding} "
                 f"d{self.dilation}{' m%d' % self.multiplier if self.multiplier > 1 else ''}"
                 f"{' +b' if self.bias else ''} {self.dtype}")
 
@@ -59,10 +64,41 @@ FORWARD_SHAPES = [
     Case(64, 384, 14, 14, 7, 1, 3, 1),
     Case(32, 256, 64, 64, 3, 1, 2, 2),
 ]
+# Depthwise layers of real networks at batch 64, 224 x 224 (the shapes the models feed them; each
+# distinct layer once), a dilated layer and #84: issue #4's suite, in both layouts and every dtype.
+MODEL_LAYERS = [
+    Case(64, 32, 112, 112, 3, 1, 1, model="MobileNetV2/EfficientNet-B0"),
+    Case(64, 96, 112, 112, 3, 2, 1, model="MobileNetV2/EfficientNet-B0"),
+    Case(64, 144, 56, 56, 3, 1, 1, model="MobileNetV2/EfficientNet-B0"),
+    Case(64, 144, 56, 56, 3, 2, 1, model="MobileNetV2"),
+    Case(64, 192, 28, 28, 3, 1, 1, model="MobileNetV2"),
+    Case(64, 192, 28, 28, 3, 2, 1, model="MobileNetV2"),
+    Case(64, 384, 14, 14, 3, 1, 1, model="MobileNetV2"),
+    Case(64, 576, 14, 14, 3, 1, 1, model="MobileNetV2"),
+    Case(64, 576, 14, 14, 3, 2, 1, model="MobileNetV2"),
+    Case(64, 960, 7, 7, 3, 1, 1, model="MobileNetV2"),
+    Case(64, 144, 56, 56, 5, 2, 2, model="EfficientNet-B0"),
+    Case(64, 240, 28, 28, 5, 1, 2, model="EfficientNet-B0"),
+    Case(64, 240, 28, 28, 3, 2, 1, model="EfficientNet-B0"),
+    Case(64, 480, 14, 14, 3, 1, 1, model="EfficientNet-B0"),
+    Case(64, 480, 14, 14, 5, 1, 2, model="EfficientNet-B0"),
+    Case(64, 672, 14, 14, 5, 1, 2, model="EfficientNet-B0"),
+    Case(64, 672, 14, 14, 5, 2, 2, model="EfficientNet-B0"),
+    Case(64, 1152, 7, 7, 5, 1, 2, model="EfficientNet-B0"),
+    Case(64, 1152, 7, 7, 3, 1, 1, model="EfficientNet-B0"),
+    Case(64, 96, 56, 56, 7, 1, 3, model="ConvNeXt-T"),
+    Case(64, 192, 28, 28, 7, 1, 3, model="ConvNeXt-T"),
+    Case(64, 384, 14, 14, 7, 1, 3, model="ConvNeXt-T"),
+    Case(64, 768, 7, 7, 7, 1, 3, model="ConvNeXt-T"),
+    Case(32, 256, 64, 64, 3, 1, 2, 2, model="dilated"),
+    replace(KB84, model="KernelBench #84"),
+]
 SUITES = {
     "84": [replace(KB84, dtype=d) for d in DTYPES],
     "forward": [replace(KB84, dtype=d) for d in DTYPES]
     + [replace(c, dtype=d) for c in FORWARD_SHAPES for d in ("float32", "bfloat16")],
+    # forward and forward+backward, NCHW and channels_last, all three dtypes (see main)
+    "models": [replace(c, dtype=d) for c in MODEL_LAYERS for d in DTYPES],
 }
 
 
@@ -80,7 +116,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--dilation", type=int, default=1)
     p.add_argument("--multiplier", type=int, default=1)
     p.add_argument("--bias", action="store_true")
-    p.add_argument("--dtype", choices=sorted(DTYPES) + ["all"], default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES) + ["all"],
+                   help="float32 unless --suite (then the suite's own dtypes; a dtype here keeps only its rows)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile(F.conv2d)")
     p.add_argument("--no-cudnn-cl", action="store_true", help="skip cuDNN with channels_last tensors")
     p.add_argument("--channels-last", action="store_true",
@@ -89,6 +126,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--csv", metavar="FILE", help="write the rows to a CSV file")
+    p.add_argument("--plot", metavar="FILE.png", help="draw speedups and bandwidth per layer (needs matplotlib)")
     p.add_argument("--model", action="append", metavar="NAME",
                    help="time a whole model (torchvision or timm name, or 'tiny'), stock against dwconv.convert: "
                         "training step and inference, eager and compiled, float32 and bf16 autocast channels_last "
@@ -100,8 +138,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def cases_from_args(args: argparse.Namespace) -> List[Case]:
     if args.suite:
-        return SUITES[args.suite]
-    dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
+        return [c for c in SUITES[args.suite] if args.dtype in (None, "all", c.dtype)]
+    dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype or "float32"]
     base = Case(args.batch, args.channels, args.height, args.width, args.kernel, args.stride, args.padding,
                 args.dilation, args.multiplier, args.bias)
     return [replace(base, dtype=d) for d in dtypes]
@@ -109,6 +147,11 @@ def cases_from_args(args: argparse.Namespace) -> List[Case]:
 
 def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def progress_bar(done: int, total: int, width: int = 30) -> str:
+    filled = width * done // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
 
 
 class Timer:
@@ -267,13 +310,14 @@ def measure_copy(timer: Timer) -> float:
 
 def print_table(rows: List[Dict], copy_gbps: float) -> None:
     print(f"\ndevice copy: {copy_gbps:.0f} GB/s (read + write), measured in this run")
-    header = (f"{'layer':<44} {'path':<9} {'pass':<8} {'ms':>9} {'std':>7} {'GB/s':>7} {'%copy':>6} "
+    width = max([44] + [len(r["layer"]) for r in rows])
+    header = (f"{'layer':<{width}} {'path':<9} {'pass':<8} {'ms':>9} {'std':>7} {'GB/s':>7} {'%copy':>6} "
               f"{'peak MB':>8} {'dwconv x':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
         peak = "" if r["peak_mb"] != r["peak_mb"] else f"{r['peak_mb']:.0f}"
-        print(f"{r['layer']:<44} {r['path']:<9} {r['pass']:<8} {r['ms']:9.4f} {r['std']:7.4f} {r['gbps']:7.0f} "
+        print(f"{r['layer']:<{width}} {r['path']:<9} {r['pass']:<8} {r['ms']:9.4f} {r['std']:7.4f} {r['gbps']:7.0f} "
               f"{r['pct_copy']:6.1f} {peak:>8} {r['dwconv_speedup']:8.2f}")
 
 
@@ -340,11 +384,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     progress("timing the device copy")
     copy_gbps = measure_copy(timer)
     rows: List[Dict] = []
-    for case in cases_from_args(args):
-        rows += measure_case(case, args, timer, copy_gbps)
-        torch.cuda.empty_cache()
+    cases = cases_from_args(args)
+    # the models suite: both layouts and both passes in one run
+    runs = ([argparse.Namespace(**{**vars(args), "channels_last": True, "backward": b}) for b in (False, True)]
+            if args.suite == "models" else [args])
+    for i, case in enumerate(cases):
+        progress(f"{progress_bar(i, len(cases))} {case.label}")
+        for run_args in runs:
+            rows += measure_case(case, run_args, timer, copy_gbps)
+            torch.cuda.empty_cache()
+    progress(progress_bar(len(cases), len(cases)))
     print_table(rows, copy_gbps)
     write_csv(args.csv, [{**row, "copy_gbps": copy_gbps} for row in rows])
+    if args.plot:
+        from .bench_plot import plot_rows
+
+        plot_rows(rows, copy_gbps, args.plot, environment())
+        print(f"wrote {args.plot}")
     return 0
 
 

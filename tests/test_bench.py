@@ -1,0 +1,56 @@
+"""The benchmark's own logic (no GPU needed): the models suite, speedups, the progress bar, the plot."""
+
+import pytest
+import torch
+
+from dwconv._geometry import conv_geometry
+from dwconv.bench import SUITES, parse_args, cases_from_args, progress_bar
+from dwconv.bench_plot import plot_rows, speedups
+
+
+def test_models_suite_holds_valid_distinct_layers():
+    cases = SUITES["models"]
+    assert len({c.label for c in cases}) == len(cases)
+    assert {c.dtype for c in cases} == {"float32", "float16", "bfloat16"}
+    for c in cases:  # every layer is a valid depthwise convolution (meta tensors: no memory)
+        x = torch.empty(c.n, c.c, c.h, c.w, device="meta")
+        conv_geometry(x, torch.empty(c.c * c.multiplier, 1, c.kernel, c.kernel, device="meta"), None, c.stride,
+                      c.padding, c.dilation)
+    shapes = {(c.n, c.c, c.h, c.w, c.kernel, c.stride, c.dilation) for c in cases}
+    for wanted in [(64, 128, 256, 512, 3, 1, 1), (64, 96, 56, 56, 7, 1, 1), (64, 144, 56, 56, 3, 1, 1),
+                   (32, 256, 64, 64, 3, 1, 2)]:  # #84 and issue #4's layers
+        assert wanted in shapes
+
+
+def test_suite_dtype_filter():
+    assert {c.dtype for c in cases_from_args(parse_args(["--suite", "models", "--dtype", "bfloat16"]))} == {"bfloat16"}
+    assert len(cases_from_args(parse_args(["--suite", "models"]))) == len(SUITES["models"])
+    assert [c.dtype for c in cases_from_args(parse_args([]))] == ["float32"]
+
+
+def fake_rows():
+    rows = []
+    for layer, scale in (("a", 1.0), ("b", 2.0)):
+        for pass_name in ("forward", "fwd+bwd"):
+            for path, ms in (("dwconv", 1.0), ("eager", 3.0), ("dwconv_cl", 2.0), ("cudnn_cl", 1.0)):
+                rows.append({"layer": layer, "pass": pass_name, "path": path, "ms": ms * scale, "gbps": 100.0 / ms})
+    return rows
+
+
+def test_speedups():
+    got = speedups(fake_rows(), "forward")
+    assert got["NCHW: dwconv / eager"] == {"a": 3.0, "b": 3.0}
+    assert got["channels_last: dwconv / cuDNN"] == {"a": 0.5, "b": 0.5}
+
+
+def test_progress_bar():
+    assert progress_bar(0, 4, 8) == "[........] 0/4"
+    assert progress_bar(2, 4, 8) == "[####....] 2/4"
+    assert progress_bar(4, 4, 8) == "[########] 4/4"
+
+
+def test_plot_rows(tmp_path):
+    pytest.importorskip("matplotlib")  # (on the GPU machine; not installed on CI's)
+    path = tmp_path / "suite.png"
+    plot_rows(fake_rows(), 4000.0, str(path), "test")
+    assert path.stat().st_size > 1000
