@@ -26,8 +26,8 @@ import triton.language as tl
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
 from .forward import (_ACC_DTYPES, _load_row_window, _needs_int64, _row_under_tap, _stride_unit,
-                      channels_last_kernel_applies, conv_forward, ForwardConfig, launch_forward, nchw_config,
-                      output_memory_format, rows_kernel_fits, window_layout)
+                      channels_last_kernel_applies, conv_forward, ForwardConfig, image_needs_int64, launch_forward,
+                      nchw_config, output_memory_format, rows_kernel_fits, window_layout)
 
 
 @triton.jit
@@ -414,8 +414,7 @@ def _grad_weight_nhwc_plan(geom: ConvGeometry, config: Optional[GradWeightConfig
     tiles = geom.batch * geom.out_h * cdiv(geom.out_w, config.block_w)
     splits = max(1, min(config.splits, tiles))
     padded_taps = next_power_of_2(geom.kernel_h * geom.kernel_w + int(bias_grad))
-    index_64 = any(sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:])) >= 2**31 - 1
-                   for t in (x, grad_out))
+    index_64 = image_needs_int64(x, grad_out)
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, tiles, splits,
                x.stride(0), x.stride(2), x.stride(3), grad_out.stride(0), grad_out.stride(2), grad_out.stride(3),
                geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)

@@ -489,6 +489,12 @@ def _needs_int64(t: torch.Tensor, sizes) -> bool:
     return extent >= 2**31 - 1
 
 
+def image_needs_int64(*tensors: torch.Tensor) -> bool:
+    """True when an offset inside one image (all channels: the channels_last kernels) can reach 2**31."""
+    return any(sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:])) >= 2**31 - 1
+               for t in tensors)
+
+
 def window_layout(geom: ConvGeometry, vec: int, max_shift: int = 0, left_shift: int = 0):
     """(window_off, window_lane0, window_vecs) of the rows kernels' VEC-wide windows: a window starts
     at the aligned column group_start - window_off (- a row's shift, up to max_shift) and covers lanes
@@ -640,8 +646,7 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
     taps = geom.kernel_h * geom.kernel_w
     block_c = config.block_c if nhwc else 1
     if nhwc:  # offsets inside one image (not one plane) are 32-bit unless they can reach 2**31
-        common = dict(common, INDEX_64=any(sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:]))
-                                           >= 2**31 - 1 for t in (x, out)))
+        common = dict(common, INDEX_64=image_needs_int64(x, out))
     tiles = cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
                *((1, geom.out_channels) if nhwc else (taps, 1)), geom.stride_h, geom.stride_w, geom.pad_top,
