@@ -140,7 +140,6 @@ def depthwise_grad_weight_kernel(
                 in_row = out_row * stride_h - pad_top + kh * DILATION_H
                 row_ok = live & (in_row >= 0) & (in_row < in_h)
                 x_row = x_plane + in_row * (x_stride_h * X_UNIT)
-                # every argument given: Triton 3.6 passes a jit function's str default as a plain str
                 w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC,
                                                   0, False, "")
                 for kw in tl.static_range(KW):

@@ -174,7 +174,7 @@ def _window_view(w0, w1, w2, w3, start: tl.constexpr, VEC: tl.constexpr):
 
 @triton.jit
 def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w, SHIFT: tl.constexpr, WHOLE: tl.constexpr,
-                        VEC: tl.constexpr, EVICT: tl.constexpr = ""):
+                        VEC: tl.constexpr, EVICT: tl.constexpr):
     """One aligned vector of an input row per thread: elements x_row + first_cols + lanes, which are
     row columns first_cols - SHIFT + lanes (SHIFT > 0: x_row is the row start moved back to a vector
     boundary). WHOLE: the vector is loaded whole when it overlaps the row (a mask uniform over the
@@ -193,11 +193,11 @@ def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w, SHIFT: tl.conste
 
 @triton.jit
 def _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF: tl.constexpr, WINDOW_VECS: tl.constexpr,
-                     VEC: tl.constexpr, SHIFT: tl.constexpr = 0, WHOLE: tl.constexpr = False,
-                     EVICT: tl.constexpr = ""):
+                     VEC: tl.constexpr, SHIFT: tl.constexpr, WHOLE: tl.constexpr, EVICT: tl.constexpr):
     """The WINDOW_VECS aligned vectors (from column group_cols - WINDOW_OFF - SHIFT) holding every
     input column a thread's VEC outputs read from this row; unused ones repeat the first. VEC == 1:
-    no window (placeholders; `_row_under_tap` loads each tap itself)."""
+    no window (placeholders; `_row_under_tap` loads each tap itself). No defaults: Triton 3.6 hands
+    a jit helper's str default over as a plain str and fails to compile (session 4)."""
     if VEC == 1:  # (a compile-time branch: one return, whose types may differ between VECs)
         w0 = lanes
     else:
