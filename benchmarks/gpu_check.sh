@@ -10,8 +10,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 steps=${*:-all}
 for step in $steps; do
   case $step in
-    # 4 workers where pytest-xdist is installed (the GPU image has it): the suite is compile-bound
-    tests|all) python3 -m pytest -q -rf $(python3 -c 'import xdist' 2>/dev/null && printf -- '-n 4') tests -p no:cacheprovider \
+    # 8 workers where pytest-xdist is installed (the GPU image has it, and 16 cores): the suite is compile-bound
+    tests|all) python3 -m pytest -q -rf $(python3 -c 'import xdist' 2>/dev/null && printf -- '-n 8') tests -p no:cacheprovider \
                  >"$OUT/tests.log" 2>&1; tail -25 "$OUT/tests.log" ;;&
     # the suite takes over 5 minutes on a fresh GPU machine (every shape compiles): two calls
     tests1) python3 -m pytest -q -rf tests/test_backward.py -p no:cacheprovider >"$OUT/tests1.log" 2>&1; tail -25 "$OUT/tests1.log" ;;

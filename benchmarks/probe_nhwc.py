@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
-from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
+from dwconv.ops.forward import ForwardConfig, band_rows, conv_forward, forward_config
 from profile_model import events_ms as time_ms  # (benchmarks/ is on the path when run as a script)
 
 LAYERS = [((64, 128, 256, 512), 3, 0, 1), ((64, 96, 56, 56), 7, 3, 1), ((64, 144, 56, 56), 3, 1, 1),
@@ -35,7 +35,8 @@ def main():
             ref = F.conv2d(x, w, None, 1, pad, dil, groups=shape[1])
             bytes_moved = (x.numel() + ref.numel()) * x.element_size()
             cudnn = time_ms(lambda: F.conv2d(x, w, None, 1, pad, dil, groups=shape[1]))
-            configs = [None] + [ForwardConfig("nhwc", bh, bw, warps, block_c=bc) for bh, bw, bc, warps in args.config or []]
+            configs = [None] + [ForwardConfig("nhwc", band_rows(geom, bh, x.device), bw, warps, block_c=bc)
+                                 for bh, bw, bc, warps in args.config or []]
             for config in configs:
                 out = conv_forward(x, w, None, geom, config)
                 err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()

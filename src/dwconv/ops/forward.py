@@ -41,20 +41,86 @@ def _plane_pointers(x_ptr, y_ptr, plane, out_channels, MULTIPLIER: tl.constexpr,
 
 
 @triton.jit
-def _accumulate_kernel_row(acc, x_base, w_row_ptr, w_stride_tap, c_ok, in_rows, in_cols0, in_h, in_w,
-                           x_stride_h, x_stride_w, out_mask, dilation_w, KW: tl.constexpr,
-                           ACC_DTYPE: tl.constexpr):
-    """acc += sum over kw of w[kw] * x[in_rows, in_cols0 + kw*dilation_w] for a [rows, cols, channels]
-    tile (x_base and w_row_ptr: one pointer per channel)."""
-    row_ok = (in_rows >= 0) & (in_rows < in_h)
-    row_offsets = in_rows * x_stride_h
-    for kw in tl.static_range(KW):
-        in_cols = in_cols0 + kw * dilation_w
-        mask = out_mask & row_ok & ((in_cols >= 0) & (in_cols < in_w))
-        x = tl.load(x_base + row_offsets + in_cols * x_stride_w, mask=mask, other=0.0)
-        w = tl.load(w_row_ptr + kw * w_stride_tap, mask=c_ok, other=0.0).to(ACC_DTYPE)
-        acc += x.to(ACC_DTYPE) * w
-    return acc
+def _load_weights(ptrs, c_ok, ACC_DTYPE: tl.constexpr, MASKED: tl.constexpr):
+    """One tap's (or the bias') [1, channels] values."""
+    if MASKED:
+        return tl.load(ptrs, mask=c_ok, other=0.0).to(ACC_DTYPE)
+    return tl.load(ptrs).to(ACC_DTYPE)
+
+
+@triton.jit
+def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
+               in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w,
+               stride_w, pad_top, pad_left, dilation_w, KH: tl.constexpr, KW: tl.constexpr,
+               STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr,
+               ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Computes and stores output rows first_row .. first_row + BLOCK_H - 1 of a [cols, channels]
+    strip. UNROLL: the loops are unrolled over the band's input rows, and each input row's shifted
+    pixels are loaded (and converted) once for all the output rows that use them, not once a tap;
+    otherwise (large kernels, BLOCK_H 1) a loop over the kernel rows bounds the code size. MASKED=False
+    for strips that read only inside the image and write only inside the output: no bounds tests."""
+    col_c_ok = (out_cols < out_w) & c_ok
+    in_cols0 = out_cols * stride_w - pad_left
+    first_in_row = first_row * STRIDE_H - pad_top
+    accs = ()
+    for j in tl.static_range(BLOCK_H):
+        accs = accs + (tl.zeros([BLOCK_W, BLOCK_C], dtype=ACC_DTYPE),)
+    # The inner loops call no @triton.jit helper: the interpreter (CI) pays ~0.3 ms a call.
+    if UNROLL:
+        # Per kernel column, computed once a band: the pixel pointers (less the row) and which
+        # columns exist (few tensor operations a row keep the interpreter fast too).
+        col_ptrs = ()
+        col_oks = ()
+        for kw in tl.static_range(KW):
+            in_cols = in_cols0 + kw * dilation_w
+            col_ptrs = col_ptrs + (x_base + in_cols * x_stride_w,)
+            col_oks = col_oks + (col_c_ok & (in_cols >= 0) & (in_cols < in_w),)
+        weights = ()
+        for tap in tl.static_range(KH * KW):
+            weights = weights + (_load_weights(w_taps + tap * w_stride_tap, c_ok, ACC_DTYPE, MASKED),)
+        # (a strided, dilated band may load rows no output reads; the compiler drops those loads)
+        for r in tl.static_range((BLOCK_H - 1) * STRIDE_H + (KH - 1) * DILATION_H + 1):
+            in_row = first_in_row + r
+            row_ok = (in_row >= 0) & (in_row < in_h)
+            for kw in tl.static_range(KW):
+                if MASKED:  # (tl.where, not &: the interpreter makes a scalar bool & a bool tensor int32)
+                    x = tl.load(col_ptrs[kw] + in_row * x_stride_h, mask=tl.where(row_ok, col_oks[kw], False),
+                                other=0.0).to(ACC_DTYPE)
+                else:
+                    x = tl.load(col_ptrs[kw] + in_row * x_stride_h).to(ACC_DTYPE)
+                for kh in tl.static_range(KH):
+                    for j in tl.static_range(BLOCK_H):
+                        if j * STRIDE_H + kh * DILATION_H == r:  # output row j reads this row through kh
+                            accs = accs[:j] + (tl.fma(x, weights[kh * KW + kw], accs[j]),) + accs[j + 1:]
+    else:
+        # (one tensor carried through the loop: Triton 3.6 hung compiling a carried tuple)
+        acc = accs[0]
+        for kh in range(KH):
+            in_row = first_in_row + kh * DILATION_H
+            row_ok = (in_row >= 0) & (in_row < in_h)
+            for kw in tl.static_range(KW):
+                in_cols = in_cols0 + kw * dilation_w
+                ptrs = x_base + in_row * x_stride_h + in_cols * x_stride_w
+                if MASKED:
+                    col_ok = col_c_ok & (in_cols >= 0) & (in_cols < in_w)
+                    x = tl.load(ptrs, mask=tl.where(row_ok, col_ok, False), other=0.0).to(ACC_DTYPE)
+                else:
+                    x = tl.load(ptrs).to(ACC_DTYPE)
+                w = _load_weights(w_taps + (kh * KW + kw) * w_stride_tap, c_ok, ACC_DTYPE, MASKED)
+                acc = tl.fma(x, w, acc)
+        accs = (acc,)
+    if HAS_BIAS:
+        bias = _load_weights(b_ptrs, c_ok, ACC_DTYPE, MASKED)
+    for j in tl.static_range(BLOCK_H):
+        value = accs[j]
+        if HAS_BIAS:
+            value += bias
+        ptrs = y_base + (first_row + j) * y_stride_h + out_cols * y_stride_w
+        if MASKED:
+            tl.store(ptrs, value.to(y_base.dtype.element_ty), mask=tl.where(first_row + j < out_h, col_c_ok, False))
+        else:
+            tl.store(ptrs, value.to(y_base.dtype.element_ty))
 
 
 # pad_left is not specialised: were it known to be 0 (a multiple of 16), the unshifted load would get
@@ -67,15 +133,15 @@ def depthwise_fwd_tile_kernel(
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
     w_stride_c, w_stride_tap,
-    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
-    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    HAS_BIAS: tl.constexpr, UNROLL_KH: tl.constexpr, INDEX_64: tl.constexpr,
+    stride_w, pad_top, pad_left, dilation_w,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
+    DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """One program = one BLOCK_H x BLOCK_W x BLOCK_C output tile (rows, columns, output channels) of
-    one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW (a tile of one plane); for
-    channels_last a run of channels along the contiguous axis, with the weight taps-major
-    (w_stride_c 1) so that each tap's weights are one vector load too."""
+    """One program = BLOCK_H output rows (any number, not only powers of 2) of a BLOCK_W x BLOCK_C
+    strip (columns, output channels) of one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW
+    (a strip of one plane); for channels_last a run of channels along the contiguous axis, with the
+    weight taps-major (w_stride_c 1) so that each tap's weights are one vector load too."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
     tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
@@ -83,37 +149,35 @@ def depthwise_fwd_tile_kernel(
     plane = pid // tiles_per_plane
     tile = pid % tiles_per_plane
     n = plane // channel_blocks
-    out_c = (plane % channel_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
+    first_c = (plane % channel_blocks) * BLOCK_C
+    out_c = first_c + tl.arange(0, BLOCK_C)[None, :]
     in_c = out_c // MULTIPLIER
     x_base = x_ptr + n.to(tl.int64) * x_stride_n + in_c.to(tl.int64) * x_stride_c
     y_base = y_ptr + n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c
-
-    out_rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None, None]
-    out_cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :, None]
+    first_row = (tile // tiles_w) * BLOCK_H
+    first_col = (tile % tiles_w) * BLOCK_W
+    out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
     if INDEX_64:
-        out_rows = out_rows.to(tl.int64)
+        first_row = first_row.to(tl.int64)
         out_cols = out_cols.to(tl.int64)
     c_ok = out_c < out_channels
-    out_mask = (out_rows < out_h) & (out_cols < out_w) & c_ok
-    in_rows0 = out_rows * stride_h - pad_top
-    in_cols0 = out_cols * stride_w - pad_left
-
-    acc = tl.zeros([BLOCK_H, BLOCK_W, BLOCK_C], dtype=ACC_DTYPE)
     w_taps = w_ptr + out_c * w_stride_c
-    if UNROLL_KH:
-        for kh in tl.static_range(KH):
-            acc = _accumulate_kernel_row(acc, x_base, w_taps + kh * KW * w_stride_tap, w_stride_tap, c_ok,
-                                         in_rows0 + kh * dilation_h, in_cols0, in_h, in_w, x_stride_h, x_stride_w,
-                                         out_mask, dilation_w, KW, ACC_DTYPE)
-    else:  # large kernels: keep the code size bounded
-        for kh in range(KH):
-            acc = _accumulate_kernel_row(acc, x_base, w_taps + kh * KW * w_stride_tap, w_stride_tap, c_ok,
-                                         in_rows0 + kh * dilation_h, in_cols0, in_h, in_w, x_stride_h, x_stride_w,
-                                         out_mask, dilation_w, KW, ACC_DTYPE)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + out_c, mask=c_ok, other=0.0).to(ACC_DTYPE)
-    y_offsets = out_rows * y_stride_h + out_cols * y_stride_w
-    tl.store(y_base + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    # Most strips of a large image read only inside it: those skip every bounds test (the masked
+    # loads' tests and zero fills were half the instructions of a 3x3 tile).
+    interior = ((first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w) & (first_c + BLOCK_C <= out_channels)
+                & (first_row * STRIDE_H - pad_top >= 0) & (first_col * stride_w - pad_left >= 0)
+                & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < in_h)
+                & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
+    if interior:
+        _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
+                   in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
+                   pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
+                   BLOCK_W, BLOCK_C, False)
+    else:
+        _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
+                   in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
+                   pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
+                   BLOCK_W, BLOCK_C, True)
 
 
 @triton.jit
@@ -434,15 +498,41 @@ def channels_last_kernel_applies(x: torch.Tensor, out: Optional[torch.Tensor] = 
             and (out is None or (out.stride(1) == 1 and out.shape[1] > 1)))
 
 
+# Output rows a tile program computes at most times kernel taps: the unrolled band's code size on
+# the GPU. Larger kernels take one row a program and loop over the kernel rows. The interpreter
+# (CI) pays per tensor operation, not per instruction: there a band is as long as the image.
+MAX_BAND_TAPS = 256
+INTERPRETER_BAND_TAPS = 4096
+
+
+def band_limit(device: torch.device) -> int:
+    return MAX_BAND_TAPS if device.type == "cuda" else INTERPRETER_BAND_TAPS
+
+
+def band_rows(geom: ConvGeometry, wanted: int, device: torch.device) -> int:
+    """Output rows of a tile program: `wanted`, fewer where the unrolled band would be too long,
+    one for kernels of more than MAX_BAND_TAPS taps (those loop over their rows on every device)."""
+    taps = geom.kernel_h * geom.kernel_w
+    if taps > MAX_BAND_TAPS:
+        return 1
+    return max(1, min(wanted, geom.out_h, band_limit(device) // taps))
+
+
 def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
-    """Blocks of the NHWC kernel: up to 64 channels (a 256-byte float32 run) by a patch of pixels."""
-    block_c = min(64, next_power_of_2(geom.out_channels))
+    """Blocks of the channels_last tile kernel: a band of output rows of a strip of channels by a few
+    columns (session 5 probe on the H200, docs/notes.md: #84 float32 best at 8 rows of 8 x 64, 4
+    values a thread a row; bfloat16 at 16 rows of 8 x 32, 2 values a thread, its taps' weights
+    and accumulators taking as many registers as float32's)."""
+    half = x.element_size() == 2
+    lowest_bit = geom.out_channels & -geom.out_channels
+    # a run that divides the channels keeps every strip on the unmasked path
+    block_c = min(32 if half else 64, lowest_bit) if lowest_bit >= 8 else min(64, next_power_of_2(geom.out_channels))
     if x.device.type != "cuda":  # interpreter: few, large programs
-        return ForwardConfig("nhwc", min(8, next_power_of_2(geom.out_h)), min(8, next_power_of_2(geom.out_w)), 1,
+        return ForwardConfig("nhwc", band_rows(geom, 64, x.device), min(32, next_power_of_2(geom.out_w)), 1,
                              block_c=block_c)
-    block_w = min(8, next_power_of_2(geom.out_w))
-    block_h = max(1, min(next_power_of_2(geom.out_h), 2048 // (block_w * block_c)))
-    return ForwardConfig("nhwc", block_h, block_w, 4, block_c=block_c)
+    per_thread = 2 if half else 4
+    block_w = max(1, min(next_power_of_2(geom.out_w), per_thread * 128 // block_c))
+    return ForwardConfig("nhwc", band_rows(geom, 16 if half else 8, x.device), block_w, 4, block_c=block_c)
 
 
 def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> ForwardConfig:
@@ -455,9 +545,9 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
 
 def nchw_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     """The tile or rows kernel (any strides; fast on NCHW)."""
-    if x.device.type != "cuda":  # interpreter: each program costs ~the same, so one tile per plane
-        return ForwardConfig("tile", min(32, next_power_of_2(geom.out_h)),
-                             min(32, next_power_of_2(geom.out_w)), 4)
+    if x.device.type != "cuda":  # interpreter: each program costs ~the same, so few, wide ones
+        return ForwardConfig("tile", band_rows(geom, 64, x.device), min(32, next_power_of_2(geom.out_w)), 4,
+                             block_c=min(16, next_power_of_2(geom.out_channels)))
     if rows_kernel_fits(geom):
         rows = 128 if geom.out_h >= 128 else 32
         # Wide rows: 4-column windows, two a thread, whatever the dtype (session 2 sweep: #84 fp32
@@ -472,8 +562,7 @@ def nchw_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
         block_w = min(128, next_power_of_2(geom.out_w))
         return ForwardConfig("rows", rows, block_w, max(1, block_w // 64))
     block_w = min(64, next_power_of_2(geom.out_w))
-    block_h = 2 if block_w >= 32 else 8
-    return ForwardConfig("tile", block_h, block_w, max(1, block_h * block_w // 64))
+    return ForwardConfig("tile", band_rows(geom, 4, x.device), block_w, max(1, block_w // 32))
 
 
 def output_memory_format(x: torch.Tensor) -> torch.memory_format:
@@ -644,12 +733,17 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
     nhwc = config.kernel == "nhwc"
     assert not nhwc or channels_last_kernel_applies(x, out), "the NHWC tiles need unit channel strides"
     taps = geom.kernel_h * geom.kernel_w
-    block_c = config.block_c if nhwc else 1
+    block_c = config.block_c  # >1 on NCHW too under the interpreter (any channel stride works)
     if nhwc:  # offsets inside one image (not one plane) are 32-bit unless they can reach 2**31
         common = dict(common, INDEX_64=image_needs_int64(x, out))
     tiles = cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
-               *((1, geom.out_channels) if nhwc else (taps, 1)), geom.stride_h, geom.stride_w, geom.pad_top,
-               geom.pad_left, geom.dilation_h, geom.dilation_w)
-    constants = dict(common, UNROLL_KH=taps <= 64, BLOCK_H=config.block_h, BLOCK_C=block_c)
+               *((1, geom.out_channels) if nhwc else (taps, 1)), geom.stride_w, geom.pad_top, geom.pad_left,
+               geom.dilation_w)
+    unroll = taps <= MAX_BAND_TAPS
+    assert config.block_h * taps <= band_limit(x.device) or config.block_h == 1, "band too long to unroll"
+    assert unroll or config.block_h == 1, "large kernels take one output row a program"
+    constants = dict(common, STRIDE_H=geom.stride_h, DILATION_H=geom.dilation_h, UNROLL=unroll,
+                     BLOCK_H=config.block_h, BLOCK_C=block_c,
+                     num_stages=1)  # (no loads to pipeline; with 3 stages a k17 loop took minutes to compile)
     return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
