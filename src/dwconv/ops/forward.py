@@ -93,8 +93,7 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                     for j in tl.static_range(BLOCK_H):
                         if j * STRIDE_H + kh * DILATION_H == r:  # output row j reads this row through kh
                             accs = accs[:j] + (tl.fma(x, weights[kh * KW + kw], accs[j]),) + accs[j + 1:]
-    else:
-        # (one tensor carried through the loop: Triton 3.6 hung compiling a carried tuple)
+    else:  # one output row (BLOCK_H 1), a rolled loop over the kernel rows
         acc = accs[0]
         for kh in range(KH):
             in_row = first_in_row + kh * DILATION_H
