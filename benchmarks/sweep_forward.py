@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
 from dwconv.bench import FORWARD_SHAPES, KB84, Timer, make_inputs, measure_copy
-from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
+from dwconv.ops.forward import MAX_BAND_TAPS, ForwardConfig, conv_forward, forward_config
 
 
 def variants(geom, full, vecs):
@@ -32,7 +32,9 @@ def variants(geom, full, vecs):
         for bw in widths:
             for bh in (1, 2, 4, 8, 16, 32):
                 for warps in (1, 2, 4, 8, 16):
-                    if bh * bw // (32 * warps) in (1, 2) and bh <= 2 * geom.out_h:
+                    # (a tile program's band of bh rows is unrolled: at most MAX_BAND_TAPS rows x taps)
+                    if bh * bw // (32 * warps) in (1, 2) and bh <= 2 * geom.out_h \
+                            and bh * geom.kernel_h * geom.kernel_w <= MAX_BAND_TAPS:
                         out.append(ForwardConfig("tile", bh, bw, warps))
     if geom.stride_h == 1:
         for vec in vecs if geom.stride_w == 1 else (1,):
