@@ -744,5 +744,5 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
     constants = dict(common, STRIDE_H=geom.stride_h, DILATION_H=geom.dilation_h, UNROLL=unroll,
                      BLOCK_H=config.block_h, BLOCK_C=block_c,
-                     num_stages=1)  # (no loads to pipeline; with 3 stages a k17 loop took minutes to compile)
+                     num_stages=1)  # (bands are unrolled: no loop loads to software-pipeline)
     return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
