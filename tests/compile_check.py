@@ -92,7 +92,7 @@ def grad_input(shape, kernel, dtype, **conv):
     conv_grad_input(grad_out, weight, geom, x)
 
 
-f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
+f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 # The GPU's choices (forward_config, fused_backward_config, grad_weight_config) at small sizes that
 # keep the same constexprs: #84-like rows of 510 outputs, narrow rows, strides, dilation, NHWC.
 CASES = [
@@ -122,6 +122,13 @@ CASES = [
      dict(padding=1, layout=CL)),
     ("grad_weight, nhwc, bfloat16, k7", grad_weight, ((1, 96, 12, 12), (7, 7), bf16,
                                                      GradWeightConfig(16, 4, 1, 64, block_c=64)), dict(padding=3, layout=CL)),
+    ("toeplitz, float32 (tf32x3), k31", forward, ((1, 2, 40, 40), (31, 31), f32, None), dict(padding=15)),
+    ("toeplitz, bfloat16, k13, bias", forward, ((2, 2, 20, 20), (13, 13), bf16, None), dict(padding=6)),
+    ("toeplitz, float16, k51, nhwc copied", forward, ((1, 8, 60, 60), (51, 51), f16, None), dict(padding=25, layout=CL)),
+    ("toeplitz, stride 2, dilation 2, multiplier 2", forward, ((1, 2, 40, 40), (9, 9), bf16, None),
+     dict(stride=2, padding=8, dilation=2, multiplier=2)),
+    ("grad_weight toeplitz, float32, k31", grad_weight, ((1, 2, 40, 40), (31, 31), f32, None), dict(padding=15)),
+    ("grad_weight toeplitz, bfloat16, k13", grad_weight, ((2, 2, 20, 20), (13, 13), bf16, None), dict(padding=6)),
     ("grad_input gather, stride 2", grad_input, ((1, 2, 20, 20), (3, 3), f32), dict(stride=2, padding=1)),
     ("grad_input gather, nhwc, stride 2", grad_input, ((1, 64, 20, 20), (3, 3), bf16), dict(stride=2, padding=1, layout=CL)),
 ]

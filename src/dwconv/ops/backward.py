@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
+from .toeplitz import toeplitz_applies, toeplitz_grad_weight
 from .forward import (_ACC_DTYPES, _load_row_window, _needs_int64, _row_under_tap, _stride_unit,
                       channels_last_kernel_applies, conv_forward, ForwardConfig, image_needs_int64, launch_forward,
                       nchw_config, output_memory_format, rows_kernel_fits, window_layout)
@@ -231,7 +232,8 @@ def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     stride 1, multiplier 1, unit column steps in x, padding within the kernel's reach (every grad_out
     row is visited) and, on the GPU, a geometry the rows kernel takes. Shapes and strides only, so it
     also answers for the fake tensors torch.compile traces with."""
-    if not (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and x.stride(3) == 1):
+    if not (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and x.stride(3) == 1) \
+            or toeplitz_applies(geom, x.dtype):  # large kernels: products on the tensor cores
         return False
     gi_geom = _input_grad_geometry(geom)
     if min(gi_geom.pad_top, gi_geom.pad_bottom, gi_geom.pad_left, gi_geom.pad_right) < 0:
@@ -351,6 +353,8 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
     if grad_out.numel() == 0:
         grad_w = torch.zeros((geom.out_channels, 1, geom.kernel_h, geom.kernel_w), device=x.device, dtype=weight_dtype)
         return grad_w, (torch.zeros(geom.out_channels, device=x.device, dtype=weight_dtype) if bias_grad else None)
+    if config is None and toeplitz_applies(geom, x.dtype):
+        return toeplitz_grad_weight(grad_out, x, geom, weight_dtype, bool(bias_grad))
     plan = cached_plan(_GRAD_WEIGHT_PLANS, (geom, config, layout_key(grad_out), layout_key(x), bool(bias_grad)),
                        lambda: _grad_weight_plan(geom, config, grad_out, x, bool(bias_grad)))
     partial = new_partial(plan, x.device)

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
+from .toeplitz import toeplitz_applies, toeplitz_block_w, toeplitz_forward
 
 
 @triton.jit
@@ -465,7 +466,7 @@ def depthwise_fwd_rows_kernel(
 
 @dataclass(frozen=True)
 class ForwardConfig:
-    kernel: str  # "tile", "rows" or "nhwc"
+    kernel: str  # "tile", "rows", "nhwc" or "toeplitz" (block_h: rows of the product tile)
     block_h: int  # tile rows ("tile", "nhwc") or output rows per program ("rows")
     block_w: int
     num_warps: int
@@ -536,7 +537,10 @@ def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
 
 def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> ForwardConfig:
     """Picks the kernel and block sizes for a geometry, input and output (measured choices:
-    docs/notes.md): the NHWC kernel for channels_last tensors, else by the geometry."""
+    docs/notes.md): Toeplitz products on the tensor cores for large kernels, the NHWC kernel for
+    channels_last tensors, else by the geometry."""
+    if toeplitz_applies(geom, x.dtype):
+        return ForwardConfig("toeplitz", 64, toeplitz_block_w(geom), 4)
     if channels_last_kernel_applies(x, out):
         return nhwc_config(geom, x)
     return nchw_config(geom, x)
@@ -654,6 +658,10 @@ def launch_forward(
     if out.numel() == 0:
         return out, None
     fused = weight_grad_from is not None
+    large = config.kernel == "toeplitz" if config is not None else toeplitz_applies(geom, x.dtype)
+    if large and not fused:  # (tensor-core products: a launcher of their own)
+        config = config or forward_config(geom, x, out)
+        return toeplitz_forward(x, weight, bias, geom, out, config.block_h, config.block_w, config.num_warps), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
            layout_key(weight_grad_from) if fused else None, ODD_OUT_ALIGN)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,

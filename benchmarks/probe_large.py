@@ -1,0 +1,150 @@
+"""Developer probe (GPU): large kernels (issue #6). The Toeplitz tensor-core path against the CUDA-core
+tile kernel and PyTorch eager, forward and forward+backward, in NCHW and channels_last; the errors of
+dwconv and of PyTorch against float64; a block sweep; the crossover by kernel size.
+
+    PYTHONPATH=src python benchmarks/probe_large.py [--quick] [--sweep] [--crossover]
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import dwconv
+from dwconv._geometry import conv_geometry
+from dwconv.ops import toeplitz
+from dwconv.ops.forward import ForwardConfig, band_rows, conv_forward
+from profile_model import events_ms  # (benchmarks/ is on the path when run as a script)
+
+LAYERS = [((32, 128, 56, 56), 31, 15), ((32, 256, 28, 28), 13, 6), ((32, 128, 56, 56), 51, 25)]
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def flops(shape, k):
+    return 2 * shape[0] * shape[1] * shape[2] * shape[3] * k * k  # (stride 1, 'same' padding)
+
+
+def tile_config(geom, x):
+    return ForwardConfig("tile", band_rows(geom, 4, x.device), 64, 2)
+
+
+def forward_rows(shape, k, pad, dtype, layouts=("nchw", "cl"), old=True):
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype) / k
+    ref = F.conv2d(x.double(), w.double(), None, 1, pad, 1, groups=shape[1])
+    for layout in layouts:
+        xl = x.contiguous(memory_format=torch.channels_last) if layout == "cl" else x
+        geom = conv_geometry(xl, w, None, 1, pad, 1)
+        eager = events_ms(lambda: F.conv2d(xl, w, None, 1, pad, 1, groups=shape[1]), 5)
+        torch_err = rel_err(F.conv2d(xl, w, None, 1, pad, 1, groups=shape[1]), ref)
+        out = dwconv.depthwise_conv2d(xl, w, None, 1, pad)
+        assert out.is_contiguous(memory_format=torch.channels_last if layout == "cl" else torch.contiguous_format)
+        ms = events_ms(lambda: dwconv.depthwise_conv2d(xl, w, None, 1, pad), 10)
+        line = (f"fwd {str(dtype)[6:]:8s} {layout:4s} {str(shape):18s} k{k}: dwconv {ms:.3f} ms "
+                f"({flops(shape, k) / ms / 1e9:.1f} TFLOP/s), eager {eager:.3f} ms, x{eager / ms:.2f}; "
+                f"err dwconv {rel_err(out, ref):.1e} torch {torch_err:.1e}")
+        if old and layout == "nchw" and dtype != torch.float16:
+            old_ms = events_ms(lambda: conv_forward(xl, w, None, geom, tile_config(geom, xl)), 3)
+            line += f"; tile kernel {old_ms:.3f} ms"
+        print(line, flush=True)
+
+
+def backward_rows(shape, k, pad, dtype, layouts=("nchw", "cl")):
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype) / k
+    g = torch.randn(shape, device="cuda", dtype=dtype)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    F.conv2d(xd, wd, None, 1, pad, 1, groups=shape[1]).backward(g.double())
+    for layout in layouts:
+        fmt = torch.channels_last if layout == "cl" else torch.contiguous_format
+        xl = x.contiguous(memory_format=fmt).requires_grad_()
+        gl = g.contiguous(memory_format=fmt)
+        wl = w.clone().requires_grad_()
+
+        def step(fn):
+            xl.grad = wl.grad = None
+            fn(xl, wl, None, 1, pad).backward(gl)
+
+        def torch_conv(*args):
+            return F.conv2d(*args, groups=shape[1])
+
+        step(torch_conv)
+        torch_errs = rel_err(xl.grad, xd.grad), rel_err(wl.grad, wd.grad)
+        eager = events_ms(lambda: step(torch_conv), 3)
+        torch.cuda.reset_peak_memory_stats()
+        step(dwconv.depthwise_conv2d)
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        errs = rel_err(xl.grad, xd.grad), rel_err(wl.grad, wd.grad)
+        ms = events_ms(lambda: step(dwconv.depthwise_conv2d), 5)
+        print(f"f+b {str(dtype)[6:]:8s} {layout:4s} {str(shape):18s} k{k}: dwconv {ms:.3f} ms "
+              f"({3 * flops(shape, k) / ms / 1e9:.1f} TFLOP/s), eager {eager:.3f} ms, x{eager / ms:.2f}; "
+              f"err gx/gw dwconv {errs[0]:.1e}/{errs[1]:.1e} torch {torch_errs[0]:.1e}/{torch_errs[1]:.1e}; "
+              f"peak {peak:.0f} MiB", flush=True)
+
+
+def sweep():
+    """Forward blocks (rows, warps) and grad_weight blocks on the k31 layer."""
+    shape, k, pad = LAYERS[0]
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(shape, device="cuda", dtype=dtype)
+        w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype) / k
+        geom = conv_geometry(x, w, None, 1, pad, 1)
+        out = torch.empty_like(x)
+        for block_m, block_w, warps in [(64, 32, 4), (128, 32, 4), (128, 32, 8), (64, 64, 4), (128, 64, 8),
+                                        (256, 32, 8), (64, 16, 4)]:
+            ms = events_ms(lambda: toeplitz.toeplitz_forward(x, w, None, geom, out, block_m, block_w, warps), 10)
+            print(f"sweep fwd {str(dtype)[6:]} k{k} M{block_m} W{block_w} warps{warps}: {ms:.3f} ms", flush=True)
+        g = torch.randn_like(x)
+        for block_m, block_w, rows, warps in [(64, 32, 0, 4), (64, 32, 256, 4), (64, 32, 1024, 4), (128, 32, 0, 4),
+                                              (64, 64, 0, 4), (128, 64, 0, 8)]:
+            ms = events_ms(lambda: toeplitz.toeplitz_grad_weight(g, x, geom, dtype, False, block_m, block_w, rows,
+                                                                 warps), 5)
+            print(f"sweep gw  {str(dtype)[6:]} k{k} M{block_m} W{block_w} rows{rows} warps{warps}: {ms:.3f} ms",
+                  flush=True)
+
+
+def crossover():
+    """Toeplitz against the CUDA-core kernels by kernel size: forward, and forward+backward."""
+    shape = (32, 128, 56, 56)
+    for dtype in (torch.bfloat16, torch.float32):
+        for k in (5, 7, 9, 11, 13, 17):
+            x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+            w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype, requires_grad=True)
+            g = torch.randn(shape, device="cuda", dtype=dtype)
+            times = {}
+            for name, min_taps in (("toeplitz", 1), ("cuda-core", 10**9)):
+                toeplitz.TOEPLITZ_MIN_TAPS = min_taps
+                fwd = events_ms(lambda: dwconv.depthwise_conv2d(x, w, None, 1, k // 2), 5)
+                both = events_ms(lambda: dwconv.depthwise_conv2d(x, w, None, 1, k // 2).backward(g), 3)
+                times[name] = (fwd, both)
+            toeplitz.TOEPLITZ_MIN_TAPS = 81
+            print(f"crossover {str(dtype)[6:]} k{k}: " + ", ".join(
+                f"{name} fwd {f:.3f} f+b {b:.3f} ms" for name, (f, b) in times.items()), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="the k31 layer only")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--crossover", action="store_true")
+    p.add_argument("--no-backward", action="store_true")
+    args = p.parse_args()
+    layers = LAYERS[:1] if args.quick else LAYERS
+    for shape, k, pad in layers:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            forward_rows(shape, k, pad, dtype)
+    if not args.no_backward:
+        for shape, k, pad in layers:
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                backward_rows(shape, k, pad, dtype)
+    if args.sweep:
+        sweep()
+    if args.crossover:
+        crossover()
+
+
+if __name__ == "__main__":
+    main()

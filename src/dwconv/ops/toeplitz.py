@@ -1,0 +1,255 @@
+"""Large kernels on the tensor cores: the forward and the weight gradient as Toeplitz matrix products.
+
+A depthwise convolution has no channel reduction, so it has no matrix product of its own. Along one
+row it is a product with a band (Toeplitz) matrix: for kernel row kh, a row of output columns
+j = 0 .. BLOCK_W-1 is
+
+    y[row, j] += sum_i x[row * stride_h + kh * dilation_h, first_col + i] * T_kh[i, j],
+    T_kh[i, j] = w[kh, (i - j * stride_w) / dilation_w]  (zero where that is not a tap),
+
+with i running over the BLOCK_K input columns the strip reads. So a program takes BLOCK_M output
+rows (of any images of its channel: rows are numbered over batch x out_h) by BLOCK_W columns, and
+for each kernel row loads a [BLOCK_M, BLOCK_K] input tile, builds T_kh from the weights and adds
+one `tl.dot`. BLOCK_K / kernel_w is the arithmetic wasted on T's zeros (about 2 at the chosen
+widths), cheap next to the tensor cores' lead over the FMA units. float32 uses three TF32 products
+("tf32x3": float32 accuracy); float16 / bfloat16 multiply natively; all accumulate in float32.
+
+The weight gradient is the same product turned around: for kernel row kh,
+C = grad_out_tile^T @ x_tile ([BLOCK_W, BLOCK_K], a sum over rows), and dw[kh, kw] is the sum of
+C's diagonal C[j, j * stride_w + kw * dilation_w]. One float32 partial sum per program and tap,
+added in a fixed order by the launcher (deterministic, no atomics).
+
+The kernels read rows with unit column steps; a channels_last tensor is copied to NCHW first (these
+layers are bound by arithmetic: the copies cost ~10% of the kernel, docs/notes.md). float64 stays
+on the CUDA-core kernels. The grad_input of stride 1 is this forward (dwconv.ops.backward).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .._geometry import ConvGeometry, cdiv, next_power_of_2
+from ..functional import triton_interpreter_enabled
+from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
+
+# Kernels with at least this many taps take the Toeplitz path (measured crossover: docs/notes.md).
+TOEPLITZ_MIN_TAPS = 81
+
+
+@triton.jit
+def _tile_rows(rows, total_rows, out_h, out_c, MULTIPLIER: tl.constexpr, x_stride_n, x_stride_c,
+               g_stride_n, g_stride_c, stride_h, pad_top):
+    """Rows numbered over batch x out_h: which exist, the first input row each reads (kernel row 0),
+    and the bases of the input plane and the output (or grad_out) plane they lie in."""
+    row_ok = rows < total_rows
+    n = (rows // out_h).to(tl.int64)
+    out_row = (rows % out_h).to(tl.int64)  # (64-bit row offsets: a vector a tile, not a hot path)
+    x_base = n * x_stride_n + (out_c // MULTIPLIER).to(tl.int64) * x_stride_c
+    g_base = n * g_stride_n + out_c.to(tl.int64) * g_stride_c
+    return row_ok, out_row, out_row * stride_h - pad_top, x_base, g_base
+
+
+@triton.jit
+def depthwise_fwd_toeplitz_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    out_channels, in_h, in_w, out_h, out_w, total_rows,
+    x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
+    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program = BLOCK_M output rows x BLOCK_W columns of one output channel (unit column steps)."""
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    row_blocks = tl.cdiv(total_rows, BLOCK_M)
+    out_c = pid // (row_blocks * tiles_w)
+    first_col = (pid % tiles_w) * BLOCK_W
+    rows = ((pid // tiles_w) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok, out_row, first_in_row, x_base, y_base = _tile_rows(
+        rows, total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c, y_stride_n, y_stride_c, stride_h, pad_top)
+    window = tl.arange(0, BLOCK_K)
+    in_cols = first_col * stride_w - pad_left + window
+    col_ok = (in_cols >= 0) & (in_cols < in_w)
+    cols = tl.arange(0, BLOCK_W)
+    # window column i feeds output column j through kernel column (i - j * stride_w) / dilation_w
+    offset = window[:, None] - cols[None, :] * stride_w
+    tap_col = offset // dilation_w
+    tap_ok = (offset >= 0) & (offset % dilation_w == 0) & (tap_col < KW)
+    w_row = w_ptr + out_c * (KH * KW) + tap_col
+    acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
+    for kh in range(KH):
+        in_rows = first_in_row + kh * dilation_h
+        a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
+        a = tl.load(x_ptr + (x_base + in_rows * x_stride_h)[:, None] + in_cols[None, :], mask=a_ok, other=0.0)
+        band = tl.load(w_row + kh * KW, mask=tap_ok, other=0.0)
+        acc = tl.dot(a.to(DOT_DTYPE), band.to(DOT_DTYPE), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + out_c).to(tl.float32)
+    out_cols = first_col + cols
+    y_ptrs = y_ptr + (y_base + out_row * y_stride_h)[:, None] + out_cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (out_cols < out_w)[None, :])
+
+
+@triton.jit
+def depthwise_grad_weight_toeplitz_kernel(
+    g_ptr, x_ptr, partial_ptr,
+    out_channels, in_h, in_w, out_h, out_w, total_rows, rows_per_split, splits,
+    x_stride_n, x_stride_c, x_stride_h, g_stride_n, g_stride_c, g_stride_h,
+    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program = one output channel, BLOCK_W output columns, rows_per_split rows (a multiple of
+    BLOCK_M): partial[out_c, split x column tile, tap] for every tap (and the bias after them)."""
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    out_c = pid // (splits * tiles_w)
+    part = pid % (splits * tiles_w)
+    first_col = (part % tiles_w) * BLOCK_W
+    first_row = (part // tiles_w) * rows_per_split
+    window = tl.arange(0, BLOCK_K)
+    in_cols = first_col * stride_w - pad_left + window
+    col_ok = (in_cols >= 0) & (in_cols < in_w)
+    cols = tl.arange(0, BLOCK_W)
+    out_cols = first_col + cols
+    out_col_ok = out_cols < out_w
+    # C[j, i] pairs grad_out column j with window column i; tap kw sits on i = j * stride_w + kw * dilation_w
+    kws = tl.arange(0, KW_PAD)
+    diagonal = tl.minimum(cols[:, None] * stride_w + kws[None, :] * dilation_w, BLOCK_K - 1)
+    partial_row = partial_ptr + (out_c.to(tl.int64) * (splits * tiles_w) + part) * (KH * KW + BIAS_GRAD)
+    bias_acc = tl.zeros([BLOCK_W], dtype=tl.float32)
+    for kh in range(KH):
+        products = tl.zeros([BLOCK_W, BLOCK_K], dtype=tl.float32)
+        for m in range(first_row, tl.minimum(first_row + rows_per_split, total_rows), BLOCK_M):
+            row_ok, out_row, first_in_row, x_base, g_base = _tile_rows(
+                m + tl.arange(0, BLOCK_M), total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c,
+                g_stride_n, g_stride_c, stride_h, pad_top)
+            g = tl.load(g_ptr + (g_base + out_row * g_stride_h)[:, None] + out_cols[None, :],
+                        mask=row_ok[:, None] & out_col_ok[None, :], other=0.0)
+            in_rows = first_in_row + kh * dilation_h
+            a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
+            a = tl.load(x_ptr + (x_base + in_rows * x_stride_h)[:, None] + in_cols[None, :], mask=a_ok, other=0.0)
+            products = tl.dot(tl.trans(g.to(DOT_DTYPE)), a.to(DOT_DTYPE), products, input_precision=PRECISION)
+            if BIAS_GRAD:
+                if kh == 0:
+                    bias_acc += tl.sum(g.to(tl.float32), axis=0)
+        taps = tl.sum(tl.where(kws[None, :] < KW, tl.gather(products, diagonal, axis=1), 0.0), axis=0)
+        tl.store(partial_row + kh * KW + kws, taps, mask=kws < KW)
+    if BIAS_GRAD:
+        tl.store(partial_row + KH * KW, tl.sum(bias_acc, axis=0))
+
+
+# ---- choosing and launching -------------------------------------------------------------------
+
+def toeplitz_applies(geom: ConvGeometry, dtype: torch.dtype) -> bool:
+    """Large kernels in float32 / float16 / bfloat16 (float64 stays on the CUDA-core kernels)."""
+    return geom.kernel_h * geom.kernel_w >= TOEPLITZ_MIN_TAPS and dtype != torch.float64
+
+
+def window_width(geom: ConvGeometry, block_w: int) -> int:
+    """BLOCK_K: the input columns a strip of block_w output columns reads (a power of 2, >= 16)."""
+    return max(16, next_power_of_2((block_w - 1) * geom.stride_w + (geom.kernel_w - 1) * geom.dilation_w + 1))
+
+
+def toeplitz_block_w(geom: ConvGeometry) -> int:
+    """The strip width with the least product work per output (BLOCK_K), the widest of those (fewer
+    reloads of the overlapping windows): kernel 31 -> 32 columns (window 64), 51 -> 64 (128), 13 -> 16 (32)."""
+    widths = [w for w in (16, 32, 64) if w <= max(16, next_power_of_2(geom.out_w))]
+    return min(widths, key=lambda w: (window_width(geom, w), -w))
+
+
+def _dot_types(dtype: torch.dtype):
+    """(operand dtype, input_precision) of the products."""
+    if dtype == torch.float32:
+        return tl.float32, "tf32x3"
+    if dtype == torch.bfloat16 and triton_interpreter_enabled():  # (the interpreter's bfloat16 dot is wrong)
+        return tl.float32, "ieee"
+    return (tl.float16 if dtype == torch.float16 else tl.bfloat16), "tf32"
+
+
+def _unit_columns(t: torch.Tensor) -> torch.Tensor:
+    """The kernels index columns with unit steps: other layouts (channels_last) are copied to NCHW."""
+    return t if t.stride(3) == 1 else t.contiguous()
+
+
+def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
+                     out: torch.Tensor, block_m: int = 64, block_w: Optional[int] = None, num_warps: int = 4
+                     ) -> torch.Tensor:
+    """Writes the convolution into out (allocated by the caller, any layout) and returns it."""
+    x = _unit_columns(x)
+    dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
+    plan = cached_plan(_PLANS, ("forward", geom, layout_key(x), layout_key(dst), bias is not None, block_m, block_w,
+                                num_warps),
+                       lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps))
+    weight = weight.contiguous()
+    depthwise_fwd_toeplitz_kernel[plan.grid](x, weight, bias if bias is not None else weight, dst, *plan.scalars,
+                                             **plan.constants)
+    if dst is not out:
+        out.copy_(dst)
+    return out
+
+
+_PLANS: dict = {}
+
+
+def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
+                  block_w: Optional[int], num_warps: int) -> LaunchPlan:
+    block_w = block_w or toeplitz_block_w(geom)
+    total_rows = geom.batch * geom.out_h
+    block_m = min(block_m, max(16, next_power_of_2(total_rows)))
+    dot_dtype, precision = _dot_types(x.dtype)
+    scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, total_rows,
+               x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+               geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=has_bias,
+                     DOT_DTYPE=dot_dtype, PRECISION=precision, BLOCK_M=block_m, BLOCK_W=block_w,
+                     BLOCK_K=window_width(geom, block_w), num_warps=num_warps)
+    grid = (geom.out_channels * cdiv(total_rows, block_m) * cdiv(geom.out_w, block_w),)
+    return LaunchPlan("toeplitz", grid, scalars, constants)
+
+
+def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
+                         bias_grad: bool, block_m: int = 64, block_w: Optional[int] = None, rows_per_split: int = 0,
+                         num_warps: int = 4) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty."""
+    grad_out, x = _unit_columns(grad_out), _unit_columns(x)
+    plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, block_m,
+                                block_w, rows_per_split, num_warps),
+                       lambda: _grad_weight_plan(geom, grad_out, x, bias_grad, block_m, block_w, rows_per_split,
+                                                 num_warps))
+    partial = new_partial(plan, x.device)
+    depthwise_grad_weight_toeplitz_kernel[plan.grid](grad_out, x, partial, *plan.scalars, **plan.constants)
+    taps = geom.kernel_h * geom.kernel_w
+    sums = partial.sum(dim=1)  # a fixed-order reduction over the programs of each channel
+    grad_w = sums[:, :taps].view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
+    return grad_w, (sums[:, taps].to(weight_dtype) if bias_grad else None)
+
+
+def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, block_m: int,
+                      block_w: Optional[int], rows_per_split: int, num_warps: int) -> LaunchPlan:
+    block_w = block_w or toeplitz_block_w(geom)
+    total_rows = geom.batch * geom.out_h
+    block_m = min(block_m, max(16, next_power_of_2(total_rows)))
+    tiles_w = cdiv(geom.out_w, block_w)
+    if not rows_per_split:  # about 4096 programs on the GPU (the interpreter: one per channel and strip)
+        wanted = 4096 if x.is_cuda else 1
+        rows_per_split = cdiv(total_rows, max(1, wanted // (geom.out_channels * tiles_w)))
+    rows_per_split = cdiv(rows_per_split, block_m) * block_m
+    splits = cdiv(total_rows, rows_per_split)
+    dot_dtype, precision = _dot_types(x.dtype)
+    scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, total_rows, rows_per_split, splits,
+               x.stride(0), x.stride(1), x.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+               geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w,
+                     KW_PAD=next_power_of_2(geom.kernel_w), BIAS_GRAD=bias_grad, DOT_DTYPE=dot_dtype,
+                     PRECISION=precision, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_K=window_width(geom, block_w),
+                     num_warps=num_warps)
+    grid = (geom.out_channels * splits * tiles_w,)
+    return LaunchPlan("grad_weight_toeplitz", grid, scalars, constants,
+                      (geom.out_channels, splits * tiles_w, geom.kernel_h * geom.kernel_w + int(bias_grad)))

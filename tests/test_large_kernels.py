@@ -1,0 +1,103 @@
+"""Large kernels (issue #6): the Toeplitz tensor-core path, forward and every gradient, against
+float64 F.conv2d. Tiny images under the interpreter (CI), the same tests compiled on a GPU."""
+
+import pytest
+import torch
+
+import dwconv
+from dwconv._geometry import conv_geometry
+from dwconv.ops import toeplitz
+from dwconv.ops.backward import fused_backward_applies
+from dwconv.ops.forward import ForwardConfig, forward_config
+from helpers import DEVICE, DTYPES, randn
+from test_backward import check_grads
+from test_forward import check
+
+LAYOUTS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
+# (shape, kernel, stride, padding, dilation, multiplier): 'same'-padded 13x13 and 9x9, a kernel
+# wider than the image's rows, strides, dilation, a channel multiplier, a padding beyond the kernel
+CASES = [
+    ((1, 2, 16, 16), (13, 13), 1, 6, 1, 1),
+    ((2, 3, 11, 17), (9, 9), 1, "same", 1, 2),
+    ((1, 2, 13, 40), (3, 31), 1, (1, 15), 1, 1),
+    ((1, 2, 19, 18), (9, 11), (2, 3), (3, 5), 1, 1),
+    ((1, 1, 21, 23), (9, 9), 1, 8, 2, 1),
+    ((1, 2, 8, 9), (9, 9), 1, 10, 1, 1),
+]
+IDS = ["k13-same", "k9-same-mult2", "k3x31-wide", "k9x11-stride", "k9-dil2", "k9-pad10"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES, ids=IDS)
+def test_forward(shape, kernel, stride, padding, dilation, multiplier, dtype, layout):
+    x = randn(*shape, dtype=dtype).contiguous(memory_format=LAYOUTS[layout])
+    weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
+    bias = randn(shape[1] * multiplier, dtype=dtype)
+    assert forward_config(conv_geometry(x, weight, bias, stride, padding, dilation), x).kernel == "toeplitz"
+    check(x, weight, bias, stride, padding, dilation)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES[:1] + CASES[2:3] + CASES[4:5],
+                         ids=IDS[:1] + IDS[2:3] + IDS[4:5])
+def test_gradients(shape, kernel, stride, padding, dilation, multiplier, dtype, layout):
+    x = randn(*shape, dtype=dtype).contiguous(memory_format=LAYOUTS[layout])
+    weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
+    assert not fused_backward_applies(conv_geometry(x, weight, None, stride, padding, dilation), x)
+    check_grads(x, weight, randn(shape[1] * multiplier, dtype=dtype), stride, padding, dilation)
+
+
+def test_gradients_strided_multiplier_float32():
+    """(grad_input of these takes the CUDA-core gather kernel: slow under the interpreter, so float32 only)"""
+    check_grads(randn(1, 2, 19, 18), randn(2, 1, 9, 11), randn(2), (2, 3), (3, 5))
+    check_grads(randn(2, 3, 11, 17), randn(6, 1, 9, 9), randn(6), 1, "same")
+
+
+def test_forward_block_shapes():
+    """Rows of several images in one product tile, several column strips, more than one row block."""
+    x = randn(3, 2, 23, 45)
+    weight = randn(2, 1, 9, 9)
+    for block_m, block_w in [(16, 16), (32, 32), (64, 64)]:
+        check(x, weight, randn(2), 1, 4, config=ForwardConfig("toeplitz", block_m, block_w, 4))
+
+
+def test_grad_weight_splits_and_determinism():
+    """Several row splits a channel (partial sums added in a fixed order): right, and bitwise the same twice."""
+    x = randn(3, 2, 23, 21)
+    weight = randn(2, 1, 9, 9)
+    geom = conv_geometry(x, weight, None, 1, 4, 1)
+    grad_out = randn(*geom.output_shape)
+    checked = check_grads(x, weight, None, 1, 4)[1]  # (the default split, against float64)
+    first = toeplitz.toeplitz_grad_weight(grad_out, x, geom, x.dtype, True, block_m=16, rows_per_split=16)
+    again = toeplitz.toeplitz_grad_weight(grad_out, x, geom, x.dtype, True, block_m=16, rows_per_split=16)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert checked.shape == first[0].shape
+    reference = toeplitz.toeplitz_grad_weight(grad_out, x, geom, x.dtype, True)
+    torch.testing.assert_close(first[0], reference[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(first[1], grad_out.sum(dim=(0, 2, 3)), rtol=1e-4, atol=1e-4)
+
+
+def test_dispatch_by_taps():
+    """Toeplitz from TOEPLITZ_MIN_TAPS taps on, in float32 / float16 / bfloat16; float64 and small kernels not."""
+    x = randn(1, 2, 16, 16)
+    small = randn(2, 1, 7, 7)
+    large = randn(2, 1, 9, 9)
+    assert 7 * 7 < toeplitz.TOEPLITZ_MIN_TAPS <= 9 * 9
+    assert forward_config(conv_geometry(x, small, None, 1, 3, 1), x).kernel != "toeplitz"
+    assert forward_config(conv_geometry(x, large, None, 1, 4, 1), x).kernel == "toeplitz"
+    x64, large64 = x.double(), large.double()
+    assert not toeplitz.toeplitz_applies(conv_geometry(x64, large64, None, 1, 4, 1), torch.float64)
+    check(x64, large64, None, 1, 4)  # (the CUDA-core kernels)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real sizes on the GPU only")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_real_sizes(dtype):
+    """The issue's k31 layer at full size, forward and gradients, against float64 on the GPU."""
+    x = randn(4, 16, 56, 56, dtype=dtype)
+    weight = randn(16, 1, 31, 31, dtype=dtype) / 31
+    check_grads(x, weight, randn(16, dtype=dtype), 1, 15)
+    out = dwconv.depthwise_conv2d(x, weight, None, 1, 15)
+    assert out.shape == x.shape
