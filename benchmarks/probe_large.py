@@ -60,7 +60,7 @@ def backward_rows(shape, k, pad, dtype, layouts=("nchw", "cl")):
     F.conv2d(xd, wd, None, 1, pad, 1, groups=shape[1]).backward(g.double())
     for layout in layouts:
         fmt = torch.channels_last if layout == "cl" else torch.contiguous_format
-        xl = x.contiguous(memory_format=fmt).requires_grad_()
+        xl = x.detach().contiguous(memory_format=fmt).requires_grad_()
         gl = g.contiguous(memory_format=fmt)
         wl = w.clone().requires_grad_()
 
@@ -93,13 +93,13 @@ def sweep():
         w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype) / k
         geom = conv_geometry(x, w, None, 1, pad, 1)
         out = torch.empty_like(x)
-        for block_m, block_w, warps in [(64, 32, 4), (128, 32, 4), (128, 32, 8), (64, 64, 4), (128, 64, 8),
-                                        (256, 32, 8), (64, 16, 4)]:
+        for block_m, block_w, warps in [(64, 16, 4), (128, 16, 4), (128, 16, 8), (64, 32, 4), (128, 32, 8),
+                                        (256, 16, 8), (64, 64, 4)]:
             ms = events_ms(lambda: toeplitz.toeplitz_forward(x, w, None, geom, out, block_m, block_w, warps), 10)
             print(f"sweep fwd {str(dtype)[6:]} k{k} M{block_m} W{block_w} warps{warps}: {ms:.3f} ms", flush=True)
         g = torch.randn_like(x)
-        for block_m, block_w, rows, warps in [(64, 32, 0, 4), (64, 32, 256, 4), (64, 32, 1024, 4), (128, 32, 0, 4),
-                                              (64, 64, 0, 4), (128, 64, 0, 8)]:
+        for block_m, block_w, rows, warps in [(64, 16, 0, 4), (128, 16, 0, 4), (64, 32, 0, 4), (64, 16, 256, 4),
+                                              (64, 16, 1024, 4), (128, 32, 0, 8)]:
             ms = events_ms(lambda: toeplitz.toeplitz_grad_weight(g, x, geom, dtype, False, block_m, block_w, rows,
                                                                  warps), 5)
             print(f"sweep gw  {str(dtype)[6:]} k{k} M{block_m} W{block_w} rows{rows} warps{warps}: {ms:.3f} ms",

@@ -23,8 +23,9 @@ CASES = [
     ((1, 2, 19, 18), (9, 11), (2, 3), (3, 5), 1, 1),
     ((1, 1, 21, 23), (9, 9), 1, 8, 2, 1),
     ((1, 2, 8, 9), (9, 9), 1, 10, 1, 1),
+    ((2, 2, 16, 40), (9, 9), 1, 5, 1, 1),  # rows loaded as 8-element vectors (half precision), windows shifted
 ]
-IDS = ["k13-same", "k9-same-mult2", "k3x31-wide", "k9x11-stride", "k9-dil2", "k9-pad10"]
+IDS = ["k13-same", "k9-same-mult2", "k3x31-wide", "k9x11-stride", "k9-dil2", "k9-pad10", "k9-vectors"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

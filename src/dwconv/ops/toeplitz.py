@@ -42,57 +42,70 @@ TOEPLITZ_MIN_TAPS = 81
 
 @triton.jit
 def _tile_rows(rows, total_rows, out_h, out_c, MULTIPLIER: tl.constexpr, x_stride_n, x_stride_c,
-               g_stride_n, g_stride_c, stride_h, pad_top):
-    """Rows numbered over batch x out_h: which exist, the first input row each reads (kernel row 0),
-    and the bases of the input plane and the output (or grad_out) plane they lie in."""
+               g_stride_n, g_stride_c, stride_h, pad_top, UNIT: tl.constexpr, INDEX_64: tl.constexpr):
+    """Rows numbered over batch x out_h: which exist, their row in the plane, the first input row each
+    reads (kernel row 0), and the offsets of the input and the output (or grad_out) plane they lie in
+    (plane strides in UNITs: the compiler then knows every row start is a multiple of UNIT)."""
     row_ok = rows < total_rows
     n = (rows // out_h).to(tl.int64)
-    out_row = (rows % out_h).to(tl.int64)  # (64-bit row offsets: a vector a tile, not a hot path)
-    x_base = n * x_stride_n + (out_c // MULTIPLIER).to(tl.int64) * x_stride_c
-    g_base = n * g_stride_n + out_c.to(tl.int64) * g_stride_c
+    out_row = rows % out_h
+    if INDEX_64:
+        out_row = out_row.to(tl.int64)
+    x_base = (n * x_stride_n + (out_c // MULTIPLIER).to(tl.int64) * x_stride_c) * UNIT
+    g_base = (n * g_stride_n + out_c.to(tl.int64) * g_stride_c) * UNIT
     return row_ok, out_row, out_row * stride_h - pad_top, x_base, g_base
 
 
 @triton.jit
+def _window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The BLOCK_K input columns a strip reads, from the multiple of UNIT at or below its first one
+    (so that rows load as UNIT-wide vectors), which of them exist, and `shift`: where the strip's first
+    column lies in the window. pad_up (a multiple of UNIT, in UNITs) = pad_left + pad_shift."""
+    start = first_col * stride_w + pad_shift  # (>= 0: floor division means the same everywhere)
+    in_cols = (start // UNIT - pad_up) * UNIT + tl.arange(0, BLOCK_K)
+    return in_cols, (in_cols >= 0) & (in_cols < in_w * UNIT), start % UNIT
+
+
+@triton.jit
 def depthwise_fwd_toeplitz_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, w_rows_ptr, b_ptr, y_ptr,
     out_channels, in_h, in_w, out_h, out_w, total_rows,
     x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
-    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
-    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    stride_h, stride_w, pad_top, pad_shift, pad_up, dilation_h, w_row_len,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr, UNIT: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One program = BLOCK_M output rows x BLOCK_W columns of one output channel (unit column steps)."""
+    """One program = BLOCK_M output rows x BLOCK_W columns of one output channel (unit column steps;
+    x's in_w and strides in UNITs)."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
     row_blocks = tl.cdiv(total_rows, BLOCK_M)
     out_c = pid // (row_blocks * tiles_w)
     first_col = (pid % tiles_w) * BLOCK_W
     rows = ((pid // tiles_w) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok, out_row, first_in_row, x_base, y_base = _tile_rows(
-        rows, total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c, y_stride_n, y_stride_c, stride_h, pad_top)
-    window = tl.arange(0, BLOCK_K)
-    in_cols = first_col * stride_w - pad_left + window
-    col_ok = (in_cols >= 0) & (in_cols < in_w)
+    row_ok, out_row, first_in_row, x_base, _ = _tile_rows(
+        rows, total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c, 0, 0, stride_h, pad_top, UNIT, INDEX_64)
+    in_cols, col_ok, shift = _window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT, BLOCK_K)
     cols = tl.arange(0, BLOCK_W)
-    # window column i feeds output column j through kernel column (i - j * stride_w) / dilation_w
-    offset = window[:, None] - cols[None, :] * stride_w
-    tap_col = offset // dilation_w
-    tap_ok = (offset >= 0) & (offset % dilation_w == 0) & (tap_col < KW)
-    w_row = w_ptr + out_c * (KH * KW) + tap_col
+    # T[i, j] = w_rows[kh, BAND0 - shift + i - j * stride_w], BAND0 = UNIT - 1 + (BLOCK_W - 1) * stride_w:
+    # the launcher's zero-padded, dilated weight rows make each band one unmasked load
+    band0 = UNIT - 1 + (BLOCK_W - 1) * stride_w - shift
+    band_ptrs = w_rows_ptr + out_c * (KH * w_row_len) + band0 + tl.arange(0, BLOCK_K)[:, None] - cols[None, :] * stride_w
+    a_ptrs = x_ptr + x_base[:, None] + in_cols[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
     for kh in range(KH):
         in_rows = first_in_row + kh * dilation_h
         a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
-        a = tl.load(x_ptr + (x_base + in_rows * x_stride_h)[:, None] + in_cols[None, :], mask=a_ok, other=0.0)
-        band = tl.load(w_row + kh * KW, mask=tap_ok, other=0.0)
+        a = tl.load(a_ptrs + (in_rows * (x_stride_h * UNIT))[:, None], mask=a_ok, other=0.0)
+        band = tl.load(band_ptrs + kh * w_row_len)
         acc = tl.dot(a.to(DOT_DTYPE), band.to(DOT_DTYPE), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + out_c).to(tl.float32)
     out_cols = first_col + cols
-    y_ptrs = y_ptr + (y_base + out_row * y_stride_h)[:, None] + out_cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (out_cols < out_w)[None, :])
+    y_base = (rows // out_h).to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c + out_row * y_stride_h
+    tl.store(y_ptr + y_base[:, None] + out_cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (out_cols < out_w)[None, :])
 
 
 @triton.jit
@@ -100,28 +113,27 @@ def depthwise_grad_weight_toeplitz_kernel(
     g_ptr, x_ptr, partial_ptr,
     out_channels, in_h, in_w, out_h, out_w, total_rows, rows_per_split, splits,
     x_stride_n, x_stride_c, x_stride_h, g_stride_n, g_stride_c, g_stride_h,
-    stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
+    stride_h, stride_w, pad_top, pad_shift, pad_up, dilation_h, dilation_w,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program = one output channel, BLOCK_W output columns, rows_per_split rows (a multiple of
-    BLOCK_M): partial[out_c, split x column tile, tap] for every tap (and the bias after them)."""
+    BLOCK_M): partial[out_c, split x column tile, tap] for every tap (and the bias after them).
+    in_w, out_w and the strides of x and grad_out in UNITs."""
     pid = tl.program_id(0)
-    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    tiles_w = tl.cdiv(out_w * UNIT, BLOCK_W)
     out_c = pid // (splits * tiles_w)
     part = pid % (splits * tiles_w)
     first_col = (part % tiles_w) * BLOCK_W
     first_row = (part // tiles_w) * rows_per_split
-    window = tl.arange(0, BLOCK_K)
-    in_cols = first_col * stride_w - pad_left + window
-    col_ok = (in_cols >= 0) & (in_cols < in_w)
+    in_cols, col_ok, shift = _window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT, BLOCK_K)
     cols = tl.arange(0, BLOCK_W)
     out_cols = first_col + cols
-    out_col_ok = out_cols < out_w
-    # C[j, i] pairs grad_out column j with window column i; tap kw sits on i = j * stride_w + kw * dilation_w
+    out_col_ok = out_cols < out_w * UNIT
+    # C[j, i] pairs grad_out column j with window column i; tap kw sits on i = shift + j * stride_w + kw * dilation_w
     kws = tl.arange(0, KW_PAD)
-    diagonal = tl.minimum(cols[:, None] * stride_w + kws[None, :] * dilation_w, BLOCK_K - 1)
+    diagonal = tl.minimum(shift + cols[:, None] * stride_w + kws[None, :] * dilation_w, BLOCK_K - 1)
     partial_row = partial_ptr + (out_c.to(tl.int64) * (splits * tiles_w) + part) * (KH * KW + BIAS_GRAD)
     bias_acc = tl.zeros([BLOCK_W], dtype=tl.float32)
     for kh in range(KH):
@@ -129,12 +141,13 @@ def depthwise_grad_weight_toeplitz_kernel(
         for m in range(first_row, tl.minimum(first_row + rows_per_split, total_rows), BLOCK_M):
             row_ok, out_row, first_in_row, x_base, g_base = _tile_rows(
                 m + tl.arange(0, BLOCK_M), total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c,
-                g_stride_n, g_stride_c, stride_h, pad_top)
-            g = tl.load(g_ptr + (g_base + out_row * g_stride_h)[:, None] + out_cols[None, :],
+                g_stride_n, g_stride_c, stride_h, pad_top, UNIT, INDEX_64)
+            g = tl.load(g_ptr + (g_base + out_row * (g_stride_h * UNIT))[:, None] + out_cols[None, :],
                         mask=row_ok[:, None] & out_col_ok[None, :], other=0.0)
             in_rows = first_in_row + kh * dilation_h
             a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
-            a = tl.load(x_ptr + (x_base + in_rows * x_stride_h)[:, None] + in_cols[None, :], mask=a_ok, other=0.0)
+            a = tl.load(x_ptr + (x_base + in_rows * (x_stride_h * UNIT))[:, None] + in_cols[None, :], mask=a_ok,
+                        other=0.0)
             products = tl.dot(tl.trans(g.to(DOT_DTYPE)), a.to(DOT_DTYPE), products, input_precision=PRECISION)
             if BIAS_GRAD:
                 if kh == 0:
@@ -152,16 +165,33 @@ def toeplitz_applies(geom: ConvGeometry, dtype: torch.dtype) -> bool:
     return geom.kernel_h * geom.kernel_w >= TOEPLITZ_MIN_TAPS and dtype != torch.float64
 
 
-def window_width(geom: ConvGeometry, block_w: int) -> int:
-    """BLOCK_K: the input columns a strip of block_w output columns reads (a power of 2, >= 16)."""
-    return max(16, next_power_of_2((block_w - 1) * geom.stride_w + (geom.kernel_w - 1) * geom.dilation_w + 1))
+def window_width(geom: ConvGeometry, block_w: int, unit: int = 1) -> int:
+    """BLOCK_K: the input columns a strip of block_w output columns reads from the multiple of unit at
+    or below its first (a power of 2, >= 16)."""
+    return max(16, next_power_of_2(unit - 1 + (block_w - 1) * geom.stride_w + (geom.kernel_w - 1) * geom.dilation_w + 1))
 
 
-def toeplitz_block_w(geom: ConvGeometry) -> int:
-    """The strip width with the least product work per output (BLOCK_K), the widest of those (fewer
-    reloads of the overlapping windows): kernel 31 -> 32 columns (window 64), 51 -> 64 (128), 13 -> 16 (32)."""
-    widths = [w for w in (16, 32, 64) if w <= max(16, next_power_of_2(geom.out_w))]
-    return min(widths, key=lambda w: (window_width(geom, w), -w))
+def load_unit(geom: ConvGeometry, block_w: int, tensors, widths) -> int:
+    """Elements a row load takes at once (16 bytes at most): the largest power of two dividing the
+    rows' widths and the tensors' row, channel and batch strides (as the kernel reads them: NCHW
+    copies of channels_last tensors) that does not widen the window."""
+    unit = 16 // tensors[0].element_size()
+    strides = [s for t in tensors for s in (t.stride() if t.stride(3) == 1 else torch.empty(0).new_empty(
+        t.shape, device="meta").stride())[:3]]
+    while unit > 1 and (any(w % unit for w in widths) or any(s % unit for s in strides)
+                        or window_width(geom, block_w, unit) > window_width(geom, block_w)):
+        unit //= 2
+    return unit
+
+
+def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor) -> int:
+    """The strip width with the least product work per output (BLOCK_K), then the fewest load
+    instructions per output (BLOCK_K / width / load unit), then the widest."""
+    def cost(width):
+        unit = load_unit(geom, width, (x,), (geom.in_w,))
+        block_k = window_width(geom, width, unit)
+        return block_k, block_k / width / unit, -width
+    return min((w for w in (16, 32, 64) if w <= max(16, next_power_of_2(geom.out_w))), key=cost)
 
 
 def _dot_types(dtype: torch.dtype):
@@ -187,9 +217,10 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     plan = cached_plan(_PLANS, ("forward", geom, layout_key(x), layout_key(dst), bias is not None, block_m, block_w,
                                 num_warps),
                        lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps))
-    weight = weight.contiguous()
-    depthwise_fwd_toeplitz_kernel[plan.grid](x, weight, bias if bias is not None else weight, dst, *plan.scalars,
-                                             **plan.constants)
+    w_rows = padded_weight_rows(weight, geom, plan.constants["BLOCK_W"], plan.constants["BLOCK_K"],
+                                plan.constants["UNIT"])
+    depthwise_fwd_toeplitz_kernel[plan.grid](x, w_rows, bias if bias is not None else w_rows, dst,
+                                             *plan.scalars, w_rows.shape[2], **plan.constants)
     if dst is not out:
         out.copy_(dst)
     return out
@@ -198,20 +229,39 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 _PLANS: dict = {}
 
 
+def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, block_k: int, unit: int
+                       ) -> torch.Tensor:
+    """[C*m, kH, unit - 1 + (block_w - 1) * stride_w + block_k]: each kernel row from unit - 1 +
+    (block_w - 1) * stride_w on, its taps dilation_w apart, zeros around (a few KB to MB: the kernel
+    reads every band from it unmasked)."""
+    start = unit - 1 + (block_w - 1) * geom.stride_w
+    rows = weight.new_zeros(geom.out_channels, geom.kernel_h, start + block_k)
+    rows[:, :, start:start + (geom.kernel_w - 1) * geom.dilation_w + 1:geom.dilation_w] = weight[:, 0]
+    return rows
+
+
 def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
                   block_w: Optional[int], num_warps: int) -> LaunchPlan:
-    block_w = block_w or toeplitz_block_w(geom)
+    block_w = block_w or toeplitz_block_w(geom, x)
+    unit = load_unit(geom, block_w, (x,), (geom.in_w,))
     total_rows = geom.batch * geom.out_h
     block_m = min(block_m, max(16, next_power_of_2(total_rows)))
     dot_dtype, precision = _dot_types(x.dtype)
-    scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, total_rows,
-               x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-               geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
-    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=has_bias,
-                     DOT_DTYPE=dot_dtype, PRECISION=precision, BLOCK_M=block_m, BLOCK_W=block_w,
-                     BLOCK_K=window_width(geom, block_w), num_warps=num_warps)
+    pad_up = cdiv(geom.pad_left, unit)
+    scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w, total_rows,
+               *[s // unit for s in x.stride()[:3]], *out.stride()[:3], geom.stride_h, geom.stride_w, geom.pad_top,
+               pad_up * unit - geom.pad_left, pad_up, geom.dilation_h)
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype,
+                     PRECISION=precision, UNIT=unit, INDEX_64=_plane_needs_int64(x, out), BLOCK_M=block_m,
+                     BLOCK_W=block_w, BLOCK_K=window_width(geom, block_w, unit), num_warps=num_warps)
     grid = (geom.out_channels * cdiv(total_rows, block_m) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("toeplitz", grid, scalars, constants)
+
+
+def _plane_needs_int64(*tensors: torch.Tensor) -> bool:
+    """Offsets inside a plane are 32-bit unless one can reach 2**31."""
+    return any(sum((size - 1) * abs(st) for size, st in zip(t.shape[2:], t.stride()[2:])) >= 2**31 - 1
+               for t in tensors)
 
 
 def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
@@ -233,7 +283,8 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, block_m: int,
                       block_w: Optional[int], rows_per_split: int, num_warps: int) -> LaunchPlan:
-    block_w = block_w or toeplitz_block_w(geom)
+    block_w = block_w or toeplitz_block_w(geom, x)
+    unit = load_unit(geom, block_w, (x, grad_out), (geom.in_w, geom.out_w))
     total_rows = geom.batch * geom.out_h
     block_m = min(block_m, max(16, next_power_of_2(total_rows)))
     tiles_w = cdiv(geom.out_w, block_w)
@@ -243,13 +294,15 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     rows_per_split = cdiv(rows_per_split, block_m) * block_m
     splits = cdiv(total_rows, rows_per_split)
     dot_dtype, precision = _dot_types(x.dtype)
-    scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, total_rows, rows_per_split, splits,
-               x.stride(0), x.stride(1), x.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-               geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
+    pad_up = cdiv(geom.pad_left, unit)
+    scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w // unit, total_rows,
+               rows_per_split, splits, *[s // unit for s in x.stride()[:3]], *[s // unit for s in grad_out.stride()[:3]],
+               geom.stride_h, geom.stride_w, geom.pad_top, pad_up * unit - geom.pad_left, pad_up, geom.dilation_h,
+               geom.dilation_w)
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w,
                      KW_PAD=next_power_of_2(geom.kernel_w), BIAS_GRAD=bias_grad, DOT_DTYPE=dot_dtype,
-                     PRECISION=precision, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_K=window_width(geom, block_w),
-                     num_warps=num_warps)
+                     PRECISION=precision, UNIT=unit, INDEX_64=_plane_needs_int64(x, grad_out), BLOCK_M=block_m,
+                     BLOCK_W=block_w, BLOCK_K=window_width(geom, block_w, unit), num_warps=num_warps)
     grid = (geom.out_channels * splits * tiles_w,)
     return LaunchPlan("grad_weight_toeplitz", grid, scalars, constants,
                       (geom.out_channels, splits * tiles_w, geom.kernel_h * geom.kernel_w + int(bias_grad)))
