@@ -18,14 +18,14 @@ LAYOUTS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last
 # wider than the image's rows, strides, dilation, a channel multiplier, a padding beyond the kernel
 CASES = [
     ((1, 2, 16, 16), (13, 13), 1, 6, 1, 1),
-    ((2, 3, 11, 17), (9, 9), 1, "same", 1, 2),
-    ((1, 2, 13, 40), (3, 31), 1, (1, 15), 1, 1),
-    ((1, 2, 19, 18), (9, 11), (2, 3), (3, 5), 1, 1),
-    ((1, 1, 21, 23), (9, 9), 1, 8, 2, 1),
-    ((1, 2, 8, 9), (9, 9), 1, 10, 1, 1),
-    ((2, 2, 16, 40), (9, 9), 1, 5, 1, 1),  # rows loaded as 8-element vectors (half precision), windows shifted
+    ((2, 3, 11, 17), (11, 11), 1, "same", 1, 2),
+    ((1, 2, 13, 40), (4, 31), 1, (2, 15), 1, 1),
+    ((1, 2, 19, 18), (9, 12), (2, 3), (3, 5), 1, 1),
+    ((1, 1, 21, 23), (11, 11), 1, 10, 2, 1),
+    ((1, 2, 8, 9), (11, 11), 1, 10, 1, 1),
+    ((2, 2, 16, 40), (11, 11), 1, 5, 1, 1),  # rows loaded as 4-element vectors, windows shifted
 ]
-IDS = ["k13-same", "k9-same-mult2", "k3x31-wide", "k9x11-stride", "k9-dil2", "k9-pad10", "k9-vectors"]
+IDS = ["k13-same", "k11-same-mult2", "k4x31-wide", "k9x12-stride", "k11-dil2", "k11-pad10", "k11-vectors"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -52,25 +52,25 @@ def test_gradients(shape, kernel, stride, padding, dilation, multiplier, dtype, 
 
 def test_gradients_strided_multiplier_float32():
     """(grad_input of these takes the CUDA-core gather kernel: slow under the interpreter, so float32 only)"""
-    check_grads(randn(1, 2, 19, 18), randn(2, 1, 9, 11), randn(2), (2, 3), (3, 5))
-    check_grads(randn(2, 3, 11, 17), randn(6, 1, 9, 9), randn(6), 1, "same")
+    check_grads(randn(1, 2, 19, 18), randn(2, 1, 9, 12), randn(2), (2, 3), (3, 5))
+    check_grads(randn(2, 3, 11, 17), randn(6, 1, 11, 11), randn(6), 1, "same")
 
 
 def test_forward_block_shapes():
     """Rows of several images in one product tile, several column strips, more than one row block."""
     x = randn(3, 2, 23, 45)
-    weight = randn(2, 1, 9, 9)
+    weight = randn(2, 1, 11, 11)
     for block_m, block_w in [(16, 16), (32, 32), (64, 64)]:
-        check(x, weight, randn(2), 1, 4, config=ForwardConfig("toeplitz", block_m, block_w, 4))
+        check(x, weight, randn(2), 1, 5, config=ForwardConfig("toeplitz", block_m, block_w, 4))
 
 
 def test_grad_weight_splits_and_determinism():
     """Several row splits a channel (partial sums added in a fixed order): right, and bitwise the same twice."""
     x = randn(3, 2, 23, 21)
-    weight = randn(2, 1, 9, 9)
-    geom = conv_geometry(x, weight, None, 1, 4, 1)
+    weight = randn(2, 1, 11, 11)
+    geom = conv_geometry(x, weight, None, 1, 5, 1)
     grad_out = randn(*geom.output_shape)
-    checked = check_grads(x, weight, None, 1, 4)[1]  # (the default split, against float64)
+    checked = check_grads(x, weight, None, 1, 5)[1]  # (the default split, against float64)
     first = toeplitz.toeplitz_grad_weight(grad_out, x, geom, x.dtype, True, block_m=16, rows_per_split=16)
     again = toeplitz.toeplitz_grad_weight(grad_out, x, geom, x.dtype, True, block_m=16, rows_per_split=16)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
@@ -84,13 +84,15 @@ def test_dispatch_by_taps():
     """Toeplitz from TOEPLITZ_MIN_TAPS taps on, in float32 / float16 / bfloat16; float64 and small kernels not."""
     x = randn(1, 2, 16, 16)
     small = randn(2, 1, 7, 7)
-    large = randn(2, 1, 9, 9)
-    assert 7 * 7 < toeplitz.TOEPLITZ_MIN_TAPS <= 9 * 9
+    large = randn(2, 1, 10, 11)
+    assert 9 * 9 < toeplitz.TOEPLITZ_MIN_TAPS <= 10 * 11
     assert forward_config(conv_geometry(x, small, None, 1, 3, 1), x).kernel != "toeplitz"
     assert forward_config(conv_geometry(x, large, None, 1, 4, 1), x).kernel == "toeplitz"
     x64, large64 = x.double(), large.double()
     assert not toeplitz.toeplitz_applies(conv_geometry(x64, large64, None, 1, 4, 1), torch.float64)
     check(x64, large64, None, 1, 4)  # (the CUDA-core kernels)
+    # past MAX_BAND_TAPS the tile kernel loops over the kernel rows, one output row a program
+    check(randn(1, 2, 18, 18, dtype=torch.float64), randn(2, 1, 17, 17, dtype=torch.float64), None, 1, 8)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real sizes on the GPU only")

@@ -540,7 +540,7 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
     docs/notes.md): Toeplitz products on the tensor cores for large kernels, the NHWC kernel for
     channels_last tensors, else by the geometry."""
     if toeplitz_applies(geom, x.dtype):
-        return ForwardConfig("toeplitz", 64, toeplitz_block_w(geom, x), 4)
+        return ForwardConfig("toeplitz", 128, toeplitz_block_w(geom, x), 4)
     if channels_last_kernel_applies(x, out):
         return nhwc_config(geom, x)
     return nchw_config(geom, x)
