@@ -131,11 +131,12 @@ def main():
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--crossover", action="store_true")
     p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--no-tile", action="store_true", help="skip timing the CUDA-core tile kernel")
     args = p.parse_args()
     layers = LAYERS[:1] if args.quick else LAYERS
     for shape, k, pad in layers:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            forward_rows(shape, k, pad, dtype)
+            forward_rows(shape, k, pad, dtype, old=not args.no_tile)
     if not args.no_backward:
         for shape, k, pad in layers:
             for dtype in (torch.float32, torch.bfloat16, torch.float16):

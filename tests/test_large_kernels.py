@@ -92,7 +92,7 @@ def test_dispatch_by_taps():
     assert not toeplitz.toeplitz_applies(conv_geometry(x64, large64, None, 1, 4, 1), torch.float64)
     check(x64, large64, None, 1, 4)  # (the CUDA-core kernels)
     # past MAX_BAND_TAPS the tile kernel loops over the kernel rows, one output row a program
-    check(randn(1, 2, 18, 18, dtype=torch.float64), randn(2, 1, 17, 17, dtype=torch.float64), None, 1, 8)
+    check(randn(1, 2, 9, 9, dtype=torch.float64), randn(2, 1, 17, 17, dtype=torch.float64), None, 1, 8)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real sizes on the GPU only")
