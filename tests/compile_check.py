@@ -45,6 +45,7 @@ class CompileOnlyDriver:
 
 
 COMPILED = []  # (kernel name, CompiledKernel: .asm["ptx"] etc.) of every launch
+H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (the H200's limit too)
 
 
 def compile_instead_of_launch(self, grid):
@@ -125,6 +126,7 @@ CASES = [
     ("toeplitz, float32 (tf32x3), k31", forward, ((1, 2, 40, 40), (31, 31), f32, None), dict(padding=15)),
     ("toeplitz, bfloat16, k13, bias", forward, ((2, 2, 20, 20), (13, 13), bf16, None), dict(padding=6)),
     ("toeplitz, float16, k51, nhwc copied", forward, ((1, 8, 60, 60), (51, 51), f16, None), dict(padding=25, layout=CL)),
+    ("toeplitz, float32, k51, 128-row products", forward, ((3, 2, 60, 60), (51, 51), f32, None), dict(padding=25)),
     ("toeplitz, stride 2, dilation 2, multiplier 2", forward, ((1, 2, 40, 40), (11, 11), bf16, None),
      dict(stride=2, padding=10, dilation=2, multiplier=2)),
     ("grad_weight toeplitz, float32, k31", grad_weight, ((1, 2, 40, 40), (31, 31), f32, None), dict(padding=15)),
@@ -140,6 +142,8 @@ def main():
         before = len(COMPILED)
         try:
             run(*args, **conv)
+            for kernel, compiled in COMPILED[before:]:  # (a launch would raise OutOfResources)
+                assert compiled.metadata.shared <= H100_SHARED_MEMORY, f"{kernel}: {compiled.metadata.shared} B shared"
             print(f"ok    {name}: {', '.join(kernel for kernel, _ in COMPILED[before:])}", flush=True)
         except Exception:  # report every case, then fail
             failed += 1

@@ -246,7 +246,10 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
     block_w = block_w or toeplitz_block_w(geom, x)
     unit = load_unit(geom, block_w, (x,), (geom.in_w,))
     total_rows = geom.batch * geom.out_h
-    block_m = min(block_m, max(16, next_power_of_2(total_rows)))
+    block_k = window_width(geom, block_w, unit)
+    # the input tile of a product at most 32 KB (its pipeline keeps 3 in shared memory: float32 k51
+    # at 128 rows asked for 256 KB, over the H200's 227 KB)
+    block_m = min(block_m, max(16, next_power_of_2(total_rows)), max(16, 32768 // (block_k * x.element_size())))
     dot_dtype, precision = _dot_types(x.dtype)
     pad_up = cdiv(geom.pad_left, unit)
     scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w, total_rows,
@@ -254,7 +257,7 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
                pad_up * unit - geom.pad_left, pad_up, geom.dilation_h)
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype,
                      PRECISION=precision, UNIT=unit, INDEX_64=_plane_needs_int64(x, out), BLOCK_M=block_m,
-                     BLOCK_W=block_w, BLOCK_K=window_width(geom, block_w, unit), num_warps=num_warps)
+                     BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps)
     grid = (geom.out_channels * cdiv(total_rows, block_m) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("toeplitz", grid, scalars, constants)
 
