@@ -186,9 +186,13 @@ def load_unit(geom: ConvGeometry, block_w: int, tensors, widths) -> int:
 
 
 def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor) -> int:
-    """The strip width with the least product work per output (BLOCK_K), then the widest row
-    vectors, then the widest strip (H200, k31: 16 columns of 8-element rows 0.53 ms bfloat16, 2.47 ms
-    float32, against 32 columns of 2-element rows 0.61 / 5.20 ms)."""
+    """float32 (three TF32 products): 16 columns (H200 forward, k31 2.47 ms against 5.20 at 32 columns,
+    k51 10.0 against 13.4 at 64). Half precision: the width with the least product work per output
+    (BLOCK_K), then the widest row vectors, then the widest strip (k31: 16 columns of 8-element rows
+    0.53 ms, 32 columns of 2-element rows 0.61; k51: 64 columns 0.72 ms, 16 columns 1.67)."""
+    if x.element_size() == 4:
+        return 16
+
     def cost(width):
         unit = load_unit(geom, width, (x,), (geom.in_w,))
         return window_width(geom, width, unit), -unit, -width
