@@ -46,6 +46,12 @@ def cached_plan(cache: dict, key: Hashable, build: Callable[[], T]) -> T:
     return plan
 
 
+def plane_needs_int64(t: torch.Tensor, sizes) -> bool:
+    """True when an offset inside one (n, c) plane of t (sizes: its height and width) can reach 2**31."""
+    extent = sum((s - 1) * abs(st) for s, st in zip(sizes, t.stride()[2:]))
+    return extent >= 2**31 - 1
+
+
 def new_partial(plan: LaunchPlan, device: torch.device) -> torch.Tensor:
     """NaN-filled (a few KB to MB): a partial sum no program wrote poisons the result instead of
     passing silently."""

@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
+from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
-from .forward import (_ACC_DTYPES, _load_row_window, _needs_int64, _row_under_tap, _stride_unit,
+from .forward import (_ACC_DTYPES, _load_row_window, _row_under_tap, _stride_unit,
                       channels_last_kernel_applies, conv_forward, ForwardConfig, image_needs_int64, launch_forward,
                       nchw_config, output_memory_format, rows_kernel_fits, window_layout)
 
@@ -306,7 +306,7 @@ def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tenso
         block_w = min(64, next_power_of_2(geom.in_w)) if grad_out.is_cuda else min(32, next_power_of_2(geom.in_w))
         block_h = max(1, min(next_power_of_2(geom.in_h), (256 if grad_out.is_cuda else 1024) // block_w))
     tiles = cdiv(geom.in_h, block_h) * cdiv(geom.in_w, block_w)
-    index_64 = _needs_int64(grad_out, (geom.out_h, geom.out_w)) or _needs_int64(dx, (geom.in_h, geom.in_w))
+    index_64 = plane_needs_int64(grad_out, (geom.out_h, geom.out_w)) or plane_needs_int64(dx, (geom.in_h, geom.in_w))
     scalars = (geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *grad_out.stride(), *dx.stride(),
                geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
     constants = dict(
@@ -383,7 +383,7 @@ def _grad_weight_plan(geom: ConvGeometry, config: Optional[GradWeightConfig], gr
     window_off, window_lane0, window_vecs = window_layout(geom, vec)
     x_unit = _stride_unit(x, vec, geom.in_w)
     g_unit = _stride_unit(grad_out, vec, geom.out_w)
-    index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(grad_out, (geom.out_h, geom.out_w))
+    index_64 = plane_needs_int64(x, (geom.in_h, geom.in_w)) or plane_needs_int64(grad_out, (geom.out_h, geom.out_w))
     scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // g_unit, total_rows, splits,
                *[s // x_unit for s in x.stride()[:3]], x.stride(3), *[s // g_unit for s in grad_out.stride()[:3]],
                grad_out.stride(3), geom.stride_h, geom.stride_w, geom.pad_top, geom.pad_left)

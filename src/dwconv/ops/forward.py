@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
+from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
 from .toeplitz import toeplitz_applies, toeplitz_block_w, toeplitz_forward
 
 
@@ -575,12 +575,6 @@ def output_memory_format(x: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _needs_int64(t: torch.Tensor, sizes) -> bool:
-    """True when an offset inside one (n, c) plane can reach 2**31."""
-    extent = sum((s - 1) * abs(st) for s, st in zip(sizes, t.stride()[2:]))
-    return extent >= 2**31 - 1
-
-
 def image_needs_int64(*tensors: torch.Tensor) -> bool:
     """True when an offset inside one image (all channels: the channels_last kernels) can reach 2**31."""
     return any(sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:])) >= 2**31 - 1
@@ -689,7 +683,7 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     backward's input, whose weight gradient the rows kernel also accumulates."""
     if config is None:
         config = forward_config(geom, x, out)
-    index_64 = _needs_int64(x, (geom.in_h, geom.in_w)) or _needs_int64(out, (geom.out_h, geom.out_w))
+    index_64 = plane_needs_int64(x, (geom.in_h, geom.in_w)) or plane_needs_int64(out, (geom.out_h, geom.out_w))
     planes = geom.batch * geom.out_channels
     tiles_w = cdiv(geom.out_w, config.block_w)
     common = dict(

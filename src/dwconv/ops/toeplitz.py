@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..functional import triton_interpreter_enabled
-from ._launch import LaunchPlan, cached_plan, layout_key, new_partial
+from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
 
 # Kernels with at least this many taps take the Toeplitz path. H200, bfloat16, (32,128,56,56): 9x9
 # forward 0.49 ms against 0.32 on the CUDA-core tile kernel, 11x11 0.22 against 0.70 (docs/notes.md).
@@ -92,7 +92,8 @@ def depthwise_fwd_toeplitz_kernel(
     # T[i, j] = w_rows[kh, BAND0 - shift + i - j * stride_w], BAND0 = UNIT - 1 + (BLOCK_W - 1) * stride_w:
     # the launcher's zero-padded, dilated weight rows make each band one unmasked load
     band0 = UNIT - 1 + (BLOCK_W - 1) * stride_w - shift
-    band_ptrs = w_rows_ptr + out_c * (KH * w_row_len) + band0 + tl.arange(0, BLOCK_K)[:, None] - cols[None, :] * stride_w
+    band_ptrs = (w_rows_ptr + out_c * (KH * w_row_len) + band0 + tl.arange(0, BLOCK_K)[:, None]
+                 - cols[None, :] * stride_w)
     a_ptrs = x_ptr + x_base[:, None] + in_cols[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
     for kh in range(KH):
@@ -169,7 +170,8 @@ def toeplitz_applies(geom: ConvGeometry, dtype: torch.dtype) -> bool:
 def window_width(geom: ConvGeometry, block_w: int, unit: int = 1) -> int:
     """BLOCK_K: the input columns a strip of block_w output columns reads from the multiple of unit at
     or below its first (a power of 2, >= 16)."""
-    return max(16, next_power_of_2(unit - 1 + (block_w - 1) * geom.stride_w + (geom.kernel_w - 1) * geom.dilation_w + 1))
+    reach = (block_w - 1) * geom.stride_w + (geom.kernel_w - 1) * geom.dilation_w + 1
+    return max(16, next_power_of_2(unit - 1 + reach))
 
 
 def load_unit(geom: ConvGeometry, block_w: int, tensors, widths) -> int:
@@ -177,8 +179,10 @@ def load_unit(geom: ConvGeometry, block_w: int, tensors, widths) -> int:
     rows' widths and the tensors' row, channel and batch strides (as the kernel reads them: NCHW
     copies of channels_last tensors) that does not widen the window."""
     unit = 16 // tensors[0].element_size()
-    strides = [s for t in tensors for s in (t.stride() if t.stride(3) == 1 else torch.empty(0).new_empty(
-        t.shape, device="meta").stride())[:3]]
+    def read_strides(t):
+        _, c, h, w = t.shape
+        return t.stride()[:3] if t.stride(3) == 1 else (c * h * w, h * w, w)  # (copied NCHW-contiguous)
+    strides = [s for t in tensors for s in read_strides(t)]
     while unit > 1 and (any(w % unit for w in widths) or any(s % unit for s in strides)
                         or window_width(geom, block_w, unit) > window_width(geom, block_w)):
         unit //= 2
@@ -260,16 +264,12 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
                *[s // unit for s in x.stride()[:3]], *out.stride()[:3], geom.stride_h, geom.stride_w, geom.pad_top,
                pad_up * unit - geom.pad_left, pad_up, geom.dilation_h)
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype,
-                     PRECISION=precision, UNIT=unit, INDEX_64=_plane_needs_int64(x, out), BLOCK_M=block_m,
+                     PRECISION=precision, UNIT=unit, BLOCK_M=block_m,
+                     INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
+                     or plane_needs_int64(out, (geom.out_h, geom.out_w)),
                      BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps)
     grid = (geom.out_channels * cdiv(total_rows, block_m) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("toeplitz", grid, scalars, constants)
-
-
-def _plane_needs_int64(*tensors: torch.Tensor) -> bool:
-    """Offsets inside a plane are 32-bit unless one can reach 2**31."""
-    return any(sum((size - 1) * abs(st) for size, st in zip(t.shape[2:], t.stride()[2:])) >= 2**31 - 1
-               for t in tensors)
 
 
 def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
@@ -305,12 +305,15 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     dot_dtype, precision = _dot_types(x.dtype)
     pad_up = cdiv(geom.pad_left, unit)
     scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w // unit, total_rows,
-               rows_per_split, splits, *[s // unit for s in x.stride()[:3]], *[s // unit for s in grad_out.stride()[:3]],
+               rows_per_split, splits, *[s // unit for s in x.stride()[:3]],
+               *[s // unit for s in grad_out.stride()[:3]],
                geom.stride_h, geom.stride_w, geom.pad_top, pad_up * unit - geom.pad_left, pad_up, geom.dilation_h,
                geom.dilation_w)
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w,
                      KW_PAD=next_power_of_2(geom.kernel_w), BIAS_GRAD=bias_grad, DOT_DTYPE=dot_dtype,
-                     PRECISION=precision, UNIT=unit, INDEX_64=_plane_needs_int64(x, grad_out), BLOCK_M=block_m,
+                     PRECISION=precision, UNIT=unit, BLOCK_M=block_m,
+                     INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
+                     or plane_needs_int64(grad_out, (geom.out_h, geom.out_w)),
                      BLOCK_W=block_w, BLOCK_K=window_width(geom, block_w, unit), num_warps=num_warps)
     grid = (geom.out_channels * splits * tiles_w,)
     return LaunchPlan("grad_weight_toeplitz", grid, scalars, constants,
