@@ -132,8 +132,11 @@ def main():
     p.add_argument("--crossover", action="store_true")
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--no-tile", action="store_true", help="skip timing the CUDA-core tile kernel")
+    p.add_argument("--stages", type=int, help="num_stages of the Toeplitz kernels (toeplitz.NUM_STAGES)")
     args = p.parse_args()
     layers = LAYERS[:1] if args.quick else LAYERS
+    if args.stages:
+        toeplitz.NUM_STAGES = args.stages
     for shape, k, pad in layers:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             forward_rows(shape, k, pad, dtype, old=not args.no_tile)

@@ -39,6 +39,9 @@ from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_nee
 # Kernels with at least this many taps take the Toeplitz path. H200, bfloat16, (32,128,56,56): 9x9
 # forward 0.49 ms against 0.32 on the CUDA-core tile kernel, 11x11 0.22 against 0.70 (docs/notes.md).
 TOEPLITZ_MIN_TAPS = 100
+# Software-pipeline stages of the products' loads (Triton's num_stages; > 1: cp.async.cg, which
+# bypasses L1, so each kernel row's reload of the input tile comes from L2; 1: L1-cached loads).
+NUM_STAGES = 3
 
 
 @triton.jit
@@ -218,14 +221,15 @@ def _unit_columns(t: torch.Tensor) -> torch.Tensor:
 
 
 def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
-                     out: torch.Tensor, block_m: int = 128, block_w: Optional[int] = None, num_warps: int = 4
-                     ) -> torch.Tensor:
+                     out: torch.Tensor, block_m: int = 128, block_w: Optional[int] = None, num_warps: int = 4,
+                     num_stages: Optional[int] = None) -> torch.Tensor:
     """Writes the convolution into out (allocated by the caller, any layout) and returns it."""
     x = _unit_columns(x)
+    num_stages = num_stages or NUM_STAGES
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
     plan = cached_plan(_PLANS, ("forward", geom, layout_key(x), layout_key(dst), bias is not None, block_m, block_w,
-                                num_warps),
-                       lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps))
+                                num_warps, num_stages),
+                       lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps, num_stages))
     w_rows = padded_weight_rows(weight, geom, plan.constants["BLOCK_W"], plan.constants["BLOCK_K"],
                                 plan.constants["UNIT"])
     depthwise_fwd_toeplitz_kernel[plan.grid](x, w_rows, bias if bias is not None else w_rows, dst,
@@ -250,7 +254,7 @@ def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, b
 
 
 def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
-                  block_w: Optional[int], num_warps: int) -> LaunchPlan:
+                  block_w: Optional[int], num_warps: int, num_stages: int) -> LaunchPlan:
     block_w = block_w or toeplitz_block_w(geom, x)
     unit = load_unit(geom, block_w, (x,), (geom.in_w,))
     total_rows = geom.batch * geom.out_h
@@ -267,22 +271,24 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
                      PRECISION=precision, UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(out, (geom.out_h, geom.out_w)),
-                     BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps)
+                     BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     grid = (geom.out_channels * cdiv(total_rows, block_m) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("toeplitz", grid, scalars, constants)
 
 
 def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
                          bias_grad: bool, block_m: int = 64, block_w: Optional[int] = None, rows_per_split: int = 1024,
-                         num_warps: int = 4) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         num_warps: int = 4, num_stages: Optional[int] = None
+                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
     (H200, k31: 64 rows a product, 16 columns, 4 warps; 1024 rows a program 1.20 ms bfloat16 against
     1.35 at about 4096 programs.)"""
     grad_out, x = _unit_columns(grad_out), _unit_columns(x)
+    num_stages = num_stages or NUM_STAGES
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, block_m,
-                                block_w, rows_per_split, num_warps),
+                                block_w, rows_per_split, num_warps, num_stages),
                        lambda: _grad_weight_plan(geom, grad_out, x, bias_grad, block_m, block_w, rows_per_split,
-                                                 num_warps))
+                                                 num_warps, num_stages))
     partial = new_partial(plan, x.device)
     depthwise_grad_weight_toeplitz_kernel[plan.grid](grad_out, x, partial, *plan.scalars, **plan.constants)
     taps = geom.kernel_h * geom.kernel_w
@@ -292,7 +298,7 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
 
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, block_m: int,
-                      block_w: Optional[int], rows_per_split: int, num_warps: int) -> LaunchPlan:
+                      block_w: Optional[int], rows_per_split: int, num_warps: int, num_stages: int) -> LaunchPlan:
     block_w = block_w or toeplitz_block_w(geom, x)
     unit = load_unit(geom, block_w, (x, grad_out), (geom.in_w, geom.out_w))
     total_rows = geom.batch * geom.out_h
@@ -314,7 +320,8 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
                      PRECISION=precision, UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(grad_out, (geom.out_h, geom.out_w)),
-                     BLOCK_W=block_w, BLOCK_K=window_width(geom, block_w, unit), num_warps=num_warps)
+                     BLOCK_W=block_w, BLOCK_K=window_width(geom, block_w, unit), num_warps=num_warps,
+                     num_stages=num_stages)
     grid = (geom.out_channels * splits * tiles_w,)
     return LaunchPlan("grad_weight_toeplitz", grid, scalars, constants,
                       (geom.out_channels, splits * tiles_w, geom.kernel_h * geom.kernel_w + int(bias_grad)))
