@@ -133,16 +133,17 @@ def main():
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--no-tile", action="store_true", help="skip timing the CUDA-core tile kernel")
     p.add_argument("--stages", type=int, help="num_stages of the Toeplitz kernels (toeplitz.NUM_STAGES)")
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "float16"])
     args = p.parse_args()
     layers = LAYERS[:1] if args.quick else LAYERS
     if args.stages:
         toeplitz.NUM_STAGES = args.stages
     for shape, k, pad in layers:
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for dtype in [getattr(torch, name) for name in args.dtype]:
             forward_rows(shape, k, pad, dtype, old=not args.no_tile)
     if not args.no_backward:
         for shape, k, pad in layers:
-            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for dtype in [getattr(torch, name) for name in args.dtype]:
                 backward_rows(shape, k, pad, dtype)
     if args.sweep:
         sweep()

@@ -39,9 +39,11 @@ from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_nee
 # Kernels with at least this many taps take the Toeplitz path. H200, bfloat16, (32,128,56,56): 9x9
 # forward 0.49 ms against 0.32 on the CUDA-core tile kernel, 11x11 0.22 against 0.70 (docs/notes.md).
 TOEPLITZ_MIN_TAPS = 100
-# Software-pipeline stages of the products' loads (Triton's num_stages; > 1: cp.async.cg, which
-# bypasses L1, so each kernel row's reload of the input tile comes from L2; 1: L1-cached loads).
-NUM_STAGES = 3
+# Software-pipeline stages of the products' loads (Triton's num_stages). > 1: cp.async.cg, which
+# bypasses L1, so every kernel row reloads the input tile from L2; 1: plain loads, cached in L1.
+# H200: float32 k31 forward 2.46 -> 1.85 ms, k51 10.0 -> 6.6; grad_weight bfloat16 k31 1.19 -> 0.94;
+# bfloat16 forward within 5% either way (k51 0.716 with 3, 0.755 with 1).
+NUM_STAGES = 1
 
 
 @triton.jit
@@ -193,16 +195,14 @@ def load_unit(geom: ConvGeometry, block_w: int, tensors, widths) -> int:
 
 
 def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor) -> int:
-    """float32 (three TF32 products): 16 columns (H200 forward, k31 2.47 ms against 5.20 at 32 columns,
-    k51 10.0 against 13.4 at 64). Half precision: the width with the least product work per output
-    (BLOCK_K), then the widest row vectors, then the widest strip (k31: 16 columns of 8-element rows
-    0.53 ms, 32 columns of 2-element rows 0.61; k51: 64 columns 0.72 ms, 16 columns 1.67)."""
-    if x.element_size() == 4:
-        return 16
-
+    """The strip width with the fewest load instructions per output (each kernel row reloads the
+    window: BLOCK_K / width / load unit), then the narrowest window. With L1-cached loads
+    (NUM_STAGES 1) loads, not products, set the time: H200 forward, bfloat16 k31 64 columns in
+    8-element vectors 0.48 ms (window 128), 16 columns in 8s 0.53 (64), 32 columns in 2s 0.62 (64)."""
     def cost(width):
         unit = load_unit(geom, width, (x,), (geom.in_w,))
-        return window_width(geom, width, unit), -unit, -width
+        block_k = window_width(geom, width, unit)
+        return block_k / width / unit, block_k
     return min((w for w in (16, 32, 64) if w <= max(16, next_power_of_2(geom.out_w))), key=cost)
 
 
