@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
-from .toeplitz import toeplitz_applies, toeplitz_block_w, toeplitz_forward
+from .toeplitz import toeplitz_applies, toeplitz_block_m, toeplitz_block_w, toeplitz_forward
 
 
 @triton.jit
@@ -540,7 +540,7 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
     docs/notes.md): Toeplitz products on the tensor cores for large kernels, the NHWC kernel for
     channels_last tensors, else by the geometry."""
     if toeplitz_applies(geom, x.dtype):
-        return ForwardConfig("toeplitz", 128, toeplitz_block_w(geom, x), 4)
+        return ForwardConfig("toeplitz", toeplitz_block_m(x), toeplitz_block_w(geom, x), 4)
     if channels_last_kernel_applies(x, out):
         return nhwc_config(geom, x)
     return nchw_config(geom, x)

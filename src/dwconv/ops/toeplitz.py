@@ -194,16 +194,28 @@ def load_unit(geom: ConvGeometry, block_w: int, tensors, widths) -> int:
     return unit
 
 
-def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor) -> int:
-    """The strip width with the fewest load instructions per output (each kernel row reloads the
-    window: BLOCK_K / width / load unit), then the narrowest window. With L1-cached loads
-    (NUM_STAGES 1) loads, not products, set the time: H200 forward, bfloat16 k31 64 columns in
-    8-element vectors 0.48 ms (window 128), 16 columns in 8s 0.53 (64), 32 columns in 2s 0.62 (64)."""
+def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor, grad_weight: bool = False) -> int:
+    """The strip width, by what bounds each dtype (H200, k31 forward unless said; docs/notes.md):
+    - half precision: the fewest load instructions per output (each kernel row reloads the window:
+      BLOCK_K / width / load unit), then the narrowest window: 64 columns in 8-element vectors
+      0.49 ms (window 128), 16 in 8s 0.53 (64), 32 in 2s 0.62 (64); grad_weight 0.77 / 0.97 / 1.82;
+    - float32 (three TF32 products a kernel row): the narrowest window first, then the fewest load
+      instructions: 32 columns 1.36 ms (window 64), 16 columns 1.75 (64), 64 columns 2.10 (128);
+      k51 (window 128 at every width) 64 columns 3.41, 32 columns 4.27. Its grad_weight at most 32
+      columns (k31: 3.27 ms, 64 columns 6.01)."""
     def cost(width):
         unit = load_unit(geom, width, (x,), (geom.in_w,))
         block_k = window_width(geom, width, unit)
-        return block_k / width / unit, block_k
-    return min((w for w in (16, 32, 64) if w <= max(16, next_power_of_2(geom.out_w))), key=cost)
+        loads = block_k / width / unit
+        return (block_k, loads, -width) if x.element_size() == 4 else (loads, block_k)
+    widest = 32 if grad_weight and x.element_size() == 4 else 64
+    return min((w for w in (16, 32, 64) if w <= min(widest, max(16, next_power_of_2(geom.out_w)))), key=cost)
+
+
+def toeplitz_block_m(x: torch.Tensor) -> int:
+    """Output rows a forward product takes: 64 for float32 (k31 1.36 ms against 1.61 at 128), 128
+    for half precision (0.49 against 0.60 at 64)."""
+    return 64 if x.element_size() == 4 else 128
 
 
 def _dot_types(dtype: torch.dtype):
@@ -221,11 +233,11 @@ def _unit_columns(t: torch.Tensor) -> torch.Tensor:
 
 
 def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
-                     out: torch.Tensor, block_m: int = 128, block_w: Optional[int] = None, num_warps: int = 4,
-                     num_stages: Optional[int] = None) -> torch.Tensor:
+                     out: torch.Tensor, block_m: Optional[int] = None, block_w: Optional[int] = None,
+                     num_warps: int = 4, num_stages: Optional[int] = None) -> torch.Tensor:
     """Writes the convolution into out (allocated by the caller, any layout) and returns it."""
     x = _unit_columns(x)
-    num_stages = num_stages or NUM_STAGES
+    block_m, num_stages = block_m or toeplitz_block_m(x), num_stages or NUM_STAGES
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
     plan = cached_plan(_PLANS, ("forward", geom, layout_key(x), layout_key(dst), bias is not None, block_m, block_w,
                                 num_warps, num_stages),
@@ -299,7 +311,7 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, block_m: int,
                       block_w: Optional[int], rows_per_split: int, num_warps: int, num_stages: int) -> LaunchPlan:
-    block_w = block_w or toeplitz_block_w(geom, x)
+    block_w = block_w or toeplitz_block_w(geom, x, grad_weight=True)
     unit = load_unit(geom, block_w, (x, grad_out), (geom.in_w, geom.out_w))
     total_rows = geom.batch * geom.out_h
     block_m = min(block_m, max(16, next_power_of_2(total_rows)))
