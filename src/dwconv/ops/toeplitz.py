@@ -9,9 +9,10 @@ j = 0 .. BLOCK_W-1 is
 
 with i running over the BLOCK_K input columns the strip reads. So a program takes BLOCK_M output
 rows (of any images of its channel: rows are numbered over batch x out_h) by BLOCK_W columns, and
-for each kernel row loads a [BLOCK_M, BLOCK_K] input tile, builds T_kh from the weights and adds
-one `tl.dot`. BLOCK_K / kernel_w is the arithmetic wasted on T's zeros (about 2 at the chosen
-widths), cheap next to the tensor cores' lead over the FMA units. float32 uses three TF32 products
+for each kernel row loads a [BLOCK_M, BLOCK_K] input tile and T_kh (from zero-padded weight rows
+the launcher builds) and adds one `tl.dot`. BLOCK_K / kernel_w is the arithmetic spent on T's zeros
+(2 to 4 at the chosen widths): the loads, not the products, bound these kernels on the H200
+(docs/notes.md, Session 6). float32 uses three TF32 products
 ("tf32x3": float32 accuracy); float16 / bfloat16 multiply natively; all accumulate in float32.
 
 The weight gradient is the same product turned around: for kernel row kh,
@@ -19,8 +20,8 @@ C = grad_out_tile^T @ x_tile ([BLOCK_W, BLOCK_K], a sum over rows), and dw[kh, k
 C's diagonal C[j, j * stride_w + kw * dilation_w]. One float32 partial sum per program and tap,
 added in a fixed order by the launcher (deterministic, no atomics).
 
-The kernels read rows with unit column steps; a channels_last tensor is copied to NCHW first (these
-layers are bound by arithmetic: the copies cost ~10% of the kernel, docs/notes.md). float64 stays
+The kernels read rows with unit column steps; a channels_last tensor is copied to NCHW first (on
+the H200 the copies add 0.15-0.21 ms, 5-30%, to the measured forwards). float64 stays
 on the CUDA-core kernels. The grad_input of stride 1 is this forward (dwconv.ops.backward).
 """
 
