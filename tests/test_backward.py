@@ -261,9 +261,9 @@ def test_gradients_past_2_31_elements(shape):
 @pytest.mark.parametrize(
     "shape,kernel,padding,dilation,vec",
     [
-        ((2, 2, 10, 22), (3, 3), 0, 1, 4),  # rows of 2 mod 4 elements: aligned odd-row windows
-        ((2, 2, 9, 21), (3, 3), 1, 1, 1),
-        ((1, 2, 12, 24), (5, 3), (2, 1), 1, 4),
+        ((2, 1, 10, 22), (3, 3), 0, 1, 4),  # rows of 2 mod 4 elements: aligned odd-row windows
+        ((2, 1, 9, 21), (3, 3), 1, 1, 1),
+        ((1, 1, 12, 24), (5, 3), (2, 1), 1, 4),
         ((1, 2, 11, 22), (3, 3), 2, 2, 1),  # dilation: ring of 8
         ((1, 2, 8, 22), (2, 4), "same", 1, 4),  # asymmetric padding
     ],
@@ -290,10 +290,10 @@ def test_fused_backward_through_autograd(monkeypatch):
     fused = ops.conv_grad_input_and_weight
     monkeypatch.setattr(ops, "FUSED_BACKWARD", True)
     monkeypatch.setattr(ops, "conv_grad_input_and_weight", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    x = randn(2, 3, 8, 34)
-    weight = randn(3, 1, 3, 3)
+    x = randn(2, 2, 8, 34)
+    weight = randn(2, 1, 3, 3)
     check_grads(x, weight, None, 1, 1, 1)
     assert calls, "the fused path did not run"
     calls.clear()  # a bias gradient takes the two kernels (grad_weight sums grad_out for it)
-    check_grads(x, weight, randn(3), 1, 1, 1)
+    check_grads(x, weight, randn(2), 1, 1, 1)
     assert not calls, "the fused path ran with a bias gradient"
