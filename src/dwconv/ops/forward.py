@@ -652,9 +652,9 @@ def launch_forward(
     if out.numel() == 0:
         return out, None
     fused = weight_grad_from is not None
-    large = config.kernel == "toeplitz" if config is not None else toeplitz_applies(geom, x.dtype)
-    if large and not fused:  # (tensor-core products: a launcher of their own)
-        config = config or forward_config(geom, x, out)
+    if config is None and toeplitz_applies(geom, x.dtype) and not fused:  # (blocks chosen in its cached plan)
+        return toeplitz_forward(x, weight, bias, geom, out), None
+    if config is not None and config.kernel == "toeplitz":
         return toeplitz_forward(x, weight, bias, geom, out, config.block_h, config.block_w, config.num_warps), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
            layout_key(weight_grad_from) if fused else None, ODD_OUT_ALIGN)
