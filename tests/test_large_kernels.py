@@ -56,6 +56,13 @@ def test_gradients_strided_multiplier_float32():
     check_grads(randn(2, 3, 11, 17), randn(6, 1, 11, 11), randn(6), 1, "same")
 
 
+def test_forward_strided_bias_and_weight():
+    """A bias and a weight that are views with steps (the launcher must not read them as contiguous)."""
+    x = randn(1, 2, 12, 16)
+    weight = randn(2, 1, 11, 22)[:, :, :, ::2]
+    check(x, weight, randn(4)[::2], 1, 5)
+
+
 def test_forward_block_shapes():
     """Rows of several images in one product tile, several column strips, more than one row block."""
     x = randn(3, 2, 23, 45)

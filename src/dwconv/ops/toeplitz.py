@@ -245,7 +245,7 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                        lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps, num_stages))
     w_rows = padded_weight_rows(weight, geom, plan.constants["BLOCK_W"], plan.constants["BLOCK_K"],
                                 plan.constants["UNIT"])
-    depthwise_fwd_toeplitz_kernel[plan.grid](x, w_rows, bias if bias is not None else w_rows, dst,
+    depthwise_fwd_toeplitz_kernel[plan.grid](x, w_rows, bias.contiguous() if bias is not None else w_rows, dst,
                                              *plan.scalars, w_rows.shape[2], **plan.constants)
     if dst is not out:
         out.copy_(dst)
