@@ -106,10 +106,11 @@ def sweep():
                   flush=True)
 
 
-def crossover():
+def crossover(dtypes):
     """Toeplitz against the CUDA-core kernels by kernel size: forward, and forward+backward."""
     shape = (32, 128, 56, 56)
-    for dtype in (torch.bfloat16, torch.float32):
+    threshold = toeplitz.TOEPLITZ_MIN_TAPS
+    for dtype in dtypes:
         for k in (5, 7, 9, 11, 13, 17):
             x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
             w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype, requires_grad=True)
@@ -120,7 +121,7 @@ def crossover():
                 fwd = events_ms(lambda: dwconv.depthwise_conv2d(x, w, None, 1, k // 2), 5)
                 both = events_ms(lambda: dwconv.depthwise_conv2d(x, w, None, 1, k // 2).backward(g), 3)
                 times[name] = (fwd, both)
-            toeplitz.TOEPLITZ_MIN_TAPS = 81
+            toeplitz.TOEPLITZ_MIN_TAPS = threshold
             print(f"crossover {str(dtype)[6:]} k{k}: " + ", ".join(
                 f"{name} fwd {f:.3f} f+b {b:.3f} ms" for name, (f, b) in times.items()), flush=True)
 
@@ -138,17 +139,18 @@ def main():
     layers = LAYERS[:1] if args.quick else LAYERS
     if args.stages:
         toeplitz.NUM_STAGES = args.stages
+    dtypes = [getattr(torch, name) for name in args.dtype]
     for shape, k, pad in layers:
-        for dtype in [getattr(torch, name) for name in args.dtype]:
+        for dtype in dtypes:
             forward_rows(shape, k, pad, dtype, old=not args.no_tile)
     if not args.no_backward:
         for shape, k, pad in layers:
-            for dtype in [getattr(torch, name) for name in args.dtype]:
+            for dtype in dtypes:
                 backward_rows(shape, k, pad, dtype)
     if args.sweep:
         sweep()
     if args.crossover:
-        crossover()
+        crossover(dtypes)
 
 
 if __name__ == "__main__":
