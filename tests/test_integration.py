@@ -60,6 +60,21 @@ def test_opcheck_backward_ops():
                               test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("stride,multiplier", [(2, 1), (1, 2)], ids=str)
+def test_fused_backward_op_outside_the_fused_geometry(stride, multiplier):
+    """conv2d_grad_input_weight takes any geometry: where one pass does not apply (stride 2,
+    multiplier 2; on the GPU also rows narrower than 32) it runs the separate kernels."""
+    x, weight = randn(1, 2, 7, 9), randn(2 * multiplier, 1, 3, 3)
+    geom = conv_geometry(x, weight, None, stride, 1, 1)
+    grad_out = randn(*geom.output_shape)
+    grad_input, grad_weight = torch.ops.dwconv.conv2d_grad_input_weight(grad_out, x, weight,
+                                                                        *conv_arguments(geom))
+    xd, wd = x.double().requires_grad_(), weight.double().requires_grad_()
+    F.conv2d(xd, wd, None, stride, 1, 1, groups=2).backward(grad_out.double())
+    assert_close(grad_input, xd.grad, torch.float32, "grad_input")
+    assert_close(grad_weight, wd.grad, torch.float32, "grad_weight")
+
+
 def test_backward_ops_on_an_empty_batch():
     x, weight = randn(0, 3, 9, 34), randn(3, 1, 3, 3)
     args = conv_arguments(conv_geometry(x, weight, None, 1, 1, 1))

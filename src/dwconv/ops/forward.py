@@ -609,8 +609,10 @@ def odd_out_rows_alignable(out: torch.Tensor, geom: ConvGeometry) -> bool:
             and out.data_ptr() % 16 == 0)
 
 
-# Aligned stores on odd output rows (the kernel's ODD_OUT_ALIGN); a switch so the sweep can time both.
+# Aligned stores on odd output rows (the kernel's ODD_OUT_ALIGN); switches so the probes can time both,
+# for float32 and for half precision (off: session 3 measured 1.25 against 1.19 ms on #84 bfloat16).
 ODD_OUT_ALIGN = True
+ODD_OUT_ALIGN_HALF = False
 
 
 def _stride_unit(t: torch.Tensor, vec: int, width: int) -> int:
@@ -657,7 +659,7 @@ def launch_forward(
     if config is not None and config.kernel == "toeplitz":
         return toeplitz_forward(x, weight, bias, geom, out, config.block_h, config.block_w, config.num_warps), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
-           layout_key(weight_grad_from) if fused else None, ODD_OUT_ALIGN)
+           layout_key(weight_grad_from) if fused else None, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
                                                                   weight_grad_from))
     if plan.kernel == "nhwc":  # taps-major: a tap's weights for a run of channels are one vector
@@ -701,9 +703,8 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     x_unit = _stride_unit(x, vec, geom.in_w)
     odd_row_align = int(vec == 4 and x_unit == 2 and odd_rows_alignable(x, geom))
     y_unit = _stride_unit(out, vec, geom.out_w)
-    # not for half precision: on #84 bf16 it measured 1.25 ms against 1.19 without (session 3 probe)
     odd_out_align = int(ODD_OUT_ALIGN and vec == 4 and x_unit == 4 and y_unit == 2 and features is None
-                        and out.element_size() >= 4 and odd_out_rows_alignable(out, geom))
+                        and (out.element_size() >= 4 or ODD_OUT_ALIGN_HALF) and odd_out_rows_alignable(out, geom))
     window_off, window_lane0, window_vecs = window_layout(geom, vec, 2 if odd_row_align else 0, 2 * odd_out_align)
     programs = planes * chunks * tiles_w
     taps = next_power_of_2(geom.kernel_h * geom.kernel_w)
