@@ -132,6 +132,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                         "training step and inference, eager and compiled, float32 and bf16 autocast channels_last "
                         "(repeatable; overrides the layer flags)")
     p.add_argument("--model-batch", type=int, default=64)
+    p.add_argument("--model-precision", choices=["float32", "bf16", "all"], default="all",
+                   help="--model: float32 NCHW, bf16 autocast channels_last, or both")
     p.add_argument("--image", type=int, default=224)
     return p.parse_args(argv)
 
@@ -376,7 +378,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .bench_models import bench_model, print_model_table
 
         rows = [r for name in args.model for r in bench_model(name, args.model_batch, args.image, args.warmup,
-                                                                 min(args.iters, 20))]
+                                                                 min(args.iters, 20),
+                                                                 precisions=args.model_precision)]
         print_model_table(rows)
         write_csv(args.csv, rows)
         return 0

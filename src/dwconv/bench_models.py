@@ -94,7 +94,11 @@ def compare_outputs(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> 
     return ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
 
 
-def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_too: bool = True) -> List[Dict]:
+PRECISIONS = {"float32": (None, torch.contiguous_format), "bf16": (torch.bfloat16, torch.channels_last)}
+
+
+def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_too: bool = True,
+                precisions: str = "all") -> List[Dict]:
     torch.manual_seed(0)
     stock = build_model(name).cuda()
     converted = convert(stock, verbose=False)
@@ -105,8 +109,9 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     print(f"{name}: {converted.dwconv_converted} depthwise layers converted; eval outputs differ by {rel:.2e} "
           f"(relative, float32)", flush=True)
     rows = []
-    for precision, dtype, memory_format in (("float32", None, torch.contiguous_format),
-                                            ("bf16 autocast CL", torch.bfloat16, torch.channels_last)):
+    for key in (PRECISIONS if precisions == "all" else [precisions]):
+        dtype, memory_format = PRECISIONS[key]
+        precision = "bf16 autocast CL" if dtype is not None else key
         inputs = x.contiguous(memory_format=memory_format)
         for variant, source in (("stock", stock), ("dwconv", converted)):
             for compiled in ((False, True) if compile_too else (False,)):
