@@ -281,10 +281,40 @@ def test_convert_a_single_layer_and_bad_input():
 
 def test_model_bench_helpers():
     """`bench --model`'s building blocks on the tiny model (the timing itself needs a GPU)."""
-    from dwconv.bench_models import build_model, compare_outputs
+    from dwconv.bench_models import build_model, compare_gradients, compare_outputs
 
     torch.manual_seed(0)
     stock = build_model("tiny").to(DEVICE)
     converted = dwconv.convert(stock, verbose=False)
     assert converted.dwconv_converted == 2
-    assert compare_outputs(stock, converted, randn(2, 3, 16, 16)) < 1e-5
+    x = randn(2, 3, 16, 16)
+    assert compare_outputs(stock, converted, x) < 1e-5
+    # compare_gradients on stock layers (the interpreter takes minutes for this model's backward;
+    # the GPU test below runs it on converted models): a copy matches, a changed weight shows
+    twin = copy.deepcopy(stock)
+    assert compare_gradients(stock, twin, x) == 0
+    with torch.no_grad():
+        twin.features[2].weight[0, 0, 1, 1] += 0.5
+    assert compare_gradients(stock, twin, x) > 1e-3
+
+
+@GPU
+@pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_b0", "convnext_tiny"])
+def test_real_models_match_stock(name):
+    """Issue #5: converted torchvision / timm models (random weights) give the stock model's outputs
+    and parameter gradients, float32 without TF32 (so only the depthwise layers differ)."""
+    pytest.importorskip("torchvision")
+    from dwconv.bench_models import build_model, compare_gradients, compare_outputs
+
+    torch.manual_seed(0)
+    stock = build_model(name).to(DEVICE)
+    converted = dwconv.convert(stock, verbose=False)
+    assert converted.dwconv_converted > 0
+    x = randn(2, 3, 96, 96)
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        assert compare_outputs(stock, converted, x) < 1e-4
+        assert compare_gradients(stock, converted, x) < 1e-3
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32

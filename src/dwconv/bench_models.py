@@ -4,7 +4,7 @@ For each precision (float32 NCHW; bfloat16 autocast with channels_last) a traini
 cross-entropy, backward, SGD step) and an inference forward (eval, no_grad) are timed with CUDA
 events after warm-up, for the stock model and the converted one, each eager and compiled
 (torch.compile, default mode). Random weights and inputs: nothing is downloaded. Before timing, the
-converted model's eval outputs are compared with the stock model's.
+converted model's eval outputs and parameter gradients are compared with the stock model's.
 
 Models come from torchvision (mobilenet_v2, efficientnet_b0, convnext_tiny, ...) or, failing that,
 timm; `tiny` is a small depthwise network for smoke tests.
@@ -97,6 +97,25 @@ def compare_outputs(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> 
 PRECISIONS = {"float32": (None, torch.contiguous_format), "bf16": (torch.bfloat16, torch.channels_last)}
 
 
+def compare_gradients(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> float:
+    """Largest relative difference, over the parameters, of the gradients of the eval-mode outputs'
+    sum (float32, NCHW): max |stock - converted| / max |stock| per parameter tensor."""
+    worst = 0.0
+    for model in (stock, converted):
+        model.eval().zero_grad(set_to_none=True)
+        model(x).float().sum().backward()
+    for (name, a), b in zip(stock.named_parameters(), converted.parameters()):
+        if a.grad is None or b.grad is None:
+            if (a.grad is None) != (b.grad is None):
+                raise AssertionError(f"{name}: a gradient on one model only")
+            continue
+        scale = a.grad.abs().max().clamp_min(1e-12)
+        worst = max(worst, ((a.grad - b.grad).abs().max() / scale).item())
+    for model in (stock, converted):
+        model.zero_grad(set_to_none=True)
+    return worst
+
+
 def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_too: bool = True,
                 precisions: str = "all") -> List[Dict]:
     torch.manual_seed(0)
@@ -106,8 +125,9 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     x = torch.randn(batch, 3, image, image, device="cuda", generator=gen)
     y = torch.randint(0, 10, (batch,), device="cuda", generator=gen)
     rel = compare_outputs(stock, converted, x[:8])
-    print(f"{name}: {converted.dwconv_converted} depthwise layers converted; eval outputs differ by {rel:.2e} "
-          f"(relative, float32)", flush=True)
+    grad_rel = compare_gradients(stock, converted, x[:8])
+    print(f"{name}: {converted.dwconv_converted} depthwise layers converted; eval outputs differ by {rel:.2e}, "
+          f"parameter gradients by {grad_rel:.2e} (relative, float32)", flush=True)
     rows = []
     for key in (PRECISIONS if precisions == "all" else [precisions]):
         dtype, memory_format = PRECISIONS[key]
