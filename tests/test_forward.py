@@ -224,6 +224,32 @@ def test_channels_last_takes_the_nhwc_kernel():
     assert forward_config(conv_geometry(one_channel, randn(1, 1, 3, 3), None), one_channel).kernel != "nhwc"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape,kernel,multiplier,stride,padding,dilation,block",
+    [
+        ((2, 8, 11, 13), (3, 3), 1, 1, 1, 1, (4, 8, 8)),  # #84's kernel: interior and edge strips
+        ((1, 6, 9, 10), (3, 3), 1, 1, 0, 1, (3, 4, 8)),  # no padding, channels not a block multiple
+        ((1, 4, 12, 11), (5, 3), 2, 2, (2, 1), 1, (2, 4, 8)),  # stride 2 both ways, multiplier 2
+        ((1, 4, 13, 14), (3, 3), 1, 1, 2, 2, (2, 4, 4)),  # dilation 2
+        ((1, 3, 7, 9), (7, 7), 1, (1, 2), 3, 1, (2, 2, 4)),  # k7, strides (1, 2)
+        ((2, 5, 1, 2), (3, 3), 1, 1, 1, 1, (2, 2, 4)),  # a 1 x 2 image
+    ],
+    ids=str,
+)
+def test_nhwc_pixels(dtype, shape, kernel, multiplier, stride, padding, dilation, block):
+    """The channels_last tile kernel with its columns unrolled ("nhwc_pixels"): every pixel loaded once
+    a band, bounds tests per pixel on the edge strips."""
+    x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
+    block_h, block_w, block_c = block
+    geom = conv_geometry(x, weight, None, stride, padding, dilation)
+    config = ForwardConfig("nhwc_pixels", block_h, block_w, 1, block_c=block_c)
+    assert _forward_plan(geom, config, x, poisoned(geom.output_shape, dtype, memory_format=torch.channels_last),
+                         True, None).constants["PIXELS"]
+    check(x, weight, randn(shape[1] * multiplier, dtype=dtype), stride, padding, dilation, config=config)
+
+
 @pytest.mark.parametrize("out_format", [torch.contiguous_format, torch.channels_last], ids=["nchw_out", "cl_out"])
 @pytest.mark.parametrize("in_format", [torch.contiguous_format, torch.channels_last], ids=["nchw_in", "cl_in"])
 def test_mixed_layouts(in_format, out_format):

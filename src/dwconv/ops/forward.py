@@ -123,6 +123,62 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
             tl.store(ptrs, value.to(y_base.dtype.element_ty))
 
 
+@triton.jit
+def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_col, c_ok,
+                 in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
+                 KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr,
+                 STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: tl.constexpr):
+    """_conv_band for channels_last with the columns unrolled: each pixel of a row (a [1, BLOCK_C]
+    channel vector; a thread holds the same channels of every pixel) is loaded and converted once
+    and feeds every output of the band that reads it, where _conv_band's [cols, channels] tiles
+    load a row once a kernel column. Bounds tests are per pixel and uniform (a scalar each)."""
+    first_in_row = first_row * STRIDE_H - pad_top
+    first_in_col = first_col * STRIDE_W - pad_left
+    start = tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE)
+    if HAS_BIAS:  # (accumulating onto the bias saves an add an output)
+        start += _load_weights(b_ptrs, c_ok, ACC_DTYPE, MASKED)
+    accs = ()
+    for i in tl.static_range(BLOCK_H * BLOCK_W):
+        accs = accs + (start,)
+    weights = ()
+    for tap in tl.static_range(KH * KW):
+        weights = weights + (_load_weights(w_taps + tap * w_stride_tap, c_ok, ACC_DTYPE, MASKED),)
+    for r in tl.static_range((BLOCK_H - 1) * STRIDE_H + (KH - 1) * DILATION_H + 1):
+        in_row = first_in_row + r
+        row_ptr = x_base + in_row * x_stride_h
+        row_ok = (in_row >= 0) & (in_row < in_h)
+        for p in tl.static_range((BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1):
+            in_col = first_in_col + p
+            if MASKED:  # (tl.where, not &: the interpreter makes a scalar bool & a bool tensor int32)
+                pixel_ok = row_ok & (in_col >= 0) & (in_col < in_w)
+                x = tl.load(row_ptr + in_col * x_stride_w, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
+            else:
+                x = tl.load(row_ptr + in_col * x_stride_w)
+            x = x.to(ACC_DTYPE)  # (a pixel no output reads is dropped by the compiler)
+            # output (j, i) reads this pixel through tap (kh, kw) where j * STRIDE_H + kh * DILATION_H == r
+            # and i * STRIDE_W + kw * DILATION_W == p (the tests are on constants: no code; and no local
+            # variable for the index, which Triton would make a tensor)
+            for kh in tl.static_range(KH):
+                for j in tl.static_range(BLOCK_H):
+                    if j * STRIDE_H + kh * DILATION_H == r:
+                        for kw in tl.static_range(KW):
+                            for i in tl.static_range(BLOCK_W):
+                                if i * STRIDE_W + kw * DILATION_W == p:
+                                    accs = accs[:j * BLOCK_W + i] + (tl.fma(x, weights[kh * KW + kw],
+                                                                            accs[j * BLOCK_W + i]),) \
+                                        + accs[j * BLOCK_W + i + 1:]
+    for j in tl.static_range(BLOCK_H):
+        for i in tl.static_range(BLOCK_W):
+            value = accs[j * BLOCK_W + i]
+            ptrs = y_base + (first_row + j) * y_stride_h + (first_col + i) * y_stride_w
+            if MASKED:
+                out_ok = (first_row + j < out_h) & (first_col + i < out_w)
+                tl.store(ptrs, value.to(y_base.dtype.element_ty), mask=tl.where(out_ok, c_ok, False))
+            else:
+                tl.store(ptrs, value.to(y_base.dtype.element_ty))
+
+
 # pad_left is not specialised: were it known to be 0 (a multiple of 16), the unshifted load would get
 # a 4-wide register layout while the shifted loads and the row stores (rows of odd length) get 1-wide
 # ones, and Triton would convert between them through shared memory on every row.
@@ -137,11 +193,14 @@ def depthwise_fwd_tile_kernel(
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    PIXELS: tl.constexpr, PIXEL_STRIDE_W: tl.constexpr, PIXEL_DILATION_W: tl.constexpr,
 ):
     """One program = BLOCK_H output rows (any number, not only powers of 2) of a BLOCK_W x BLOCK_C
     strip (columns, output channels) of one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW
     (a strip of one plane); for channels_last a run of channels along the contiguous axis, with the
-    weight taps-major (w_stride_c 1) so that each tap's weights are one vector load too."""
+    weight taps-major (w_stride_c 1) so that each tap's weights are one vector load too.
+    PIXELS (channels_last, "nhwc_pixels"): the strip's columns unrolled (_conv_pixels), with the
+    column stride and dilation PIXEL_STRIDE_W / PIXEL_DILATION_W known to the compiler."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
     tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
@@ -159,6 +218,7 @@ def depthwise_fwd_tile_kernel(
     out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
     if INDEX_64:
         first_row = first_row.to(tl.int64)
+        first_col = first_col.to(tl.int64)
         out_cols = out_cols.to(tl.int64)
     c_ok = out_c < out_channels
     w_taps = w_ptr + out_c * w_stride_c
@@ -168,7 +228,18 @@ def depthwise_fwd_tile_kernel(
                 & (first_row * STRIDE_H - pad_top >= 0) & (first_col * stride_w - pad_left >= 0)
                 & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < in_h)
                 & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
-    if interior:
+    if PIXELS:
+        if interior:
+            _conv_pixels(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, first_col, c_ok, in_h, in_w,
+                         out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left, KH, KW,
+                         STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
+                         BLOCK_W, BLOCK_C, False)
+        else:
+            _conv_pixels(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, first_col, c_ok, in_h, in_w,
+                         out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left, KH, KW,
+                         STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
+                         BLOCK_W, BLOCK_C, True)
+    elif interior:
         _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                    in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
                    pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
@@ -466,7 +537,7 @@ def depthwise_fwd_rows_kernel(
 
 @dataclass(frozen=True)
 class ForwardConfig:
-    kernel: str  # "tile", "rows", "nhwc" or "toeplitz" (block_h: rows of the product tile)
+    kernel: str  # "tile", "rows", "nhwc", "nhwc_pixels" or "toeplitz" (block_h: rows of the product tile)
     block_h: int  # tile rows ("tile", "nhwc") or output rows per program ("rows")
     block_w: int
     num_warps: int
@@ -503,6 +574,11 @@ def channels_last_kernel_applies(x: torch.Tensor, out: Optional[torch.Tensor] = 
 # (CI) pays per tensor operation, not per instruction: there a band is as long as the image.
 MAX_BAND_TAPS = 256
 INTERPRETER_BAND_TAPS = 4096
+
+
+# "nhwc_pixels" unrolls outputs (rows x columns) x taps: its code size.
+MAX_PIXEL_TAPS = 2048
+NHWC_KERNELS = ("nhwc", "nhwc_pixels")
 
 
 def band_limit(device: torch.device) -> int:
@@ -662,7 +738,7 @@ def launch_forward(
            layout_key(weight_grad_from) if fused else None, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
                                                                   weight_grad_from))
-    if plan.kernel == "nhwc":  # taps-major: a tap's weights for a run of channels are one vector
+    if plan.kernel in NHWC_KERNELS:  # taps-major: a tap's weights for a run of channels are one vector
         weight = weight.reshape(geom.out_channels, -1).t().contiguous()
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
@@ -730,11 +806,14 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
 
 def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, common: dict
                ) -> LaunchPlan:
-    """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc": unit channel
-    strides; the launcher hands it the weight taps-major)."""
-    nhwc = config.kernel == "nhwc"
+    """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc", "nhwc_pixels":
+    unit channel strides; the launcher hands it the weight taps-major)."""
+    nhwc = config.kernel in NHWC_KERNELS
     assert not nhwc or channels_last_kernel_applies(x, out), "the NHWC tiles need unit channel strides"
     taps = geom.kernel_h * geom.kernel_w
+    pixels = config.kernel == "nhwc_pixels"
+    assert not pixels or (taps <= MAX_BAND_TAPS and config.block_h * config.block_w * taps <= MAX_PIXEL_TAPS), \
+        "too many outputs x taps to unroll"
     block_c = config.block_c  # >1 on NCHW too under the interpreter (any channel stride works)
     if nhwc:  # offsets inside one image (not one plane) are 32-bit unless they can reach 2**31
         common = dict(common, INDEX_64=image_needs_int64(x, out))
@@ -746,6 +825,7 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
     assert config.block_h * taps <= band_limit(x.device) or config.block_h == 1, "band too long to unroll"
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
     constants = dict(common, STRIDE_H=geom.stride_h, DILATION_H=geom.dilation_h, UNROLL=unroll,
-                     BLOCK_H=config.block_h, BLOCK_C=block_c,
+                     BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,
+                     PIXEL_STRIDE_W=geom.stride_w if pixels else 1, PIXEL_DILATION_W=geom.dilation_w if pixels else 1,
                      num_stages=1)  # (bands are unrolled: no loop loads to software-pipeline)
     return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
