@@ -125,7 +125,8 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
 
 @triton.jit
 def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_col, c_ok,
-                 in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
+                 in_h, in_w, out_h, out_w, x_stride_h, X_STRIDE_W: tl.constexpr, y_stride_h, Y_STRIDE_W: tl.constexpr,
+                 pad_top, pad_left,
                  KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr,
                  STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: tl.constexpr):
@@ -144,17 +145,21 @@ def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_
     weights = ()
     for tap in tl.static_range(KH * KW):
         weights = weights + (_load_weights(w_taps + tap * w_stride_tap, c_ok, ACC_DTYPE, MASKED),)
+    # pointers to the strip's first pixel, and pixels at constant offsets from them (immediate
+    # offsets of the loads and stores on the GPU)
+    x_strip = x_base + first_in_col * X_STRIDE_W
+    y_strip = y_base + first_col * Y_STRIDE_W
     for r in tl.static_range((BLOCK_H - 1) * STRIDE_H + (KH - 1) * DILATION_H + 1):
         in_row = first_in_row + r
-        row_ptr = x_base + in_row * x_stride_h
+        row_ptr = x_strip + in_row * x_stride_h
         row_ok = (in_row >= 0) & (in_row < in_h)
         for p in tl.static_range((BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1):
             in_col = first_in_col + p
             if MASKED:  # (tl.where, not &: the interpreter makes a scalar bool & a bool tensor int32)
                 pixel_ok = row_ok & (in_col >= 0) & (in_col < in_w)
-                x = tl.load(row_ptr + in_col * x_stride_w, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
+                x = tl.load(row_ptr + p * X_STRIDE_W, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
             else:
-                x = tl.load(row_ptr + in_col * x_stride_w)
+                x = tl.load(row_ptr + p * X_STRIDE_W)
             x = x.to(ACC_DTYPE)  # (a pixel no output reads is dropped by the compiler)
             # output (j, i) reads this pixel through tap (kh, kw) where j * STRIDE_H + kh * DILATION_H == r
             # and i * STRIDE_W + kw * DILATION_W == p (the tests are on constants: no code; and no local
@@ -171,7 +176,7 @@ def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_
     for j in tl.static_range(BLOCK_H):
         for i in tl.static_range(BLOCK_W):
             value = accs[j * BLOCK_W + i]
-            ptrs = y_base + (first_row + j) * y_stride_h + (first_col + i) * y_stride_w
+            ptrs = y_strip + (first_row + j) * y_stride_h + i * Y_STRIDE_W
             if MASKED:
                 out_ok = (first_row + j < out_h) & (first_col + i < out_w)
                 tl.store(ptrs, value.to(y_base.dtype.element_ty), mask=tl.where(out_ok, c_ok, False))
@@ -194,13 +199,16 @@ def depthwise_fwd_tile_kernel(
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
     PIXELS: tl.constexpr, PIXEL_STRIDE_W: tl.constexpr, PIXEL_DILATION_W: tl.constexpr,
+    PIXEL_X_STRIDE_W: tl.constexpr, PIXEL_Y_STRIDE_W: tl.constexpr,
 ):
     """One program = BLOCK_H output rows (any number, not only powers of 2) of a BLOCK_W x BLOCK_C
     strip (columns, output channels) of one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW
     (a strip of one plane); for channels_last a run of channels along the contiguous axis, with the
     weight taps-major (w_stride_c 1) so that each tap's weights are one vector load too.
     PIXELS (channels_last, "nhwc_pixels"): the strip's columns unrolled (_conv_pixels), with the
-    column stride and dilation PIXEL_STRIDE_W / PIXEL_DILATION_W known to the compiler."""
+    column stride and dilation PIXEL_STRIDE_W / PIXEL_DILATION_W and the pixel strides of x and y
+    PIXEL_X_STRIDE_W / PIXEL_Y_STRIDE_W known to the compiler (pixel addresses become immediate
+    offsets from a row's)."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
     tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
@@ -231,13 +239,13 @@ def depthwise_fwd_tile_kernel(
     if PIXELS:
         if interior:
             _conv_pixels(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, first_col, c_ok, in_h, in_w,
-                         out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left, KH, KW,
-                         STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
+                         out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
+                         KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
                          BLOCK_W, BLOCK_C, False)
         else:
             _conv_pixels(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, first_col, c_ok, in_h, in_w,
-                         out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left, KH, KW,
-                         STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
+                         out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
+                         KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
                          BLOCK_W, BLOCK_C, True)
     elif interior:
         _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
@@ -827,5 +835,6 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
     constants = dict(common, STRIDE_H=geom.stride_h, DILATION_H=geom.dilation_h, UNROLL=unroll,
                      BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,
                      PIXEL_STRIDE_W=geom.stride_w if pixels else 1, PIXEL_DILATION_W=geom.dilation_w if pixels else 1,
+                     PIXEL_X_STRIDE_W=x.stride(3) if pixels else 1, PIXEL_Y_STRIDE_W=out.stride(3) if pixels else 1,
                      num_stages=1)  # (bands are unrolled: no loop loads to software-pipeline)
     return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
