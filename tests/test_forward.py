@@ -234,6 +234,7 @@ def test_channels_last_takes_the_nhwc_kernel():
         ((1, 4, 13, 14), (3, 3), 1, 1, 2, 2, (2, 4, 4)),  # dilation 2
         ((1, 3, 7, 9), (7, 7), 1, (1, 2), 3, 1, (2, 2, 4)),  # k7, strides (1, 2)
         ((2, 5, 1, 2), (3, 3), 1, 1, 1, 1, (2, 2, 4)),  # a 1 x 2 image
+        ((1, 64, 7, 9), (3, 3), 1, 1, 1, 1, (2, 4, 64)),  # a channel pair a thread: bfloat16 pair loads
     ],
     ids=str,
 )
@@ -245,9 +246,24 @@ def test_nhwc_pixels(dtype, shape, kernel, multiplier, stride, padding, dilation
     block_h, block_w, block_c = block
     geom = conv_geometry(x, weight, None, stride, padding, dilation)
     config = ForwardConfig("nhwc_pixels", block_h, block_w, 1, block_c=block_c)
-    assert _forward_plan(geom, config, x, poisoned(geom.output_shape, dtype, memory_format=torch.channels_last),
-                         True, None).constants["PIXELS"]
+    plan = _forward_plan(geom, config, x, poisoned(geom.output_shape, dtype, memory_format=torch.channels_last),
+                         True, None)
+    assert plan.constants["PIXELS"]
+    # bfloat16 channel pairs as 32-bit words where every pair is aligned and in one channel pair
+    assert plan.constants["BF16_PAIRS"] == (dtype == torch.bfloat16 and multiplier == 1 and block_c == 64)
     check(x, weight, randn(shape[1] * multiplier, dtype=dtype), stride, padding, dilation, config=config)
+
+
+def test_nhwc_pixels_bfloat16_pairs_need_alignment():
+    """Channels sliced from an odd channel start 2 bytes off a word: no pair loads, right values."""
+    x = randn(2, 65, 8, 10, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)[:, 1:]
+    weight = randn(64, 1, 3, 3, dtype=torch.bfloat16)
+    geom = conv_geometry(x, weight, None, 1, 1, 1)
+    config = ForwardConfig("nhwc_pixels", 2, 4, 1, block_c=64)
+    out = poisoned(geom.output_shape, torch.bfloat16, memory_format=torch.channels_last)
+    assert not _forward_plan(geom, config, x, out, False, None).constants["BF16_PAIRS"]
+    assert_close(conv_forward(x, weight, None, geom, config, out=out), reference_conv(x, weight, None, 1, 1, 1),
+                 torch.bfloat16)
 
 
 @pytest.mark.parametrize("out_format", [torch.contiguous_format, torch.channels_last], ids=["nchw_out", "cl_out"])

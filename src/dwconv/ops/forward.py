@@ -129,11 +129,14 @@ def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_
                  pad_top, pad_left,
                  KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr,
                  STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
+                 MASKED: tl.constexpr):
     """_conv_band for channels_last with the columns unrolled: each pixel of a row (a [1, BLOCK_C]
     channel vector; a thread holds the same channels of every pixel) is loaded and converted once
     and feeds every output of the band that reads it, where _conv_band's [cols, channels] tiles
-    load a row once a kernel column. Bounds tests are per pixel and uniform (a scalar each)."""
+    load a row once a kernel column. Bounds tests are per pixel and uniform (a scalar each).
+    BF16_PAIRS: bfloat16 channel pairs load as one 32-bit word and widen by a shift and a mask
+    (the compiler's conversion takes three instructions a pair); the launcher checks alignment."""
     first_in_row = first_row * STRIDE_H - pad_top
     first_in_col = first_col * STRIDE_W - pad_left
     start = tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE)
@@ -153,14 +156,26 @@ def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_
         in_row = first_in_row + r
         row_ptr = x_strip + in_row * x_stride_h
         row_ok = (in_row >= 0) & (in_row < in_h)
+        if BF16_PAIRS:
+            row_pairs = tl.split(tl.reshape(row_ptr, [1, BLOCK_C // 2, 2]))[0].to(tl.pointer_type(tl.int32))
+            pairs_ok = tl.split(tl.reshape(c_ok, [1, BLOCK_C // 2, 2]))[0]
         for p in tl.static_range((BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1):
             in_col = first_in_col + p
-            if MASKED:  # (tl.where, not &: the interpreter makes a scalar bool & a bool tensor int32)
-                pixel_ok = row_ok & (in_col >= 0) & (in_col < in_w)
-                x = tl.load(row_ptr + p * X_STRIDE_W, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
+            if BF16_PAIRS:
+                if MASKED:
+                    pixel_ok = row_ok & (in_col >= 0) & (in_col < in_w)
+                    pair = tl.load(row_pairs + p * (X_STRIDE_W // 2), mask=tl.where(pixel_ok, pairs_ok, False), other=0)
+                else:
+                    pair = tl.load(row_pairs + p * (X_STRIDE_W // 2))
+                x = tl.reshape(tl.join((pair << 16).to(tl.float32, bitcast=True),
+                                       (pair & -65536).to(tl.float32, bitcast=True)), [1, BLOCK_C])
             else:
-                x = tl.load(row_ptr + p * X_STRIDE_W)
-            x = x.to(ACC_DTYPE)  # (a pixel no output reads is dropped by the compiler)
+                if MASKED:  # (tl.where, not &: the interpreter makes a scalar bool & a bool tensor int32)
+                    pixel_ok = row_ok & (in_col >= 0) & (in_col < in_w)
+                    x = tl.load(row_ptr + p * X_STRIDE_W, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
+                else:
+                    x = tl.load(row_ptr + p * X_STRIDE_W)
+                x = x.to(ACC_DTYPE)  # (a pixel no output reads is dropped by the compiler)
             # output (j, i) reads this pixel through tap (kh, kw) where j * STRIDE_H + kh * DILATION_H == r
             # and i * STRIDE_W + kw * DILATION_W == p (the tests are on constants: no code; and no local
             # variable for the index, which Triton would make a tensor)
@@ -199,7 +214,7 @@ def depthwise_fwd_tile_kernel(
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
     PIXELS: tl.constexpr, PIXEL_STRIDE_W: tl.constexpr, PIXEL_DILATION_W: tl.constexpr,
-    PIXEL_X_STRIDE_W: tl.constexpr, PIXEL_Y_STRIDE_W: tl.constexpr,
+    PIXEL_X_STRIDE_W: tl.constexpr, PIXEL_Y_STRIDE_W: tl.constexpr, BF16_PAIRS: tl.constexpr,
 ):
     """One program = BLOCK_H output rows (any number, not only powers of 2) of a BLOCK_W x BLOCK_C
     strip (columns, output channels) of one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW
@@ -241,12 +256,12 @@ def depthwise_fwd_tile_kernel(
             _conv_pixels(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
-                         BLOCK_W, BLOCK_C, False)
+                         BLOCK_W, BLOCK_C, BF16_PAIRS, False)
         else:
             _conv_pixels(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
-                         BLOCK_W, BLOCK_C, True)
+                         BLOCK_W, BLOCK_C, BF16_PAIRS, True)
     elif interior:
         _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                    in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
@@ -812,6 +827,16 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     return LaunchPlan("rows", (programs,), scalars, constants, partial_shape, acc_dtype)
 
 
+def bf16_pairs_apply(x: torch.Tensor, geom: ConvGeometry, block_c: int, num_warps: int) -> bool:
+    """Whether "nhwc_pixels" loads bfloat16 channel pairs as 32-bit words: where a thread holds one
+    pair (other spreads cost shuffles: sm_90 code of 4 x 8 x 32 channels took 3.2 instructions an
+    FMA with pairs, 1.7 without), every pair starts on 4 bytes (even channel counts and strides, an
+    aligned base) and lies in one input channel pair (multiplier 1)."""
+    return (x.dtype == torch.bfloat16 and geom.multiplier == 1 and x.stride(1) == 1 and block_c == 64 * num_warps
+            and geom.in_channels % 2 == 0 and all(s % 2 == 0 for s in (x.stride(0), x.stride(2), x.stride(3)))
+            and x.data_ptr() % 4 == 0)
+
+
 def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, common: dict
                ) -> LaunchPlan:
     """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc", "nhwc_pixels":
@@ -836,5 +861,6 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
                      BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,
                      PIXEL_STRIDE_W=geom.stride_w if pixels else 1, PIXEL_DILATION_W=geom.dilation_w if pixels else 1,
                      PIXEL_X_STRIDE_W=x.stride(3) if pixels else 1, PIXEL_Y_STRIDE_W=out.stride(3) if pixels else 1,
+                     BF16_PAIRS=pixels and bf16_pairs_apply(x, geom, block_c, config.num_warps),
                      num_stages=1)  # (bands are unrolled: no loop loads to software-pipeline)
     return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
