@@ -152,26 +152,26 @@ def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_
     # offsets of the loads and stores on the GPU)
     x_strip = x_base + first_in_col * X_STRIDE_W
     y_strip = y_base + first_col * Y_STRIDE_W
+    if BF16_PAIRS:  # the even channels' pointers and tests stand for their pairs
+        pairs_ok = tl.split(tl.reshape(c_ok, [1, BLOCK_C // 2, 2]))[0]
     for r in tl.static_range((BLOCK_H - 1) * STRIDE_H + (KH - 1) * DILATION_H + 1):
         in_row = first_in_row + r
         row_ptr = x_strip + in_row * x_stride_h
         row_ok = (in_row >= 0) & (in_row < in_h)
         if BF16_PAIRS:
             row_pairs = tl.split(tl.reshape(row_ptr, [1, BLOCK_C // 2, 2]))[0].to(tl.pointer_type(tl.int32))
-            pairs_ok = tl.split(tl.reshape(c_ok, [1, BLOCK_C // 2, 2]))[0]
         for p in tl.static_range((BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1):
-            in_col = first_in_col + p
+            if MASKED:  # (tl.where, not &, in the masks: the interpreter makes a scalar bool & a bool tensor int32)
+                pixel_ok = row_ok & (first_in_col + p >= 0) & (first_in_col + p < in_w)
             if BF16_PAIRS:
                 if MASKED:
-                    pixel_ok = row_ok & (in_col >= 0) & (in_col < in_w)
                     pair = tl.load(row_pairs + p * (X_STRIDE_W // 2), mask=tl.where(pixel_ok, pairs_ok, False), other=0)
                 else:
                     pair = tl.load(row_pairs + p * (X_STRIDE_W // 2))
                 x = tl.reshape(tl.join((pair << 16).to(tl.float32, bitcast=True),
                                        (pair & -65536).to(tl.float32, bitcast=True)), [1, BLOCK_C])
             else:
-                if MASKED:  # (tl.where, not &: the interpreter makes a scalar bool & a bool tensor int32)
-                    pixel_ok = row_ok & (in_col >= 0) & (in_col < in_w)
+                if MASKED:
                     x = tl.load(row_ptr + p * X_STRIDE_W, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
                 else:
                     x = tl.load(row_ptr + p * X_STRIDE_W)
