@@ -1,7 +1,7 @@
 """Developer probe (GPU): the channels_last (NHWC) forward kernel against cuDNN with channels_last
 tensors, on #84 and issue #4's layers; values checked against cuDNN first. --config: the band tile
 kernel ("nhwc") with those blocks; --pixels: the same kernel with its columns unrolled
-("nhwc_pixels", session 7).
+("nhwc_pixels", session 7), which also runs with `nhwc_pixels_config`'s blocks on every layer.
 
     PYTHONPATH=src python benchmarks/probe_nhwc.py [--config|--pixels BLOCK_H BLOCK_W BLOCK_C WARPS]...
 """
@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
-from dwconv.ops.forward import MAX_PIXEL_TAPS, ForwardConfig, band_rows, conv_forward, forward_config
+from dwconv.ops.forward import (MAX_PIXEL_TAPS, ForwardConfig, band_rows, conv_forward, forward_config,
+                                nhwc_pixels_config)
 from profile_model import events_ms as time_ms  # (benchmarks/ is on the path when run as a script)
 
 LAYERS = [((64, 128, 256, 512), 3, 0, 1), ((64, 96, 56, 56), 7, 3, 1), ((64, 144, 56, 56), 3, 1, 1),
@@ -41,7 +42,7 @@ def main():
             cudnn = time_ms(lambda: F.conv2d(x, w, None, 1, pad, dil, groups=shape[1]))
             configs = [None] + [ForwardConfig("nhwc", band_rows(geom, bh, x.device), bw, warps, block_c=bc)
                                 for bh, bw, bc, warps in args.config or []]
-            configs += [ForwardConfig("nhwc_pixels", min(bh, max(1, MAX_PIXEL_TAPS // (bw * k * k))), bw, warps,
+            configs += [nhwc_pixels_config(geom)] + [ForwardConfig("nhwc_pixels", min(bh, max(1, MAX_PIXEL_TAPS // (bw * k * k))), bw, warps,
                                       block_c=min(bc, shape[1] & -shape[1]))
                         for bh, bw, bc, warps in args.pixels or []]
             for config in configs:

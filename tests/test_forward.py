@@ -254,6 +254,25 @@ def test_nhwc_pixels(dtype, shape, kernel, multiplier, stride, padding, dilation
     check(x, weight, randn(shape[1] * multiplier, dtype=dtype), stride, padding, dilation, config=config)
 
 
+def test_nhwc_pixels_candidate_blocks_fit():
+    """nhwc_pixels_config's blocks make valid plans for the suite's layers (issue #4's models, #84)
+    in both dtypes, with bfloat16 pair loads wherever the channels come in runs of 64."""
+    from dwconv.bench import MODEL_LAYERS
+    from dwconv.ops.forward import nhwc_pixels_config
+
+    for case in MODEL_LAYERS:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.empty(1, case.c, case.h, case.w, dtype=dtype).contiguous(memory_format=torch.channels_last)
+            weight = torch.empty(case.c, 1, case.kernel, case.kernel, dtype=dtype)
+            geom = conv_geometry(x, weight, None, case.stride, case.padding, case.dilation)
+            if geom.kernel_h * geom.kernel_w >= 100:
+                continue
+            out = torch.empty(geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+            plan = _forward_plan(geom, nhwc_pixels_config(geom), x, out, False, None)
+            assert plan.constants["PIXELS"]
+            assert plan.constants["BF16_PAIRS"] == (dtype == torch.bfloat16 and case.c % 64 == 0), case
+
+
 def test_nhwc_pixels_bfloat16_pairs_need_alignment():
     """Channels sliced from an odd channel start 2 bytes off a word: no pair loads, right values."""
     x = randn(2, 65, 8, 10, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)[:, 1:]

@@ -634,6 +634,18 @@ def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     return ForwardConfig("nhwc", band_rows(geom, 16 if half else 8, x.device), block_w, 4, block_c=block_c)
 
 
+def nhwc_pixels_config(geom: ConvGeometry) -> ForwardConfig:
+    """Candidate blocks of "nhwc_pixels" (GPU; not yet measured, so not forward_config's choice:
+    benchmarks/probe_nhwc.py times it beside the band kernel): a channel pair a thread, 64 channels
+    a warp where the channels allow (bfloat16 pair loads), else 32; 4 x 8 outputs a program, 4 x 4
+    for kernels over 25 taps (registers: sm_90 code of 4 x 8 x 64 3x3 takes 128, 4 x 4 x 64 7x7 168)."""
+    taps = geom.kernel_h * geom.kernel_w
+    block_c = 64 if geom.out_channels % 64 == 0 else 32
+    block_h, block_w = (4, 8) if taps <= 25 else (4, 4)
+    block_h = max(1, min(block_h, MAX_PIXEL_TAPS // (block_w * taps)))
+    return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
+
+
 def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> ForwardConfig:
     """Picks the kernel and block sizes for a geometry, input and output (measured choices:
     docs/notes.md): Toeplitz products on the tensor cores for large kernels, the NHWC kernel for
