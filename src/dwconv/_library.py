@@ -98,9 +98,13 @@ def _grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: Co
 @torch.library.custom_op("dwconv::conv2d_grad_input_weight", mutates_args=())
 def conv2d_grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, stride: List[int],
                              padding: List[int], dilation: List[int]) -> Tuple[Tensor, Tensor]:
-    """grad_input and grad_weight from one read of grad_out and input (where
-    `ops.backward.fused_backward_applies`: stride 1, multiplier 1)."""
-    return _grad_input_weight(grad_out, input, weight, _geometry(input, weight, None, stride, padding, dilation))
+    """grad_input and grad_weight from one read of grad_out and input where
+    `ops.backward.fused_backward_applies` (stride 1, multiplier 1, ...), else from the two kernels:
+    the op takes any geometry (the backward formula asks before it calls)."""
+    geom = _geometry(input, weight, None, stride, padding, dilation)
+    if not _backward.fused_backward_applies(geom, input):
+        return _grad_input(grad_out, input, weight, geom), _grad_weight(grad_out, input, weight, geom, False)[0]
+    return _grad_input_weight(grad_out, input, weight, geom)
 
 
 @conv2d_grad_input_weight.register_fake

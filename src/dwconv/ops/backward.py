@@ -257,9 +257,8 @@ def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> Forw
 def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,
                                config=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused backward (see fused_backward_applies): grad_input and grad_weight from one read of
-    grad_out and x. Partial sums per program, added per channel in a fixed order. Elsewhere (and
-    for empty tensors) the separate kernels, so the registered op takes any geometry."""
-    if x.numel() == 0 or grad_out.numel() == 0 or (config is None and not fused_backward_applies(geom, x)):
+    grad_out and x. Partial sums per program, added per channel in a fixed order."""
+    if x.numel() == 0 or grad_out.numel() == 0:  # nothing to launch: the separate paths give the zeros
         return conv_grad_input(grad_out, weight, geom, x), conv_grad_weight(grad_out, x, geom, weight.dtype, False)[0]
     gi_geom = input_grad_geometry(geom)
     if config is None:  # once per layout, like the launch plans: this is on every eager backward
