@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|host|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -21,6 +21,11 @@ for step in $steps; do
     sweep84) python3 benchmarks/sweep_forward.py --quick --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;
     sweepbwd) python3 benchmarks/sweep_backward.py --csv "$OUT/sweep_backward.csv" 2>&1 | tee "$OUT/sweep_backward.log" ;;
     probe) python3 benchmarks/probe_odd_out.py 2>&1 | tee "$OUT/probe.log" ;;
+    # session 7's channels_last kernel with unrolled columns against the band kernel, then the real-model check (#5)
+    pixels) (cd benchmarks && python3 probe_nhwc.py --pixels 4 8 64 1 --pixels 2 8 128 1 --pixels 4 8 128 2 \
+               --pixels 4 4 64 1) 2>&1 | tee "$OUT/probe_nhwc.log"
+            python3 -m pytest -q -rf tests/test_integration.py -k "real_models or opcheck" -p no:cacheprovider \
+              >"$OUT/real_models.log" 2>&1; tail -5 "$OUT/real_models.log" ;;
     host) python3 benchmarks/host_overhead_gpu.py 2>&1 | tee "$OUT/host.log" ;;
     models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;
     ddp) torchrun --nproc_per_node=2 examples/train_ddp.py --steps 5 --check 2>&1 | tee "$OUT/ddp.log" ;;
