@@ -37,8 +37,9 @@ from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..functional import triton_interpreter_enabled
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
 
-# Kernels with at least this many taps take the Toeplitz path. H200, bfloat16, (32,128,56,56): 9x9
-# forward 0.49 ms against 0.32 on the CUDA-core tile kernel, 11x11 0.22 against 0.70 (docs/notes.md).
+# Kernels with at least this many taps take the Toeplitz path. H200, (32,128,56,56), forward against
+# the CUDA-core tile kernel: bfloat16 9x9 0.49 / 0.32 ms, 11x11 0.22 / 0.70; float32 9x9 0.336 / 0.288,
+# 11x11 0.380 / 0.649 (docs/notes.md, sessions 6 and 7).
 TOEPLITZ_MIN_TAPS = 100
 # Software-pipeline stages of the products' loads (Triton's num_stages). > 1: cp.async.cg, which
 # bypasses L1, so every kernel row reloads the input tile from L2; 1: plain loads, cached in L1.
