@@ -255,8 +255,9 @@ def test_nhwc_pixels(dtype, shape, kernel, multiplier, stride, padding, dilation
 
 
 def test_nhwc_pixels_candidate_blocks_fit():
-    """nhwc_pixels_config's blocks make valid plans for the suite's layers (issue #4's models, #84)
-    in both dtypes, with bfloat16 pair loads wherever the channels come in runs of 64."""
+    """nhwc_pixels_config's blocks (the GPU's channels_last choice) make valid plans for the suite's
+    layers (issue #4's models, #84) in both dtypes, with bfloat16 pair loads wherever a warp holds 64
+    channels that divide the channel count."""
     from dwconv.bench import MODEL_LAYERS
     from dwconv.ops.forward import nhwc_pixels_config
 
@@ -268,9 +269,11 @@ def test_nhwc_pixels_candidate_blocks_fit():
             if geom.kernel_h * geom.kernel_w >= 100:
                 continue
             out = torch.empty(geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
-            plan = _forward_plan(geom, nhwc_pixels_config(geom), x, out, False, None)
+            config = nhwc_pixels_config(geom)
+            plan = _forward_plan(geom, config, x, out, False, None)
             assert plan.constants["PIXELS"]
-            assert plan.constants["BF16_PAIRS"] == (dtype == torch.bfloat16 and case.c % 64 == 0), case
+            pairs = config.block_c == 64 * config.num_warps and case.c % config.block_c == 0
+            assert plan.constants["BF16_PAIRS"] == (dtype == torch.bfloat16 and pairs), case
 
 
 def test_nhwc_pixels_bfloat16_pairs_need_alignment():

@@ -618,10 +618,11 @@ def band_rows(geom: ConvGeometry, wanted: int, device: torch.device) -> int:
 
 
 def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
-    """Blocks of the channels_last tile kernel: a band of output rows of a strip of channels by a few
-    columns (session 5 probe on the H200, docs/notes.md: #84 float32 best at 8 rows of 8 x 64, 4
-    values a thread a row; bfloat16 at 16 rows of 8 x 32, 2 values a thread, its taps' weights
-    and accumulators taking as many registers as float32's)."""
+    """Blocks of the channels_last kernels. On the GPU, "nhwc_pixels" wherever its unrolled outputs x
+    taps fit (session 8 probe: faster than the band kernel on every layer it ran, e.g. #84 float32
+    2.08 ms against 2.44, bfloat16 1.10 against 1.50); else, and under the interpreter, the band
+    kernel "nhwc": a band of output rows of a strip of channels by a few columns (session 5 probe:
+    #84 float32 best at 8 rows of 8 x 64, 4 values a thread a row; bfloat16 at 16 rows of 8 x 32)."""
     half = x.element_size() == 2
     lowest_bit = geom.out_channels & -geom.out_channels
     # a run that divides the channels keeps every strip on the unmasked path
@@ -629,19 +630,29 @@ def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     if x.device.type != "cuda":  # interpreter: few, large programs
         return ForwardConfig("nhwc", band_rows(geom, 64, x.device), min(32, next_power_of_2(geom.out_w)), 1,
                              block_c=block_c)
+    if geom.kernel_h * geom.kernel_w <= MAX_BAND_TAPS:
+        return nhwc_pixels_config(geom)
     per_thread = 2 if half else 4
     block_w = max(1, min(next_power_of_2(geom.out_w), per_thread * 128 // block_c))
     return ForwardConfig("nhwc", band_rows(geom, 16 if half else 8, x.device), block_w, 4, block_c=block_c)
 
 
 def nhwc_pixels_config(geom: ConvGeometry) -> ForwardConfig:
-    """Candidate blocks of "nhwc_pixels" (GPU; not yet measured, so not forward_config's choice:
-    benchmarks/probe_nhwc.py times it beside the band kernel): a channel pair a thread, 64 channels
-    a warp where the channels allow (bfloat16 pair loads), else 32; 4 x 8 outputs a program, 4 x 4
-    for kernels over 25 taps (registers: sm_90 code of 4 x 8 x 64 3x3 takes 128, 4 x 4 x 64 7x7 168)."""
+    """Blocks of "nhwc_pixels", from the session 8 probe on the H200 (docs/notes.md): a channel pair
+    a thread; 3x3 kernels take 4 x 8 outputs by 128 channels on 2 warps where the channels come in
+    runs of 128 (#84: 2.08 ms float32, 1.10 bfloat16, against 2.12 and 1.11 with 64 on 1 warp),
+    else 64 or 32 on 1 warp; larger kernels 4 x 4 outputs by 32 channels, or 16 where the channels
+    come in runs of 16 (7x7 at 14x14 x 384: 0.069 ms with 32, 0.080 with 64; 5x5 at 28x28 x 240:
+    0.075 ms with 4 x 4 x 16, 0.107 with 4 x 8 x 32). Blocks of 64 channels a warp load bfloat16
+    channel pairs as 32-bit words (bf16_pairs_apply)."""
     taps = geom.kernel_h * geom.kernel_w
-    block_c = 64 if geom.out_channels % 64 == 0 else 32
-    block_h, block_w = (4, 8) if taps <= 25 else (4, 4)
+    channels = geom.out_channels
+    if taps <= 9:
+        block_h, block_w = 4, 8
+        block_c = next(c for c in (128, 64, 32) if channels % c == 0 or c == 32)
+    else:
+        block_h, block_w = 4, 4
+        block_c = 16 if channels % 32 != 0 and channels % 16 == 0 else 32
     block_h = max(1, min(block_h, MAX_PIXEL_TAPS // (block_w * taps)))
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
 
