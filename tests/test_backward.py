@@ -87,16 +87,29 @@ def test_gradient_dtypes(dtype, multiplier, kernel, stride, padding, layout):
     check_grads(x, weight, randn(2 * multiplier, dtype=dtype), stride, padding)
 
 
+@pytest.mark.parametrize("kernel,stride,padding", [(3, 1, 1), (7, 1, 3), (3, 2, 1)], ids=str)
+def test_channels_last_gradients_with_the_gpu_forward_choice(monkeypatch, kernel, stride, padding):
+    """channels_last forward and grad_input on the blocks the GPU picks ("nhwc_pixels"), here under
+    the interpreter: grad_input's geometry (padding k-1-p, flipped taps) runs the same kernel."""
+    from dwconv.ops import forward
+
+    monkeypatch.setattr(forward, "nhwc_config", lambda geom, x: forward.nhwc_pixels_config(geom))
+    x = randn(2, 64, 7, 9).contiguous(memory_format=torch.channels_last)
+    weight = randn(64, 1, kernel, kernel)
+    assert forward.forward_config(conv_geometry(x, weight, None, stride, padding, 1), x).kernel == "nhwc_pixels"
+    check_grads(x, weight, randn(64), stride, padding)
+
+
 def test_channels_last_takes_the_nhwc_kernels():
     """grad_weight of channels_last x and grad_out on the NHWC kernel, grad_input (stride 1) on the
     forward's NHWC kernel; an NCHW grad_out keeps the strided NCHW kernels."""
     from dwconv.ops.backward import _grad_input_plan, _grad_weight_plan, input_grad_geometry
-    from dwconv.ops.forward import forward_config
+    from dwconv.ops.forward import NHWC_KERNELS, forward_config
     x = randn(2, 5, 9, 9).contiguous(memory_format=torch.channels_last)
     geom = conv_geometry(x, randn(5, 1, 3, 3), None, 1, 1, 1)
     grad_out = randn(*geom.output_shape).contiguous(memory_format=torch.channels_last)
     assert _grad_weight_plan(geom, None, grad_out, x, True).kernel == "grad_weight_nhwc"
-    assert forward_config(input_grad_geometry(geom), grad_out, torch.empty_like(x)).kernel == "nhwc"
+    assert forward_config(input_grad_geometry(geom), grad_out, torch.empty_like(x)).kernel in NHWC_KERNELS
     assert _grad_weight_plan(geom, None, grad_out.contiguous(), x, True).kernel == "grad_weight"
     strided = conv_geometry(x, randn(5, 1, 3, 3), None, 2, 1, 1)  # stride 2: the gather kernel, by channel blocks
     grad_out = randn(*strided.output_shape).contiguous(memory_format=torch.channels_last)

@@ -9,8 +9,8 @@ import torch
 
 import dwconv
 from dwconv._geometry import conv_geometry
-from dwconv.ops.forward import (ForwardConfig, _forward_plan, conv_forward, forward_config, odd_rows_alignable,
-                                output_memory_format)
+from dwconv.ops.forward import (NHWC_KERNELS, ForwardConfig, _forward_plan, conv_forward, forward_config,
+                                odd_rows_alignable, output_memory_format)
 from helpers import CONV_OPTIONS as OPTIONS, DEVICE, DTYPES, assert_close, poisoned, randn, reference_conv
 
 KERNELS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (7, 7), (1, 3), (3, 1), (5, 3)]
@@ -214,14 +214,15 @@ def test_default_config_is_valid():
 
 
 def test_channels_last_takes_the_nhwc_kernel():
-    """Only tensors with unit channel strides on both sides go to the NHWC kernel."""
+    """Only tensors with unit channel strides on both sides go to an NHWC kernel (the band kernel
+    under the interpreter, the unrolled-pixels one on the GPU)."""
     x = randn(2, 5, 9, 9).contiguous(memory_format=torch.channels_last)
     geom = conv_geometry(x, randn(5, 1, 3, 3), None, 1, 1, 1)
-    assert forward_config(geom, x).kernel == "nhwc"
-    assert forward_config(geom, x, torch.empty(geom.output_shape, device=DEVICE)).kernel != "nhwc"
-    assert forward_config(geom, x.contiguous()).kernel != "nhwc"
+    assert forward_config(geom, x).kernel == ("nhwc_pixels" if DEVICE == "cuda" else "nhwc")
+    assert forward_config(geom, x, torch.empty(geom.output_shape, device=DEVICE)).kernel not in NHWC_KERNELS
+    assert forward_config(geom, x.contiguous()).kernel not in NHWC_KERNELS
     one_channel = randn(2, 1, 9, 9).contiguous(memory_format=torch.channels_last)
-    assert forward_config(conv_geometry(one_channel, randn(1, 1, 3, 3), None), one_channel).kernel != "nhwc"
+    assert forward_config(conv_geometry(one_channel, randn(1, 1, 3, 3), None), one_channel).kernel not in NHWC_KERNELS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -252,6 +253,28 @@ def test_nhwc_pixels(dtype, shape, kernel, multiplier, stride, padding, dilation
     # bfloat16 channel pairs as 32-bit words where every pair is aligned and in one channel pair
     assert plan.constants["BF16_PAIRS"] == (dtype == torch.bfloat16 and multiplier == 1 and block_c == 64)
     check(x, weight, randn(shape[1] * multiplier, dtype=dtype), stride, padding, dilation, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape,kernel,stride,padding,dilation",
+    [
+        ((1, 128, 6, 11), 3, 1, 0, 1),  # #84's kind: 128 channels on 2 warps, bfloat16 pairs on both
+        ((1, 144, 5, 9), 3, 2, 1, 1),  # 32-channel strips, the last one masked
+        ((1, 48, 7, 6), 5, 1, 2, 1),  # 16-channel strips (48 = 3 x 16), as 240 on the GPU
+        ((1, 96, 6, 7), 7, 1, 3, 1),  # 4 x 4 outputs
+        ((1, 64, 9, 9), 3, 1, 2, 2),  # dilation 2
+    ],
+    ids=str,
+)
+def test_nhwc_pixels_gpu_choice(dtype, shape, kernel, stride, padding, dilation):
+    """The blocks nhwc_config picks on the GPU (nhwc_pixels_config), run here under the interpreter."""
+    from dwconv.ops.forward import nhwc_pixels_config
+
+    x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = randn(shape[1], 1, kernel, kernel, dtype=dtype)
+    config = nhwc_pixels_config(conv_geometry(x, weight, None, stride, padding, dilation))
+    check(x, weight, randn(shape[1], dtype=dtype), stride, padding, dilation, config=config)
 
 
 def test_nhwc_pixels_candidate_blocks_fit():

@@ -601,6 +601,10 @@ INTERPRETER_BAND_TAPS = 4096
 
 # "nhwc_pixels" unrolls outputs (rows x columns) x taps: its code size.
 MAX_PIXEL_TAPS = 2048
+# Kernels up to 7x7 take "nhwc_pixels" on the GPU: measured faster there up to 7x7 (session 8), and
+# larger ones compile slowly (sm_90, Triton 3.6, one core of this 2-core machine: 3x3 12-18 s, 7x7
+# 58 s, 9x9 178 s, against 33 s for the band kernel's 9x9).
+PIXEL_KERNEL_TAPS = 49
 NHWC_KERNELS = ("nhwc", "nhwc_pixels")
 
 
@@ -618,9 +622,9 @@ def band_rows(geom: ConvGeometry, wanted: int, device: torch.device) -> int:
 
 
 def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
-    """Blocks of the channels_last kernels. On the GPU, "nhwc_pixels" wherever its unrolled outputs x
-    taps fit (session 8 probe: faster than the band kernel on every layer it ran, e.g. #84 float32
-    2.08 ms against 2.44, bfloat16 1.10 against 1.50); else, and under the interpreter, the band
+    """Blocks of the channels_last kernels. On the GPU, "nhwc_pixels" for kernels up to 7x7 (session 8
+    probe: faster than the band kernel on every layer it ran, e.g. #84 float32 2.08 ms against 2.44,
+    bfloat16 1.10 against 1.50); for larger kernels, and under the interpreter, the band
     kernel "nhwc": a band of output rows of a strip of channels by a few columns (session 5 probe:
     #84 float32 best at 8 rows of 8 x 64, 4 values a thread a row; bfloat16 at 16 rows of 8 x 32)."""
     half = x.element_size() == 2
@@ -630,7 +634,7 @@ def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     if x.device.type != "cuda":  # interpreter: few, large programs
         return ForwardConfig("nhwc", band_rows(geom, 64, x.device), min(32, next_power_of_2(geom.out_w)), 1,
                              block_c=block_c)
-    if geom.kernel_h * geom.kernel_w <= MAX_BAND_TAPS:
+    if geom.kernel_h * geom.kernel_w <= PIXEL_KERNEL_TAPS:
         return nhwc_pixels_config(geom)
     per_thread = 2 if half else 4
     block_w = max(1, min(next_power_of_2(geom.out_w), per_thread * 128 // block_c))
