@@ -1,6 +1,7 @@
 """Developer probe (GPU): where the small layers' forward+backward time goes. For each layer,
 microseconds per call of the host (Python + launches; the GPU queue is not full) and of the wall
-(host and GPU, back to back, no L2 flush), for dwconv and PyTorch eager; then a cProfile of
+(host and GPU, back to back, no L2 flush), for dwconv and PyTorch eager, and for a Python autograd
+Function that launches nothing (what any Python Function's backward costs); then a cProfile of
 dwconv's forward+backward on the first layer (64x144x56x56, the fused backward).
 
     PYTHONPATH=src python benchmarks/host_overhead_gpu.py
@@ -40,6 +41,19 @@ def single_threaded_grad(out, inputs, grad):
         return torch.autograd.grad(out, inputs, grad)
 
 
+class PassThrough(torch.autograd.Function):
+    """A Python autograd Function that launches nothing: the host cost of any Python Function's node
+    (on the CUDA engine's device thread, or on one thread), with no dwconv code in it."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def make_runs(x, w, g, pad, dil):
     geom = conv_geometry(x, w, None, 1, pad, dil)
     xd, wd = x.detach(), w.detach()
@@ -52,6 +66,8 @@ def make_runs(x, w, g, pad, dil):
                                      conv_grad_input_and_weight(g, xd, wd, geom) if fused else
                                      (conv_grad_weight(g, xd, geom, wd.dtype, False), conv_grad_input(g, wd, geom, xd))),
         "dwconv 1-thread": lambda: single_threaded_grad(dwconv.depthwise_conv2d(x, w, None, 1, pad, dil), (x, w), g),
+        "empty Function": lambda: torch.autograd.grad(PassThrough.apply(x, w), (x,), x),
+        "empty 1-thread": lambda: single_threaded_grad(PassThrough.apply(x, w), (x,), x),
         "eager fwd+bwd": lambda: torch.autograd.grad(F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1]), (x, w), g),
         "eager 1-thread": lambda: single_threaded_grad(F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1]), (x, w), g),
     }
