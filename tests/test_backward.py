@@ -310,3 +310,58 @@ def test_fused_backward_through_autograd(monkeypatch):
     calls.clear()  # a bias gradient takes the two kernels (grad_weight sums grad_out for it)
     check_grads(x, weight, randn(2), 1, 1, 1)
     assert not calls, "the fused path ran with a bias gradient"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape,kernel,padding,dilation,block,row_splits",
+    [
+        ((2, 64, 7, 9), (3, 3), 1, 1, None, None),  # the GPU's blocks (4 x 4 outputs, 64 channels: bf16 pairs)
+        ((1, 40, 6, 11), (5, 5), 2, 1, (2, 4, 16), 2),  # channels not a block multiple, two row splits
+        ((2, 64, 9, 8), (3, 3), 0, 2, (3, 4, 64), 2),  # dilation 2, no padding, rows not a block multiple
+        ((1, 6, 5, 5), (3, 3), 3, 1, (2, 2, 4), 3),  # padding past the kernel's reach (cropped grad_out)
+        ((1, 8, 9, 7), (7, 3), (3, 1), 1, (4, 4, 8), 1),  # a non-square kernel
+        ((1, 3, 1, 2), (3, 3), 1, 1, (2, 2, 4), 1),  # a 1 x 2 image
+    ],
+    ids=str,
+)
+def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, block, row_splits):
+    """grad_input and grad_weight of channels_last tensors from one pass of the unrolled-pixels kernel
+    over grad_out (each grad_out x input pair in one FMA of one tile; partial sums per column of
+    tiles and row split)."""
+    from dwconv.ops.backward import conv_grad_input_and_weight_nhwc
+
+    x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = randn(shape[1], 1, *kernel, dtype=dtype)
+    geom = conv_geometry(x, weight, None, 1, padding, dilation)
+    grad_out = randn(*geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    config = ForwardConfig("nhwc_pixels", block[0], block[1], 1, block_c=block[2]) if block else None
+    grad_x, grad_w = conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config, row_splits)
+    assert grad_x.is_contiguous(memory_format=torch.channels_last) and grad_w.dtype == dtype
+    ref = reference_grads(x, weight, None, grad_out, 1, padding, dilation)
+    assert_close(grad_x, ref[0], dtype, "grad_input")
+    assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight")
+    again = conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config, row_splits)
+    assert torch.equal(again[0], grad_x) and torch.equal(again[1], grad_w), "not deterministic"
+
+
+def test_fused_backward_channels_last_through_autograd(monkeypatch):
+    """With FUSED_NHWC_BACKWARD on, autograd takes the channels_last fused pass where it applies
+    (stride 1, no bias gradient) and the two kernels elsewhere; an NCHW grad_out is made channels_last."""
+    import dwconv.ops.backward as ops
+
+    calls = []
+    fused = ops.conv_grad_input_and_weight_nhwc
+    monkeypatch.setattr(ops, "FUSED_NHWC_BACKWARD", True)
+    monkeypatch.setattr(ops, "conv_grad_input_and_weight_nhwc", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    x = randn(2, 32, 6, 7).contiguous(memory_format=torch.channels_last)
+    weight = randn(32, 1, 3, 3)
+    check_grads(x, weight, None, 1, 1, 1)
+    assert calls, "the fused path did not run"
+    calls.clear()
+    check_grads(x, weight, None, 1, 1, 1, grad_out_format=torch.contiguous_format)
+    assert calls, "the fused path did not run on an NCHW grad_out"
+    calls.clear()
+    check_grads(x, weight, None, 2, 1, 1)  # stride 2: grad_input is a gather
+    check_grads(x, weight, randn(32), 1, 1, 1)  # a bias gradient: the two kernels
+    assert not calls, "the fused path ran where it does not apply"

@@ -26,9 +26,10 @@ import triton.language as tl
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
-from .forward import (_ACC_DTYPES, _load_row_window, _row_under_tap, _stride_unit,
-                      channels_last_kernel_applies, conv_forward, ForwardConfig, image_needs_int64, launch_forward,
-                      nchw_config, output_memory_format, rows_kernel_fits, window_layout)
+from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
+                      _stride_unit, bf16_pairs_apply, channels_last_kernel_applies, conv_forward, ForwardConfig,
+                      image_needs_int64, launch_forward, nchw_config, nhwc_pixels_config, output_memory_format,
+                      rows_kernel_fits, window_layout)
 
 
 @triton.jit
@@ -206,6 +207,69 @@ def depthwise_grad_weight_nhwc_kernel(
     tl.store(partial_ptr + offsets, acc, mask=c_ok[None, :])
 
 
+@triton.jit
+def depthwise_grad_input_weight_nhwc_kernel(
+    g_ptr, w_ptr, x_ptr, dx_ptr, partial_ptr,
+    channels, grad_out_h, grad_out_w, in_h, in_w, row_tiles, row_splits,
+    g_stride_n, g_stride_h, x_stride_n, x_stride_h, dx_stride_n, dx_stride_h,
+    pad_top, pad_left,
+    KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
+    G_STRIDE_W: tl.constexpr, X_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr, INDEX_64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    BF16_PAIRS: tl.constexpr,
+):
+    """The fused backward of channels_last tensors (stride 1, multiplier 1): grad_input as the
+    forward's "nhwc_pixels" tiles on grad_out with the flipped weight (taps-major, w_ptr), and in
+    the same FMAs' loop grad_weight (_conv_pixels' WEIGHT_GRAD), from one read of grad_out and x.
+    Program (image, channel block, column of tiles, row split) walks the row tiles row_split,
+    row_split + row_splits, ... of its column and writes one partial sum per (flipped) tap and
+    channel: partial[(image, column, row split), tap, channel], added in a fixed order by the launcher."""
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(in_w, BLOCK_W)
+    channel_blocks = tl.cdiv(channels, BLOCK_C)
+    row_split = pid % row_splits
+    column = pid // row_splits
+    first_col = (column % tiles_w) * BLOCK_W
+    n = column // tiles_w // channel_blocks
+    first_c = (column // tiles_w % channel_blocks) * BLOCK_C
+    c = first_c + tl.arange(0, BLOCK_C)[None, :]
+    c_ok = c < channels
+    g_base = g_ptr + n.to(tl.int64) * g_stride_n + c
+    x_base = x_ptr + n.to(tl.int64) * x_stride_n + c
+    dx_base = dx_ptr + n.to(tl.int64) * dx_stride_n + c
+    if INDEX_64:
+        first_col = first_col.to(tl.int64)
+    weight_grads = ()
+    for tap in tl.static_range(KH * KW):
+        weight_grads = weight_grads + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
+    cols_inside = ((first_col + BLOCK_W <= in_w) & (first_c + BLOCK_C <= channels) & (first_col - pad_left >= 0)
+                   & (first_col + BLOCK_W - 1 - pad_left + (KW - 1) * DILATION_W < grad_out_w))
+    for row_tile in range(row_split, row_tiles, row_splits):
+        first_row = row_tile * BLOCK_H
+        if INDEX_64:
+            first_row = first_row.to(tl.int64)
+        interior = cols_inside & (first_row + BLOCK_H <= in_h) & (first_row - pad_top >= 0) \
+            & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < grad_out_h)
+        if interior:
+            tile_grads = _conv_pixels(g_base, w_ptr + c, w_ptr, dx_base, channels, first_row, first_col, c_ok,
+                                      grad_out_h, grad_out_w, in_h, in_w, g_stride_h, G_STRIDE_W, dx_stride_h,
+                                      DX_STRIDE_W, pad_top, pad_left, KH, KW, 1, DILATION_H, 1, DILATION_W, False,
+                                      ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, x_base,
+                                      x_stride_h, X_STRIDE_W)
+        else:
+            tile_grads = _conv_pixels(g_base, w_ptr + c, w_ptr, dx_base, channels, first_row, first_col, c_ok,
+                                      grad_out_h, grad_out_w, in_h, in_w, g_stride_h, G_STRIDE_W, dx_stride_h,
+                                      DX_STRIDE_W, pad_top, pad_left, KH, KW, 1, DILATION_H, 1, DILATION_W, False,
+                                      ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, x_base,
+                                      x_stride_h, X_STRIDE_W)
+        for tap in tl.static_range(KH * KW):
+            weight_grads = weight_grads[:tap] + (weight_grads[tap] + tile_grads[tap],) + weight_grads[tap + 1:]
+    slot = (n * tiles_w + column % tiles_w) * row_splits + row_split  # (channel blocks share a slot)
+    partial = partial_ptr + slot.to(tl.int64) * (KH * KW * channels) + c
+    for tap in tl.static_range(KH * KW):
+        tl.store(partial + tap * channels, weight_grads[tap], mask=c_ok)
+
+
 def _input_grad_geometry(geom: ConvGeometry) -> ConvGeometry:
     """For stride 1: grad_input = forward conv of grad_out (out_h x out_w) with the flipped weight,
     padded by (K-1)*dilation - pad before (negative: cropped), giving in_h x in_w."""
@@ -227,11 +291,19 @@ input_grad_geometry = functools.lru_cache(maxsize=1024)(_input_grad_geometry)
 FUSED_BACKWARD = True
 
 
+# The channels_last fused backward (depthwise_grad_input_weight_nhwc_kernel): off until timed on
+# the GPU against the two kernels it replaces (docs/notes.md, session 8).
+FUSED_NHWC_BACKWARD = False
+
+
 def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
-    """Whether grad_input and grad_weight can come from one pass (the rows kernel on grad_out):
-    stride 1, multiplier 1, unit column steps in x, padding within the kernel's reach (every grad_out
-    row is visited) and, on the GPU, a geometry the rows kernel takes. Shapes and strides only, so it
-    also answers for the fake tensors torch.compile traces with."""
+    """Whether grad_input and grad_weight can come from one pass (the rows kernel on grad_out, or
+    for channels_last x the unrolled-pixels kernel): stride 1, multiplier 1, unit column steps in x,
+    padding within the kernel's reach (every grad_out row is visited) and, on the GPU, a geometry
+    the rows kernel takes. Shapes and strides only, so it also answers for the fake tensors
+    torch.compile traces with."""
+    if channels_last_kernel_applies(x):
+        return FUSED_NHWC_BACKWARD and fused_nhwc_backward_applies(geom, x)
     if not (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and x.stride(3) == 1) \
             or toeplitz_applies(geom, x.dtype):  # large kernels: products on the tensor cores
         return False
@@ -260,6 +332,8 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
     grad_out and x. Partial sums per program, added per channel in a fixed order."""
     if x.numel() == 0 or grad_out.numel() == 0:  # nothing to launch: the separate paths give the zeros
         return conv_grad_input(grad_out, weight, geom, x), conv_grad_weight(grad_out, x, geom, weight.dtype, False)[0]
+    if channels_last_kernel_applies(x):
+        return conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config)
     gi_geom = input_grad_geometry(geom)
     if config is None:  # once per layout, like the launch plans: this is on every eager backward
         config = cached_plan(_FUSED_CONFIGS, (gi_geom, layout_key(grad_out)),
@@ -272,6 +346,74 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
 
 
 _FUSED_CONFIGS: dict = {}
+
+
+def fused_nhwc_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
+    """The channels_last fused backward's reach: stride 1, multiplier 1, kernels the
+    unrolled-pixels forward takes (up to PIXEL_KERNEL_TAPS), x with unit channel strides."""
+    return (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and channels_last_kernel_applies(x)
+            and geom.kernel_h * geom.kernel_w <= PIXEL_KERNEL_TAPS and not toeplitz_applies(geom, x.dtype))
+
+
+def fused_nhwc_config(gi_geom: ConvGeometry, x: torch.Tensor) -> Tuple[ForwardConfig, int]:
+    """Blocks and row splits of the channels_last fused backward (not yet timed on the GPU): the
+    forward's pixel blocks cut to 4 x 4 outputs (each output also holds its input value for the
+    weight gradient: registers), and enough programs to fill the GPU (about 4096), each walking a
+    column of tiles; under the interpreter one program a column."""
+    blocks = nhwc_pixels_config(gi_geom)
+    config = ForwardConfig("nhwc_pixels", min(blocks.block_h, 4), 4, blocks.num_warps, block_c=blocks.block_c)
+    columns = gi_geom.batch * cdiv(gi_geom.out_channels, config.block_c) * cdiv(gi_geom.out_w, config.block_w)
+    row_tiles = cdiv(gi_geom.out_h, config.block_h)
+    return config, (min(row_tiles, cdiv(4096, columns)) if x.is_cuda else 1)
+
+
+def conv_grad_input_and_weight_nhwc(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                    geom: ConvGeometry, config: Optional[ForwardConfig] = None,
+                                    row_splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fused backward of channels_last x (fused_nhwc_backward_applies): grad_input and grad_weight
+    from one read of grad_out and x (depthwise_grad_input_weight_nhwc_kernel)."""
+    assert fused_nhwc_backward_applies(geom, x), "the channels_last fused backward needs stride 1, multiplier 1"
+    if grad_out.stride(1) != 1:  # (autograd hands the output's layout back; this is the odd case)
+        grad_out = grad_out.contiguous(memory_format=torch.channels_last)
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    key = (geom, layout_key(grad_out), layout_key(x), layout_key(dx), config, row_splits)
+    plan = cached_plan(_FUSED_NHWC_PLANS, key, lambda: _fused_nhwc_plan(geom, grad_out, x, dx, config, row_splits))
+    taps = geom.kernel_h * geom.kernel_w
+    flipped_taps = weight.flip(2, 3).reshape(geom.out_channels, taps).t().contiguous()  # taps-major
+    partial = new_partial(plan, x.device)
+    depthwise_grad_input_weight_nhwc_kernel[plan.grid](grad_out, flipped_taps, x, dx, partial, *plan.scalars,
+                                                       **plan.constants)
+    grad_w = partial.sum(dim=0).t().reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).flip(2, 3)
+    return dx, grad_w.to(weight.dtype)
+
+
+_FUSED_NHWC_PLANS: dict = {}
+
+
+def _fused_nhwc_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx: torch.Tensor,
+                     config: Optional[ForwardConfig], row_splits: Optional[int]) -> LaunchPlan:
+    gi_geom = input_grad_geometry(geom)
+    default_config, default_splits = fused_nhwc_config(gi_geom, x)
+    config = config or default_config
+    row_tiles = cdiv(gi_geom.out_h, config.block_h)
+    row_splits = max(1, min(row_tiles, row_splits or default_splits))
+    taps = geom.kernel_h * geom.kernel_w
+    assert config.kernel == "nhwc_pixels" and config.block_h * config.block_w * taps <= MAX_PIXEL_TAPS, \
+        "too many outputs x taps to unroll"
+    scalars = (geom.out_channels, gi_geom.in_h, gi_geom.in_w, gi_geom.out_h, gi_geom.out_w, row_tiles, row_splits,
+               grad_out.stride(0), grad_out.stride(2), x.stride(0), x.stride(2), dx.stride(0), dx.stride(2),
+               gi_geom.pad_top, gi_geom.pad_left)
+    constants = dict(KH=geom.kernel_h, KW=geom.kernel_w, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w,
+                     G_STRIDE_W=grad_out.stride(3), X_STRIDE_W=x.stride(3), DX_STRIDE_W=dx.stride(3),
+                     INDEX_64=image_needs_int64(grad_out, x, dx), ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32),
+                     BLOCK_H=config.block_h, BLOCK_W=config.block_w, BLOCK_C=config.block_c,
+                     BF16_PAIRS=bf16_pairs_apply(grad_out, gi_geom, config.block_c, config.num_warps),
+                     num_warps=config.num_warps, num_stages=1)
+    programs = geom.batch * cdiv(geom.out_channels, config.block_c) * cdiv(gi_geom.out_w, config.block_w) * row_splits
+    slots = programs // cdiv(geom.out_channels, config.block_c)
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return LaunchPlan("grad_input_weight_nhwc", (programs,), scalars, constants, (slots, taps, geom.out_channels),
+                      acc_dtype)
 
 
 def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,
