@@ -124,7 +124,7 @@ CASES = [
     ("fused backward, float32", fused_backward, ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("rows", 128, 512, 2, 4)), {}),
     ("fused backward, bfloat16", fused_backward, ((1, 2, 18, 512), (3, 3), bf16, ForwardConfig("rows", 128, 128, 1, 4)), {}),
     ("fused backward nhwc, bfloat16 pairs", fused_backward, ((1, 128, 12, 20), (3, 3), bf16,
-                                                             ForwardConfig("nhwc_pixels", 4, 4, 2, block_c=128)),
+                                                             ForwardConfig("nhwc_pixels", 2, 4, 2, block_c=128)),
      dict(padding=1, layout=CL)),
     ("grad_weight, 4-vectors, 4 rows a step", grad_weight, ((1, 2, 18, 512), (3, 3), f32, GradWeightConfig(512, 4, 4, 64, 4)), {}),
     ("grad_weight, bfloat16", grad_weight, ((1, 2, 18, 512), (3, 3), bf16, GradWeightConfig(512, 2, 4, 64, 4)), {}),

@@ -316,7 +316,7 @@ def test_fused_backward_through_autograd(monkeypatch):
 @pytest.mark.parametrize(
     "shape,kernel,padding,dilation,block,row_splits",
     [
-        ((2, 64, 7, 9), (3, 3), 1, 1, None, None),  # the GPU's blocks (4 x 4 outputs, 64 channels: bf16 pairs)
+        ((2, 64, 7, 9), (3, 3), 1, 1, None, None),  # the default blocks (2 x 4 outputs, 64 channels: bf16 pairs)
         ((1, 40, 6, 11), (5, 5), 2, 1, (2, 4, 16), 2),  # channels not a block multiple, two row splits
         ((2, 64, 9, 8), (3, 3), 0, 2, (3, 4, 64), 2),  # dilation 2, no padding, rows not a block multiple
         ((1, 6, 5, 5), (3, 3), 3, 1, (2, 2, 4), 3),  # padding past the kernel's reach (cropped grad_out)

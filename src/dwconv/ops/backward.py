@@ -26,7 +26,7 @@ import triton.language as tl
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
-from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
+from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
                       _stride_unit, bf16_pairs_apply, channels_last_kernel_applies, conv_forward, ForwardConfig,
                       image_needs_int64, launch_forward, nchw_config, nhwc_pixels_config, output_memory_format,
                       rows_kernel_fits, window_layout)
@@ -348,20 +348,27 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
 _FUSED_CONFIGS: dict = {}
 
 
+# Kernels the channels_last fused backward takes, by taps: each thread holds a weight and a weight
+# gradient a tap besides its outputs and their inputs; 7x7 spills (sm_90, Triton 3.6, float32, 32
+# channels a warp: 2 x 4 outputs 240 bytes of stack, 4 x 4 424).
+FUSED_NHWC_TAPS = 9
+
+
 def fused_nhwc_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
-    """The channels_last fused backward's reach: stride 1, multiplier 1, kernels the
-    unrolled-pixels forward takes (up to PIXEL_KERNEL_TAPS), x with unit channel strides."""
+    """The channels_last fused backward's reach: stride 1, multiplier 1, kernels up to
+    FUSED_NHWC_TAPS taps, x with unit channel strides."""
     return (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and channels_last_kernel_applies(x)
-            and geom.kernel_h * geom.kernel_w <= PIXEL_KERNEL_TAPS and not toeplitz_applies(geom, x.dtype))
+            and geom.kernel_h * geom.kernel_w <= FUSED_NHWC_TAPS)
 
 
 def fused_nhwc_config(gi_geom: ConvGeometry, x: torch.Tensor) -> Tuple[ForwardConfig, int]:
     """Blocks and row splits of the channels_last fused backward (not yet timed on the GPU): the
-    forward's pixel blocks cut to 4 x 4 outputs (each output also holds its input value for the
-    weight gradient: registers), and enough programs to fill the GPU (about 4096), each walking a
+    forward's channel blocks with 2 x 4 outputs (sm_90 code, 3x3, 128 channels on 2 warps: 128
+    registers and 1.62 instructions an FMA in bfloat16; 4 x 4 outputs take 226 registers, 1.47;
+    float32 4 x 4: 208, 1.20), and enough programs to fill the GPU (about 4096), each walking a
     column of tiles; under the interpreter one program a column."""
     blocks = nhwc_pixels_config(gi_geom)
-    config = ForwardConfig("nhwc_pixels", min(blocks.block_h, 4), 4, blocks.num_warps, block_c=blocks.block_c)
+    config = ForwardConfig("nhwc_pixels", min(blocks.block_h, 2), 4, blocks.num_warps, block_c=blocks.block_c)
     columns = gi_geom.batch * cdiv(gi_geom.out_channels, config.block_c) * cdiv(gi_geom.out_w, config.block_w)
     row_tiles = cdiv(gi_geom.out_h, config.block_h)
     return config, (min(row_tiles, cdiv(4096, columns)) if x.is_cuda else 1)
@@ -372,7 +379,9 @@ def conv_grad_input_and_weight_nhwc(grad_out: torch.Tensor, x: torch.Tensor, wei
                                     row_splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused backward of channels_last x (fused_nhwc_backward_applies): grad_input and grad_weight
     from one read of grad_out and x (depthwise_grad_input_weight_nhwc_kernel)."""
-    assert fused_nhwc_backward_applies(geom, x), "the channels_last fused backward needs stride 1, multiplier 1"
+    # (any kernel that fits the unrolled code is correct; FUSED_NHWC_TAPS is where autograd takes it)
+    assert geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and channels_last_kernel_applies(x), \
+        "the channels_last fused backward needs stride 1, multiplier 1 and unit channel strides"
     if grad_out.stride(1) != 1:  # (autograd hands the output's layout back; this is the odd case)
         grad_out = grad_out.contiguous(memory_format=torch.channels_last)
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
