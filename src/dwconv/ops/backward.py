@@ -26,7 +26,7 @@ import triton.language as tl
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
-from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
+from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap, _tap_weights,
                       _stride_unit, bf16_pairs_apply, channels_last_kernel_applies, conv_forward, ForwardConfig,
                       image_needs_int64, launch_forward, nchw_config, nhwc_pixels_config, output_memory_format,
                       rows_kernel_fits, window_layout)
@@ -242,6 +242,7 @@ def depthwise_grad_input_weight_nhwc_kernel(
     weight_grads = ()
     for tap in tl.static_range(KH * KW):
         weight_grads = weight_grads + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
+    weights = _tap_weights(w_ptr + c, channels, c_ok, KH * KW, ACC_DTYPE)  # (flipped, taps-major)
     cols_inside = ((first_col + BLOCK_W <= in_w) & (first_c + BLOCK_C <= channels) & (first_col - pad_left >= 0)
                    & (first_col + BLOCK_W - 1 - pad_left + (KW - 1) * DILATION_W < grad_out_w))
     for row_tile in range(row_split, row_tiles, row_splits):
@@ -251,13 +252,13 @@ def depthwise_grad_input_weight_nhwc_kernel(
         interior = cols_inside & (first_row + BLOCK_H <= in_h) & (first_row - pad_top >= 0) \
             & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < grad_out_h)
         if interior:
-            tile_grads = _conv_pixels(g_base, w_ptr + c, w_ptr, dx_base, channels, first_row, first_col, c_ok,
+            tile_grads = _conv_pixels(g_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
                                       grad_out_h, grad_out_w, in_h, in_w, g_stride_h, G_STRIDE_W, dx_stride_h,
                                       DX_STRIDE_W, pad_top, pad_left, KH, KW, 1, DILATION_H, 1, DILATION_W, False,
                                       ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, x_base,
                                       x_stride_h, X_STRIDE_W)
         else:
-            tile_grads = _conv_pixels(g_base, w_ptr + c, w_ptr, dx_base, channels, first_row, first_col, c_ok,
+            tile_grads = _conv_pixels(g_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
                                       grad_out_h, grad_out_w, in_h, in_w, g_stride_h, G_STRIDE_W, dx_stride_h,
                                       DX_STRIDE_W, pad_top, pad_left, KH, KW, 1, DILATION_H, 1, DILATION_W, False,
                                       ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, x_base,

@@ -50,6 +50,15 @@ def _load_weights(ptrs, c_ok, ACC_DTYPE: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _tap_weights(w_taps, w_stride_tap, c_ok, TAPS: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """Every tap's [1, channels] weights, as a tuple (channels past the end: 0)."""
+    weights = ()
+    for tap in tl.static_range(TAPS):
+        weights = weights + (_load_weights(w_taps + tap * w_stride_tap, c_ok, ACC_DTYPE, True),)
+    return weights
+
+
+@triton.jit
 def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w,
                stride_w, pad_top, pad_left, dilation_w, KH: tl.constexpr, KW: tl.constexpr,
@@ -124,14 +133,15 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
 
 
 @triton.jit
-def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_col, c_ok,
+def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                  in_h, in_w, out_h, out_w, x_stride_h, X_STRIDE_W: tl.constexpr, y_stride_h, Y_STRIDE_W: tl.constexpr,
                  pad_top, pad_left,
                  KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr,
                  STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
                  MASKED: tl.constexpr, WEIGHT_GRAD: tl.constexpr, xq_base, xq_stride_h, XQ_STRIDE_W: tl.constexpr):
-    """_conv_band for channels_last with the columns unrolled: each pixel of a row (a [1, BLOCK_C]
+    """_conv_band for channels_last with the columns unrolled (weights: the taps' [1, BLOCK_C]
+    values, _tap_weights; loaded once by the caller): each pixel of a row (a [1, BLOCK_C]
     channel vector; a thread holds the same channels of every pixel) is loaded and converted once
     and feeds every output of the band that reads it, where _conv_band's [cols, channels] tiles
     load a row once a kernel column. Bounds tests are per pixel and uniform (a scalar each).
@@ -163,9 +173,6 @@ def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_
     accs = ()
     for i in tl.static_range(BLOCK_H * BLOCK_W):
         accs = accs + (start,)
-    weights = ()
-    for tap in tl.static_range(KH * KW):
-        weights = weights + (_load_weights(w_taps + tap * w_stride_tap, c_ok, ACC_DTYPE, MASKED),)
     # pointers to the strip's first pixel, and pixels at constant offsets from them (immediate
     # offsets of the loads and stores on the GPU)
     x_strip = x_base + first_in_col * X_STRIDE_W
@@ -178,6 +185,7 @@ def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_
         row_ok = (in_row >= 0) & (in_row < in_h)
         if BF16_PAIRS:
             row_pairs = tl.split(tl.reshape(row_ptr, [1, BLOCK_C // 2, 2]))[0].to(tl.pointer_type(tl.int32))
+        pixels = ()  # the row's pixels (one no output reads is dropped by the compiler)
         for p in tl.static_range((BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1):
             if MASKED:  # (tl.where, not &, in the masks: the interpreter makes a scalar bool & a bool tensor int32)
                 pixel_ok = row_ok & (first_in_col + p >= 0) & (first_in_col + p < in_w)
@@ -193,23 +201,24 @@ def _conv_pixels(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, first_
                     x = tl.load(row_ptr + p * X_STRIDE_W, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
                 else:
                     x = tl.load(row_ptr + p * X_STRIDE_W)
-                x = x.to(ACC_DTYPE)  # (a pixel no output reads is dropped by the compiler)
-            # output (j, i) reads this pixel through tap (kh, kw) where j * STRIDE_H + kh * DILATION_H == r
-            # and i * STRIDE_W + kw * DILATION_W == p (the tests are on constants: no code; and no local
-            # variable for the index, which Triton would make a tensor)
-            for kh in tl.static_range(KH):
-                for j in tl.static_range(BLOCK_H):
-                    if j * STRIDE_H + kh * DILATION_H == r:
-                        for kw in tl.static_range(KW):
-                            for i in tl.static_range(BLOCK_W):
-                                if i * STRIDE_W + kw * DILATION_W == p:
-                                    accs = accs[:j * BLOCK_W + i] + (tl.fma(x, weights[kh * KW + kw],
-                                                                            accs[j * BLOCK_W + i]),) \
-                                        + accs[j * BLOCK_W + i + 1:]
-                                    if WEIGHT_GRAD:
-                                        weight_grads = weight_grads[:kh * KW + kw] + (
-                                            tl.fma(x, inputs_at_outputs[j * BLOCK_W + i],
-                                                   weight_grads[kh * KW + kw]),) + weight_grads[kh * KW + kw + 1:]
+                x = x.to(ACC_DTYPE)
+            pixels = pixels + (x,)
+        # output (j, i) reads this row through kernel row kh where j * STRIDE_H + kh * DILATION_H == r,
+        # and pixel i * STRIDE_W + kw * DILATION_W through tap (kh, kw): the loops visit only those
+        # (the tests are on constants, no code; and no local variable for an index, which Triton
+        # would make a tensor). Each output takes its taps in (kh, kw) order, as in _conv_band.
+        for kh in tl.static_range(KH):
+            for j in tl.static_range(BLOCK_H):
+                if j * STRIDE_H + kh * DILATION_H == r:
+                    for kw in tl.static_range(KW):
+                        for i in tl.static_range(BLOCK_W):
+                            accs = accs[:j * BLOCK_W + i] + (
+                                tl.fma(pixels[i * STRIDE_W + kw * DILATION_W], weights[kh * KW + kw],
+                                       accs[j * BLOCK_W + i]),) + accs[j * BLOCK_W + i + 1:]
+                            if WEIGHT_GRAD:
+                                weight_grads = weight_grads[:kh * KW + kw] + (
+                                    tl.fma(pixels[i * STRIDE_W + kw * DILATION_W], inputs_at_outputs[j * BLOCK_W + i],
+                                           weight_grads[kh * KW + kw]),) + weight_grads[kh * KW + kw + 1:]
     for j in tl.static_range(BLOCK_H):
         for i in tl.static_range(BLOCK_W):
             value = accs[j * BLOCK_W + i]
@@ -275,13 +284,14 @@ def depthwise_fwd_tile_kernel(
                 & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < in_h)
                 & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
     if PIXELS:
+        weights = _tap_weights(w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE)  # (once, for either path)
         if interior:
-            _conv_pixels(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, first_col, c_ok, in_h, in_w,
+            _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
                          BLOCK_W, BLOCK_C, BF16_PAIRS, False, False, x_base, 0, 1)
         else:
-            _conv_pixels(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, first_col, c_ok, in_h, in_w,
+            _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
                          BLOCK_W, BLOCK_C, BF16_PAIRS, True, False, x_base, 0, 1)
