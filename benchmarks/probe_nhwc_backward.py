@@ -13,61 +13,49 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from dwconv._geometry import conv_geometry
 from dwconv.ops.backward import conv_grad_input, conv_grad_input_and_weight_nhwc, conv_grad_weight
 from dwconv.ops.forward import ForwardConfig
-from profile_model import events_ms as time_ms  # (benchmarks/ is on the path when run as a script)
+from probe_nhwc import channels_last_layers, copy_rate  # (benchmarks/ is on the path as a script)
+from profile_model import events_ms as time_ms
 
-LAYERS = [((64, 128, 256, 512), 3, 0, 1), ((64, 96, 56, 56), 7, 3, 1), ((64, 144, 56, 56), 3, 1, 1),
-          ((32, 256, 64, 64), 3, 2, 2), ((64, 240, 28, 28), 5, 2, 1), ((64, 384, 14, 14), 7, 3, 1)]
 
 
 def rel_err(got, ref):
     return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def copy_rate():
-    src = torch.empty(2**28, device="cuda")
-    return 2 * src.numel() * 4 / time_ms(lambda: src.clone()) / 1e6
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fused", nargs="+", type=int, action="append", metavar="N",
                    help="BLOCK_H BLOCK_W BLOCK_C WARPS [ROW_SPLITS]")
-    p.add_argument("--layers", type=int, nargs="+", help="indices into LAYERS (default: all)")
+    p.add_argument("--layers", type=int, nargs="+", help="indices into probe_nhwc.LAYERS (default: all)")
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     args = p.parse_args()
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
-    for dtype_name in args.dtype:
-        dtype = getattr(torch, dtype_name)
-        for shape, k, pad, dil in [LAYERS[i] for i in args.layers] if args.layers else LAYERS:
-            x = torch.randn(shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
-            w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype)
-            geom = conv_geometry(x, w, None, 1, pad, dil)
-            g = torch.randn(geom.output_shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
-            xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
-            out = F.conv2d(xr, wr, None, 1, pad, dil, groups=shape[1])
-            ref_x, ref_w = torch.autograd.grad(out, (xr, wr), g, retain_graph=True)
-            cudnn = time_ms(lambda: torch.autograd.grad(out, (xr, wr), g, retain_graph=True))
-            bytes_moved = (2 * x.numel() + g.numel()) * x.element_size()
-            label = f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}"
+    for dtype_name, shape, k, pad, dil, x, w, geom in channels_last_layers(args.dtype, args.layers):
+        g = torch.randn(geom.output_shape, device="cuda", dtype=x.dtype).contiguous(memory_format=torch.channels_last)
+        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+        out = F.conv2d(xr, wr, None, 1, pad, dil, groups=shape[1])
+        ref_x, ref_w = torch.autograd.grad(out, (xr, wr), g, retain_graph=True)
+        cudnn = time_ms(lambda: torch.autograd.grad(out, (xr, wr), g, retain_graph=True))
+        bytes_moved = (2 * x.numel() + g.numel()) * x.element_size()
+        label = f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}"
 
-            def two_kernels():
-                return conv_grad_input(g, w, geom, x), conv_grad_weight(g, x, geom, w.dtype, False)[0]
+        def two_kernels():
+            return conv_grad_input(g, w, geom, x), conv_grad_weight(g, x, geom, w.dtype, False)[0]
 
-            runs = [("two kernels", two_kernels)]
-            for blocks in [None] + (args.fused or []):
-                config = blocks and ForwardConfig("nhwc_pixels", blocks[0], blocks[1], blocks[3], block_c=blocks[2])
-                splits = blocks[4] if blocks and len(blocks) > 4 else None
-                name = "fused " + ("default" if blocks is None else "x".join(map(str, blocks)))
-                runs.append((name, lambda c=config, s=splits: conv_grad_input_and_weight_nhwc(g, x, w, geom, c, s)))
-            for name, fn in runs:
-                got_x, got_w = fn()
-                ms = time_ms(fn)
-                print(f"{label} {name:22s}: {ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), cuDNN CL backward "
-                      f"{cudnn:.3f} ms, x{cudnn / ms:.2f}; rel err grad_input {rel_err(got_x, ref_x):.1e} "
-                      f"(cuDNN's own rounding included), grad_weight {rel_err(got_w, ref_w):.1e}", flush=True)
+        runs = [("two kernels", two_kernels)]
+        for blocks in [None] + (args.fused or []):
+            config = blocks and ForwardConfig("nhwc_pixels", blocks[0], blocks[1], blocks[3], block_c=blocks[2])
+            splits = blocks[4] if blocks and len(blocks) > 4 else None
+            name = "fused " + ("default" if blocks is None else "x".join(map(str, blocks)))
+            runs.append((name, lambda c=config, s=splits: conv_grad_input_and_weight_nhwc(g, x, w, geom, c, s)))
+        for name, fn in runs:
+            got_x, got_w = fn()
+            ms = time_ms(fn)
+            print(f"{label} {name:22s}: {ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), cuDNN CL backward "
+                  f"{cudnn:.3f} ms, x{cudnn / ms:.2f}; rel err grad_input {rel_err(got_x, ref_x):.1e} "
+                  f"(cuDNN's own rounding included), grad_weight {rel_err(got_w, ref_w):.1e}", flush=True)
 
 
 if __name__ == "__main__":
