@@ -102,6 +102,8 @@ CASES = [
     ("rows, 4-vectors, bfloat16", forward, ((1, 2, 18, 512), (3, 3), bf16, ForwardConfig("rows", 128, 512, 2, 4)), {}),
     ("rows, 1 column a lane, dilation", forward, ((1, 2, 40, 64), (3, 3), f32, ForwardConfig("rows", 32, 64, 1)),
      dict(padding=2, dilation=2)),
+    ("nchw pixels, #84's rows (pair stores)", forward, ((1, 2, 18, 512), (3, 3), f32,
+                                                       ForwardConfig("nchw_pixels", 16, 128, 1)), {}),
     ("tile, stride 2, multiplier 2", forward, ((1, 2, 20, 20), (3, 3), f32, ForwardConfig("tile", 4, 64, 2)),
      dict(stride=2, padding=1, multiplier=2)),
     ("tile, float64", forward, ((1, 2, 20, 20), (5, 5), f64, ForwardConfig("tile", 8, 16, 2)), dict(padding=2)),

@@ -227,6 +227,26 @@ def test_channels_last_takes_the_nhwc_kernel():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
+    "shape,kernel,multiplier,padding,dilation,block",
+    [
+        ((1, 2, 9, 14), (3, 3), 1, 0, 1, (4, 8)),  # interior and edge tiles, 16-byte output rows
+        ((1, 2, 6, 16), (3, 3), 1, 0, 1, (4, 8)),  # output rows of 14: stored as pairs
+        ((2, 2, 8, 10), (3, 3), 2, 1, 1, (4, 8)),  # padding, multiplier 2
+        ((1, 2, 11, 13), (5, 3), 1, (2, 1), 2, (3, 8)),  # dilation 2, a window of three vectors
+        ((1, 1, 7, 7), (7, 7), 1, 3, 1, (4, 4)),  # k7 on an image smaller than the window
+    ],
+    ids=str,
+)
+def test_nchw_pixels(dtype, shape, kernel, multiplier, padding, dilation, block):
+    """NCHW with each output one FMA chain over lanes of aligned window vectors ("nchw_pixels")."""
+    x = randn(*shape, dtype=dtype)
+    weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
+    check(x, weight, randn(shape[1] * multiplier, dtype=dtype), 1, padding, dilation,
+          config=ForwardConfig("nchw_pixels", block[0], block[1], 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
     "shape,kernel,multiplier,stride,padding,dilation,block",
     [
         ((2, 8, 11, 13), (3, 3), 1, 1, 1, 1, (4, 8, 8)),  # #84's kernel: interior and edge strips

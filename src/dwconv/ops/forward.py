@@ -591,9 +591,124 @@ def depthwise_fwd_rows_kernel(
 
 # ---- choosing and launching -------------------------------------------------------------------
 
+@triton.jit
+def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
+                      x_stride_h, y_stride_h, pad_top, KH: tl.constexpr, KW: tl.constexpr,
+                      DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                      BLOCK_H: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
+                      WINDOW_VECS: tl.constexpr, Y_UNIT: tl.constexpr, MASKED: tl.constexpr):
+    """The tile of depthwise_fwd_nchw_pixels_kernel; MASKED: bounds tests on rows and columns (edge
+    tiles), else none."""
+    accs = ()
+    for i in tl.static_range(BLOCK_H * 4):
+        accs = accs + (start,)
+    for r in tl.static_range(BLOCK_H + (KH - 1) * DILATION_H):
+        in_row = zero + (first_row - pad_top + r)
+        x_row = x_base + in_row * x_stride_h
+        if MASKED:
+            w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, (in_row >= 0) & (in_row < in_h), in_w,
+                                              WINDOW_OFF, WINDOW_VECS, 4, 0, False, "")
+        else:
+            w0 = tl.load(x_row + group_cols - WINDOW_OFF + lanes)
+            w1 = w0
+            w2 = w0
+            w3 = w0
+            if WINDOW_VECS > 1:
+                w1 = tl.load(x_row + group_cols - WINDOW_OFF + 4 + lanes)
+            if WINDOW_VECS > 2:
+                w2 = tl.load(x_row + group_cols - WINDOW_OFF + 8 + lanes)
+            if WINDOW_VECS > 3:
+                w3 = tl.load(x_row + group_cols - WINDOW_OFF + 12 + lanes)
+        # output row j reads this row through kernel row kh where j + kh * DILATION_H == r; its lane
+        # i through tap (kh, kw) reads window lane WINDOW_LANE0 + i + kw * DILATION_W
+        for kh in tl.static_range(KH):
+            for j in tl.static_range(BLOCK_H):
+                if j + kh * DILATION_H == r:
+                    for kw in tl.static_range(KW):
+                        for i in tl.static_range(4):
+                            accs = accs[:j * 4 + i] + (tl.fma(
+                                _window_lane(w0, w1, w2, w3, WINDOW_LANE0 + i + kw * DILATION_W, 4).to(ACC_DTYPE),
+                                weights[kh * KW + kw], accs[j * 4 + i]),) + accs[j * 4 + i + 1:]
+    pairs = tl.arange(0, 2)[None, None, :]
+    for j in tl.static_range(BLOCK_H):
+        out_row = zero + (first_row + j)
+        y_row = y_base + out_row * y_stride_h
+        if Y_UNIT == 4:  # rows of whole vectors: one 16-byte store
+            value = _pack4(accs[j * 4], accs[j * 4 + 1], accs[j * 4 + 2], accs[j * 4 + 3]).to(y_base.dtype.element_ty)
+            if MASKED:
+                tl.store(y_row + group_cols + lanes, value, mask=(out_row < out_h) & (group_cols + lanes < out_w))
+            else:
+                tl.store(y_row + group_cols + lanes, value)
+        else:  # two pairs, each stored as it is held (a 4-vector would cross alignment and take shared memory)
+            for half in tl.static_range(2):
+                value = tl.join(accs[j * 4 + 2 * half], accs[j * 4 + 2 * half + 1]).to(y_base.dtype.element_ty)
+                cols = group_cols + 2 * half + pairs
+                if MASKED:
+                    tl.store(y_row + cols, value, mask=(out_row < out_h) & (cols < out_w))
+                else:
+                    tl.store(y_row + cols, value)
+
+
+@triton.jit
+def depthwise_fwd_nchw_pixels_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    out_channels, in_h, in_w, out_h, out_w,
+    x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
+    pad_top, pad_left,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr,
+    DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
+    WINDOW_VECS: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr,
+):
+    """NCHW, stride 1, unit column steps ("nchw_pixels"; session 8, not yet timed): one program =
+    BLOCK_H output rows x BLOCK_W columns of one plane, a thread 4 adjacent columns of each row.
+    Per input row a thread loads the aligned 4-vectors covering its outputs' columns (the rows
+    kernel's window) and takes each output's input as a lane of them: every output is one FMA chain
+    over its taps (from the bias), with no ring of partial rows and no zero-weight FMAs. Widths and
+    strides arrive divided by X_UNIT / Y_UNIT (as in the rows kernel) so that the compiler can
+    prove the vectors aligned; tiles inside the image skip every bounds test."""
+    in_w = in_w * X_UNIT
+    out_w = out_w * Y_UNIT
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    tiles = tl.cdiv(out_h, BLOCK_H) * tiles_w
+    plane = pid // tiles
+    tile = pid % tiles
+    x_base, y_base, out_c = _plane_pointers(x_ptr, y_ptr, plane, out_channels, MULTIPLIER,
+                                            x_stride_n * X_UNIT, x_stride_c * X_UNIT,
+                                            y_stride_n * Y_UNIT, y_stride_c * Y_UNIT)
+    GROUPS: tl.constexpr = BLOCK_W // 4
+    first_row = (tile // tiles_w) * BLOCK_H
+    first_col = (tile % tiles_w) * BLOCK_W
+    group_cols = first_col + 4 * tl.arange(0, GROUPS)[None, :, None]
+    lanes = tl.arange(0, 4)[None, None, :]
+    if INDEX_64:
+        first_row = first_row.to(tl.int64)
+        group_cols = group_cols.to(tl.int64)
+    start = tl.zeros([1, GROUPS], dtype=ACC_DTYPE)
+    if HAS_BIAS:  # (accumulating onto the bias saves an add an output)
+        start += tl.load(b_ptr + out_c).to(ACC_DTYPE)
+    weights = ()
+    for tap in tl.static_range(KH * KW):
+        weights = weights + (tl.load(w_ptr + out_c * (KH * KW) + tap).to(ACC_DTYPE),)
+    zero = tl.zeros([1, 1, 1], dtype=first_row.dtype)  # (row masks as tensors: the interpreter's scalar & tensor)
+    # every window vector and output inside the image: no bounds tests
+    interior = ((first_row - pad_top >= 0) & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < in_h)
+                & (first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w)
+                & (first_col - WINDOW_OFF >= 0) & (first_col + BLOCK_W - 4 - WINDOW_OFF + 4 * WINDOW_VECS <= in_w))
+    if interior:
+        _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
+                          x_stride_h * X_UNIT, y_stride_h * Y_UNIT, pad_top, KH, KW, DILATION_H, DILATION_W,
+                          ACC_DTYPE, BLOCK_H, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS, Y_UNIT, False)
+    else:
+        _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
+                          x_stride_h * X_UNIT, y_stride_h * Y_UNIT, pad_top, KH, KW, DILATION_H, DILATION_W,
+                          ACC_DTYPE, BLOCK_H, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS, Y_UNIT, True)
+
+
 @dataclass(frozen=True)
 class ForwardConfig:
-    kernel: str  # "tile", "rows", "nhwc", "nhwc_pixels" or "toeplitz" (block_h: rows of the product tile)
+    kernel: str  # "tile", "rows", "nchw_pixels", "nhwc", "nhwc_pixels" or "toeplitz" (block_h: its tile rows)
     block_h: int  # tile rows ("tile", "nhwc") or output rows per program ("rows")
     block_w: int
     num_warps: int
@@ -825,6 +940,9 @@ def launch_forward(
         weight = weight.reshape(geom.out_channels, -1).t().contiguous()
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
+    if plan.kernel == "nchw_pixels":
+        depthwise_fwd_nchw_pixels_kernel[plan.grid](x, weight, bias_arg, out, *plan.scalars, **plan.constants)
+        return out, None
     if plan.kernel != "rows":
         depthwise_fwd_tile_kernel[plan.grid](x, weight, bias_arg, out, *plan.scalars, **plan.constants)
         return out, None
@@ -852,6 +970,9 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
         INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), BLOCK_W=config.block_w,
         num_warps=config.num_warps,
     )
+    if config.kernel == "nchw_pixels":
+        assert features is None, "the fused backward runs on the rows kernel"
+        return _nchw_pixels_plan(geom, config, x, out, common)
     if config.kernel != "rows":
         assert features is None, "the fused backward runs on the rows kernel"
         return _tile_plan(geom, config, x, out, common)
@@ -885,6 +1006,24 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     )
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return LaunchPlan("rows", (programs,), scalars, constants, partial_shape, acc_dtype)
+
+
+def _nchw_pixels_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, common: dict
+                      ) -> LaunchPlan:
+    """depthwise_fwd_nchw_pixels_kernel: stride 1, unit column steps in x and out, 4 columns a thread."""
+    assert geom.stride_h == geom.stride_w == 1 and x.stride(3) == 1 and out.stride(3) == 1, \
+        "nchw_pixels needs stride 1 and unit column steps"
+    assert config.block_w % 4 == 0 and config.block_h * geom.kernel_h * geom.kernel_w <= MAX_PIXEL_TAPS
+    x_unit, y_unit = _stride_unit(x, 4, geom.in_w), _stride_unit(out, 4, geom.out_w)
+    window_off, window_lane0, window_vecs = window_layout(geom, 4)
+    scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // y_unit,
+               *[s // x_unit for s in x.stride()[:3]], *[s // y_unit for s in out.stride()[:3]],
+               geom.pad_top, geom.pad_left)
+    constants = dict(common, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, BLOCK_H=config.block_h,
+                     WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs,
+                     X_UNIT=x_unit, Y_UNIT=y_unit, num_stages=1)
+    programs = geom.batch * geom.out_channels * cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
+    return LaunchPlan("nchw_pixels", (programs,), scalars, constants)
 
 
 def bf16_pairs_apply(x: torch.Tensor, geom: ConvGeometry, block_c: int, num_warps: int) -> bool:
