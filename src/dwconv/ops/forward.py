@@ -365,14 +365,16 @@ def _window_view(w0, w1, w2, w3, start: tl.constexpr, VEC: tl.constexpr):
 
 @triton.jit
 def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w, SHIFT: tl.constexpr, WHOLE: tl.constexpr,
-                        VEC: tl.constexpr, EVICT: tl.constexpr):
+                        VEC: tl.constexpr, EVICT: tl.constexpr, MASKED: tl.constexpr):
     """One aligned vector of an input row per thread: elements x_row + first_cols + lanes, which are
     row columns first_cols - SHIFT + lanes (SHIFT > 0: x_row is the row start moved back to a vector
     boundary). WHOLE: the vector is loaded whole when it overlaps the row (a mask uniform over the
     vector keeps the load vectorised when the row length is not a multiple of VEC), and the lanes
-    outside the row are zeroed after."""
+    outside the row are zeroed after. MASKED False: the caller knows the vector inside the row."""
     cols = first_cols + lanes
-    if WHOLE:
+    if not MASKED:
+        vector = tl.load(x_row + cols, eviction_policy=EVICT)
+    elif WHOLE:
         first = first_cols - SHIFT
         vector = tl.load(x_row + cols, mask=row_ok & (first + VEC > 0) & (first < in_w), other=0.0,
                          eviction_policy=EVICT)
@@ -384,26 +386,30 @@ def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w, SHIFT: tl.conste
 
 @triton.jit
 def _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF: tl.constexpr, WINDOW_VECS: tl.constexpr,
-                     VEC: tl.constexpr, SHIFT: tl.constexpr, WHOLE: tl.constexpr, EVICT: tl.constexpr):
+                     VEC: tl.constexpr, SHIFT: tl.constexpr, WHOLE: tl.constexpr, EVICT: tl.constexpr,
+                     MASKED: tl.constexpr):
     """The WINDOW_VECS aligned vectors (from column group_cols - WINDOW_OFF - SHIFT) holding every
     input column a thread's VEC outputs read from this row; unused ones repeat the first. VEC == 1:
-    no window (placeholders; `_row_under_tap` loads each tap itself). No defaults: Triton 3.6 hands
+    no window (placeholders; `_row_under_tap` loads each tap itself). MASKED False: the caller
+    knows the window inside the row (no bounds tests). No defaults: Triton 3.6 hands
     a jit helper's str default over as a plain str and fails to compile (session 4)."""
     if VEC == 1:  # (a compile-time branch: one return, whose types may differ between VECs)
         w0 = lanes
     else:
-        w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w, SHIFT, WHOLE, VEC, EVICT)
+        w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w, SHIFT, WHOLE, VEC, EVICT,
+                                 MASKED)
     w1 = w0
     w2 = w0
     w3 = w0
     if VEC > 1 and WINDOW_VECS > 1:
-        w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC, EVICT)
+        w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC, EVICT,
+                                 MASKED)
     if VEC > 1 and WINDOW_VECS > 2:
         w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC,
-                                 EVICT)
+                                 EVICT, MASKED)
     if VEC > 1 and WINDOW_VECS > 3:
         w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC,
-                                 EVICT)
+                                 EVICT, MASKED)
     return w0, w1, w2, w3
 
 
@@ -541,7 +547,7 @@ def depthwise_fwd_rows_kernel(
             if ODD_ROW_ALIGN > 0:  # the row start rounded down to a vector (a no-op on even rows)
                 x_row = x_ptr + ((x_plane_offset + in_row * (x_stride_h * X_UNIT)) // 4) * 4
             w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC,
-                                              ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), ODD_ROW_ALIGN > 0, EVICT)
+                                              ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), ODD_ROW_ALIGN > 0, EVICT, True)
             for kw in tl.static_range(KW):
                 x = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
                                    kw, DILATION_W, WINDOW_LANE0 + ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), VEC)
@@ -605,20 +611,8 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
     for r in tl.static_range(BLOCK_H + (KH - 1) * DILATION_H):
         in_row = zero + (first_row - pad_top + r)
         x_row = x_base + in_row * x_stride_h
-        if MASKED:
-            w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, (in_row >= 0) & (in_row < in_h), in_w,
-                                              WINDOW_OFF, WINDOW_VECS, 4, 0, False, "")
-        else:
-            w0 = tl.load(x_row + group_cols - WINDOW_OFF + lanes)
-            w1 = w0
-            w2 = w0
-            w3 = w0
-            if WINDOW_VECS > 1:
-                w1 = tl.load(x_row + group_cols - WINDOW_OFF + 4 + lanes)
-            if WINDOW_VECS > 2:
-                w2 = tl.load(x_row + group_cols - WINDOW_OFF + 8 + lanes)
-            if WINDOW_VECS > 3:
-                w3 = tl.load(x_row + group_cols - WINDOW_OFF + 12 + lanes)
+        w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, (in_row >= 0) & (in_row < in_h), in_w,
+                                          WINDOW_OFF, WINDOW_VECS, 4, 0, False, "", MASKED)
         # output row j reads this row through kernel row kh where j + kh * DILATION_H == r; its lane
         # i through tap (kh, kw) reads window lane WINDOW_LANE0 + i + kw * DILATION_W
         for kh in tl.static_range(KH):
