@@ -8,12 +8,10 @@ Values checked against cuDNN first. --blocks BLOCK_H BLOCK_W WARPS: the blocks t
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
-from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
-from probe_nhwc import copy_rate  # (benchmarks/ is on the path when run as a script)
-from profile_model import events_ms as time_ms
+from dwconv.ops.forward import ForwardConfig
+from probe_nhwc import copy_rate, time_configs  # (benchmarks/ is on the path when run as a script)
 
 LAYERS = [((64, 128, 256, 512), 3, 0, 1), ((64, 144, 56, 56), 3, 1, 1), ((32, 256, 64, 64), 3, 2, 2),
           ((64, 240, 28, 28), 5, 2, 1), ((64, 96, 56, 56), 7, 3, 1)]
@@ -31,18 +29,8 @@ def main():
             x = torch.randn(shape, device="cuda", dtype=getattr(torch, dtype_name))
             w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=x.dtype)
             geom = conv_geometry(x, w, None, 1, pad, dil)
-            ref = F.conv2d(x, w, None, 1, pad, dil, groups=shape[1])
-            bytes_moved = (x.numel() + ref.numel()) * x.element_size()
-            eager = time_ms(lambda: F.conv2d(x, w, None, 1, pad, dil, groups=shape[1]))
-            for config in [None] + [ForwardConfig("nchw_pixels", bh, bw, warps) for bh, bw, warps in args.blocks]:
-                out = conv_forward(x, w, None, geom, config)
-                err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                ms = time_ms(lambda: conv_forward(x, w, None, geom, config))
-                shown = config or forward_config(geom, x)
-                print(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil} {shown.kernel} {shown.block_h}x"
-                      f"{shown.block_w} w{shown.num_warps}: dwconv {ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), "
-                      f"eager {eager:.3f} ms, x{eager / ms:.2f}, rel err {err:.1e}", flush=True)
-
+            configs = [None] + [ForwardConfig("nchw_pixels", bh, bw, warps) for bh, bw, warps in args.blocks]
+            time_configs(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}", x, w, geom, configs, "eager")
 
 if __name__ == "__main__":
     main()

@@ -36,6 +36,23 @@ def channels_last_layers(dtype_names, layer_indices=None):
             yield dtype_name, shape, k, pad, dil, x, w, conv_geometry(x, w, None, 1, pad, dil)
 
 
+def time_configs(label, x, w, geom, configs, baseline_name):
+    """Times conv_forward with each config (None: forward_config's choice) against PyTorch on the same
+    tensors (symmetric padding), after checking its values against PyTorch's; prints a line each."""
+    pad, dil = (geom.pad_top, geom.pad_left), (geom.dilation_h, geom.dilation_w)
+    ref = F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1])
+    bytes_moved = (x.numel() + ref.numel()) * x.element_size()
+    baseline = time_ms(lambda: F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1]))
+    for config in configs:
+        out = conv_forward(x, w, None, geom, config)
+        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        ms = time_ms(lambda: conv_forward(x, w, None, geom, config))
+        shown = config or forward_config(geom, x)
+        print(f"{label} {shown.kernel} {shown.block_h}x{shown.block_w}x{shown.block_c} w{shown.num_warps}: dwconv "
+              f"{ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), {baseline_name} {baseline:.3f} ms, "
+              f"x{baseline / ms:.2f}, rel err {err:.1e}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", nargs=4, type=int, action="append", metavar=("BH", "BW", "BC", "WARPS"))
@@ -45,23 +62,14 @@ def main():
     args = p.parse_args()
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
     for dtype_name, shape, k, pad, dil, x, w, geom in channels_last_layers(args.dtype, args.layers):
-        ref = F.conv2d(x, w, None, 1, pad, dil, groups=shape[1])
-        bytes_moved = (x.numel() + ref.numel()) * x.element_size()
-        cudnn = time_ms(lambda: F.conv2d(x, w, None, 1, pad, dil, groups=shape[1]))
         # the default (forward_config: "nhwc_pixels" up to 7x7 since session 8), then the blocks asked for
         configs = [None] + [ForwardConfig("nhwc", band_rows(geom, bh, x.device), bw, warps, block_c=bc)
                             for bh, bw, bc, warps in args.config or []]
         configs += [ForwardConfig("nhwc_pixels", min(bh, max(1, MAX_PIXEL_TAPS // (bw * k * k))), bw, warps,
                                   block_c=min(bc, shape[1] & -shape[1]))
                     for bh, bw, bc, warps in args.pixels or []]
-        for config in configs:
-            out = conv_forward(x, w, None, geom, config)
-            err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            ms = time_ms(lambda: conv_forward(x, w, None, geom, config))
-            shown = config or forward_config(geom, x)
-            print(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil} {shown.kernel} {shown.block_h}x{shown.block_w}x"
-                  f"{shown.block_c} w{shown.num_warps}: dwconv {ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), "
-                  f"cuDNN CL {cudnn:.3f} ms, x{cudnn / ms:.2f}, rel err {err:.1e}", flush=True)
+        time_configs(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}", x, w, geom, configs, "cuDNN CL")
+
 
 if __name__ == "__main__":
     main()
