@@ -252,19 +252,17 @@ def depthwise_grad_input_weight_nhwc_kernel(
         interior = cols_inside & (first_row + BLOCK_H <= in_h) & (first_row - pad_top >= 0) \
             & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < grad_out_h)
         if interior:
-            tile_grads = _conv_pixels(g_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
-                                      grad_out_h, grad_out_w, in_h, in_w, g_stride_h, G_STRIDE_W, dx_stride_h,
-                                      DX_STRIDE_W, pad_top, pad_left, KH, KW, 1, DILATION_H, 1, DILATION_W, False,
-                                      ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, x_base,
-                                      x_stride_h, X_STRIDE_W)
+            weight_grads = _conv_pixels(g_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
+                                        grad_out_h, grad_out_w, in_h, in_w, g_stride_h, G_STRIDE_W, dx_stride_h,
+                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, 1, DILATION_H, 1, DILATION_W, False,
+                                        ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, weight_grads,
+                                        x_base, x_stride_h, X_STRIDE_W)
         else:
-            tile_grads = _conv_pixels(g_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
-                                      grad_out_h, grad_out_w, in_h, in_w, g_stride_h, G_STRIDE_W, dx_stride_h,
-                                      DX_STRIDE_W, pad_top, pad_left, KH, KW, 1, DILATION_H, 1, DILATION_W, False,
-                                      ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, x_base,
-                                      x_stride_h, X_STRIDE_W)
-        for tap in tl.static_range(KH * KW):
-            weight_grads = weight_grads[:tap] + (weight_grads[tap] + tile_grads[tap],) + weight_grads[tap + 1:]
+            weight_grads = _conv_pixels(g_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
+                                        grad_out_h, grad_out_w, in_h, in_w, g_stride_h, G_STRIDE_W, dx_stride_h,
+                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, 1, DILATION_H, 1, DILATION_W, False,
+                                        ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, weight_grads,
+                                        x_base, x_stride_h, X_STRIDE_W)
     slot = (n * tiles_w + column % tiles_w) * row_splits + row_split  # (channel blocks share a slot)
     partial = partial_ptr + slot.to(tl.int64) * (KH * KW * channels) + c
     for tap in tl.static_range(KH * KW):

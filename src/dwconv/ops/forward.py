@@ -139,7 +139,8 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                  KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr,
                  STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
-                 MASKED: tl.constexpr, WEIGHT_GRAD: tl.constexpr, xq_base, xq_stride_h, XQ_STRIDE_W: tl.constexpr):
+                 MASKED: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads, xq_base, xq_stride_h,
+                 XQ_STRIDE_W: tl.constexpr):
     """_conv_band for channels_last with the columns unrolled (weights: the taps' [1, BLOCK_C]
     values, _tap_weights; loaded once by the caller): each pixel of a row (a [1, BLOCK_C]
     channel vector; a thread holds the same channels of every pixel) is loaded and converted once
@@ -148,16 +149,14 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
     BF16_PAIRS: bfloat16 channel pairs load as one 32-bit word and widen by a shift and a mask
     (the compiler's conversion takes three instructions a pair); the launcher checks alignment.
     WEIGHT_GRAD (the fused channels_last backward: x is grad_out, w the flipped weight, y
-    grad_input, stride 1): also returns, per tap, the sum over this tile of the pixel times the
-    forward's input at the output's position (xq, shaped like y): every (grad_out, input) pair of
-    that tap's weight gradient meets in exactly one FMA of one tile. Else returns ()."""
+    grad_input, stride 1): also adds, per tap, this tile's pixels times the forward's input at their
+    outputs' positions (xq, shaped like y) into weight_grads and returns them: every (grad_out,
+    input) pair of that tap's weight gradient meets in exactly one FMA of one tile. Else returns
+    weight_grads as given."""
     first_in_row = first_row * STRIDE_H - pad_top
     first_in_col = first_col * STRIDE_W - pad_left
-    weight_grads = ()
     inputs_at_outputs = ()
     if WEIGHT_GRAD:  # (zero outside the image or the channels: those pairs add nothing)
-        for tap in tl.static_range(KH * KW):
-            weight_grads = weight_grads + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
         for j in tl.static_range(BLOCK_H):
             for i in tl.static_range(BLOCK_W):
                 ptrs = xq_base + (first_row + j) * xq_stride_h + (first_col + i) * XQ_STRIDE_W
@@ -289,12 +288,12 @@ def depthwise_fwd_tile_kernel(
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
-                         BLOCK_W, BLOCK_C, BF16_PAIRS, False, False, x_base, 0, 1)
+                         BLOCK_W, BLOCK_C, BF16_PAIRS, False, False, (), x_base, 0, 1)
         else:
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
-                         BLOCK_W, BLOCK_C, BF16_PAIRS, True, False, x_base, 0, 1)
+                         BLOCK_W, BLOCK_C, BF16_PAIRS, True, False, (), x_base, 0, 1)
     elif interior:
         _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                    in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
