@@ -1,6 +1,7 @@
 """Developer probe (GPU): the backward of channels_last tensors (grad_input + grad_weight, no bias),
-as today's two kernels (grad_weight_nhwc, then grad_input on the forward's kernel) against the fused
-pass of session 8 (depthwise_grad_input_weight_nhwc_kernel) and cuDNN on channels_last tensors,
+as two kernels (conv_grad_weight's choice: since session 9 the unrolled pixels up to 7x7, then
+grad_input on the forward's kernel) against the fused pass (depthwise_grad_nhwc_pixels_kernel with
+GRAD_INPUT) and cuDNN on channels_last tensors,
 on #84 and issue #4's stride-1 layers. Gradients checked against cuDNN's (float32 math) first.
 --fused BLOCK_H BLOCK_W BLOCK_C WARPS [ROW_SPLITS]: more fused blocks (the default's come first).
 Bytes counted: grad_out and x read, grad_input written (the floor of either path).

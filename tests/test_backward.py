@@ -345,6 +345,53 @@ def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, b
     assert torch.equal(again[0], grad_x) and torch.equal(again[1], grad_w), "not deterministic"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape,kernel,stride,padding,dilation,multiplier,block",
+    [
+        ((2, 64, 7, 9), (3, 3), 1, 1, 1, 1, None),  # the GPU's blocks (4 x 8 outputs, 64 channels: bf16 pairs)
+        ((1, 40, 11, 10), (3, 3), 2, 1, 1, 1, (2, 4, 16)),  # stride 2, channels not a block multiple
+        ((1, 16, 13, 12), (5, 5), (2, 1), 2, (1, 2), 1, (3, 2, 8)),  # mixed strides and dilations
+        ((2, 8, 9, 7), (7, 3), 1, (3, 1), 1, 2, (4, 4, 8)),  # a non-square kernel, multiplier 2
+        ((1, 6, 5, 5), (3, 3), 1, 3, 1, 1, (2, 2, 4)),  # padding past the kernel's reach
+        ((1, 3, 1, 2), (3, 3), 1, 1, 1, 3, (2, 2, 4)),  # a 1 x 2 image, multiplier 3
+    ],
+    ids=str,
+)
+def test_grad_weight_channels_last_pixels(dtype, shape, kernel, stride, padding, dilation, multiplier, block):
+    """The weight and bias gradients of channels_last tensors on the unrolled pixels (the GPU's path
+    up to 7x7): tiles of grad_out, each tap adding the input under it; partial sums per column of
+    tiles and row split."""
+    x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
+    geom = conv_geometry(x, weight, None, stride, padding, dilation)
+    grad_out = randn(*geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    config = ForwardConfig("nhwc_pixels", block[0], block[1], 1, block_c=block[2]) if block else \
+        ForwardConfig("nhwc_pixels", 4, 8, 1, block_c=64)
+    grad_w, grad_b = conv_grad_weight(grad_out, x, geom, dtype, True, config)
+    assert grad_w.dtype == grad_b.dtype == dtype and grad_w.shape == weight.shape
+    ref = reference_grads(x, weight, randn(weight.shape[0]), grad_out, stride, padding, dilation)
+    assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight")
+    assert_close_sum(grad_b, ref[2], torch.ones_like(x), grad_out, "grad_bias")
+    again = conv_grad_weight(grad_out, x, geom, dtype, True, config)
+    assert torch.equal(again[0], grad_w) and torch.equal(again[1], grad_b), "not deterministic"
+
+
+def test_grad_weight_channels_last_pixels_through_autograd(monkeypatch):
+    """Where grad_weight_pixels_applies (the GPU up to 7x7), autograd's weight and bias gradients of
+    channels_last tensors come from the unrolled pixels: strided, dilated, with a multiplier."""
+    import dwconv.ops.backward as ops
+
+    calls = []
+    launch = ops._launch_nhwc_pixels_grad
+    monkeypatch.setattr(ops, "grad_weight_pixels_applies", lambda geom, x, g: ops.channels_last_kernel_applies(x, g))
+    monkeypatch.setattr(ops, "_launch_nhwc_pixels_grad", lambda *a, **k: calls.append(a[3] is None) or launch(*a, **k))
+    x = randn(2, 16, 9, 8).contiguous(memory_format=torch.channels_last)
+    check_grads(x, randn(32, 1, 3, 3), randn(32), 2, 1, 1)
+    check_grads(x, randn(16, 1, 5, 3), randn(16), 1, (2, 1), (1, 2))
+    assert calls.count(True) == 2, "the weight gradient did not run on the unrolled pixels"
+
+
 def test_fused_backward_channels_last_through_autograd(monkeypatch):
     """With FUSED_NHWC_BACKWARD on, autograd takes the channels_last fused pass where it applies
     (stride 1, no bias gradient) and the two kernels elsewhere; an NCHW grad_out is made channels_last."""

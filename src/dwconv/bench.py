@@ -106,6 +106,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dwconv bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=sorted(SUITES), help="a preset list of layers (overrides the shape flags)")
+    p.add_argument("--cases", type=int, nargs="+", metavar="I",
+                   help="only these rows of the suite (indices after the --dtype filter, from 0)")
     p.add_argument("-N", "--batch", type=int, default=KB84.n)
     p.add_argument("-C", "--channels", type=int, default=KB84.c)
     p.add_argument("-H", "--height", type=int, default=KB84.h)
@@ -140,7 +142,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def cases_from_args(args: argparse.Namespace) -> List[Case]:
     if args.suite:
-        return [c for c in SUITES[args.suite] if args.dtype in (None, "all", c.dtype)]
+        cases = [c for c in SUITES[args.suite] if args.dtype in (None, "all", c.dtype)]
+        return [cases[i] for i in args.cases] if args.cases else cases
     dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype or "float32"]
     base = Case(args.batch, args.channels, args.height, args.width, args.kernel, args.stride, args.padding,
                 args.dilation, args.multiplier, args.bias)

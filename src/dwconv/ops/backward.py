@@ -26,10 +26,10 @@ import triton.language as tl
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
-from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap, _tap_weights,
-                      _stride_unit, bf16_pairs_apply, channels_last_kernel_applies, conv_forward, ForwardConfig,
-                      image_needs_int64, launch_forward, nchw_config, nhwc_pixels_config, output_memory_format,
-                      rows_kernel_fits, window_layout)
+from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
+                      _stride_unit, _tap_weights, _tile_pixels, bf16_pairs_apply, channels_last_kernel_applies,
+                      conv_forward, ForwardConfig, image_needs_int64, launch_forward, nchw_config, nhwc_pixels_config,
+                      output_memory_format, rows_kernel_fits, window_layout)
 
 
 @triton.jit
@@ -208,24 +208,30 @@ def depthwise_grad_weight_nhwc_kernel(
 
 
 @triton.jit
-def depthwise_grad_input_weight_nhwc_kernel(
-    g_ptr, w_ptr, x_ptr, dx_ptr, partial_ptr,
-    channels, grad_out_h, grad_out_w, in_h, in_w, row_tiles, row_splits,
-    g_stride_n, g_stride_h, x_stride_n, x_stride_h, dx_stride_n, dx_stride_h,
+def depthwise_grad_nhwc_pixels_kernel(
+    src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
+    channels, src_h, src_w, tile_h, tile_w, row_tiles, row_splits,
+    src_stride_n, src_stride_h, q_stride_n, q_stride_h, dx_stride_n, dx_stride_h,
     pad_top, pad_left,
-    KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
-    G_STRIDE_W: tl.constexpr, X_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr, INDEX_64: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
-    BF16_PAIRS: tl.constexpr,
+    GRAD_INPUT: tl.constexpr, MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, SRC_STRIDE_W: tl.constexpr, Q_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr,
+    INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
 ):
-    """The fused backward of channels_last tensors (stride 1, multiplier 1): grad_input as the
-    forward's "nhwc_pixels" tiles on grad_out with the flipped weight (taps-major, w_ptr), and in
-    the same FMAs' loop grad_weight (_conv_pixels' WEIGHT_GRAD), from one read of grad_out and x.
-    Program (image, channel block, column of tiles, row split) walks the row tiles row_split,
-    row_split + row_splits, ... of its column and writes one partial sum per (flipped) tap and
-    channel: partial[(image, column, row split), tap, channel], added in a fixed order by the launcher."""
+    """The channels_last backward on the unrolled pixels of the "nhwc_pixels" forward (_conv_pixels),
+    tiles of BLOCK_H x BLOCK_W positions by BLOCK_C channels:
+    - GRAD_INPUT (stride 1, multiplier 1): the fused pass. Tiles of grad_input (dx), computed as the
+      forward on grad_out (src) with the flipped weight (taps-major, w_ptr); in the same loop each
+      (flipped) tap's weight gradient adds grad_out times the input x (q) at the tile's positions.
+    - else the weight gradient alone (any stride, dilation, multiplier): tiles of grad_out (q), each
+      tap's gradient adding the input x (src) under that tap times grad_out; BIAS_GRAD: grad_out's sum too.
+    One read of grad_out and x either way. Program (image, channel block, column of tiles, row split)
+    walks the row tiles row_split, row_split + row_splits, ... of its column and writes one partial
+    sum per tap (then the bias) and channel: partial[(image, column, row split), tap, channel],
+    added in a fixed order by the launcher."""
     pid = tl.program_id(0)
-    tiles_w = tl.cdiv(in_w, BLOCK_W)
+    tiles_w = tl.cdiv(tile_w, BLOCK_W)
     channel_blocks = tl.cdiv(channels, BLOCK_C)
     row_split = pid % row_splits
     column = pid // row_splits
@@ -234,38 +240,50 @@ def depthwise_grad_input_weight_nhwc_kernel(
     first_c = (column // tiles_w % channel_blocks) * BLOCK_C
     c = first_c + tl.arange(0, BLOCK_C)[None, :]
     c_ok = c < channels
-    g_base = g_ptr + n.to(tl.int64) * g_stride_n + c
-    x_base = x_ptr + n.to(tl.int64) * x_stride_n + c
+    src_base = src_ptr + n.to(tl.int64) * src_stride_n + c // MULTIPLIER
+    q_base = q_ptr + n.to(tl.int64) * q_stride_n + c
     dx_base = dx_ptr + n.to(tl.int64) * dx_stride_n + c
     if INDEX_64:
         first_col = first_col.to(tl.int64)
     weight_grads = ()
-    for tap in tl.static_range(KH * KW):
+    for tap in tl.static_range(KH * KW + BIAS_GRAD):
         weight_grads = weight_grads + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
-    weights = _tap_weights(w_ptr + c, channels, c_ok, KH * KW, ACC_DTYPE)  # (flipped, taps-major)
-    cols_inside = ((first_col + BLOCK_W <= in_w) & (first_c + BLOCK_C <= channels) & (first_col - pad_left >= 0)
-                   & (first_col + BLOCK_W - 1 - pad_left + (KW - 1) * DILATION_W < grad_out_w))
+    weights = ()
+    if GRAD_INPUT:
+        weights = _tap_weights(w_ptr + c, channels, c_ok, KH * KW, ACC_DTYPE)  # (flipped, taps-major)
+    cols_inside = ((first_col + BLOCK_W <= tile_w) & (first_c + BLOCK_C <= channels)
+                   & (first_col * STRIDE_W - pad_left >= 0)
+                   & ((first_col + BLOCK_W - 1) * STRIDE_W - pad_left + (KW - 1) * DILATION_W < src_w))
     for row_tile in range(row_split, row_tiles, row_splits):
         first_row = row_tile * BLOCK_H
         if INDEX_64:
             first_row = first_row.to(tl.int64)
-        interior = cols_inside & (first_row + BLOCK_H <= in_h) & (first_row - pad_top >= 0) \
-            & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < grad_out_h)
+        interior = cols_inside & (first_row + BLOCK_H <= tile_h) & (first_row * STRIDE_H - pad_top >= 0) \
+            & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < src_h)
         if interior:
-            weight_grads = _conv_pixels(g_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
-                                        grad_out_h, grad_out_w, in_h, in_w, g_stride_h, G_STRIDE_W, dx_stride_h,
-                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, 1, DILATION_H, 1, DILATION_W, False,
-                                        ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, weight_grads,
-                                        x_base, x_stride_h, X_STRIDE_W)
+            q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
+                             BLOCK_H, BLOCK_W, False)
+            weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
+                                        src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
+                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
+                                        DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False,
+                                        GRAD_INPUT, True, weight_grads, q)
         else:
-            weight_grads = _conv_pixels(g_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
-                                        grad_out_h, grad_out_w, in_h, in_w, g_stride_h, G_STRIDE_W, dx_stride_h,
-                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, 1, DILATION_H, 1, DILATION_W, False,
-                                        ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, weight_grads,
-                                        x_base, x_stride_h, X_STRIDE_W)
+            q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
+                             BLOCK_H, BLOCK_W, True)
+            weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
+                                        src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
+                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
+                                        DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True,
+                                        GRAD_INPUT, True, weight_grads, q)
+        if BIAS_GRAD:
+            bias_grad = weight_grads[KH * KW]
+            for p in tl.static_range(BLOCK_H * BLOCK_W):
+                bias_grad += q[p]
+            weight_grads = weight_grads[:KH * KW] + (bias_grad,)
     slot = (n * tiles_w + column % tiles_w) * row_splits + row_split  # (channel blocks share a slot)
-    partial = partial_ptr + slot.to(tl.int64) * (KH * KW * channels) + c
-    for tap in tl.static_range(KH * KW):
+    partial = partial_ptr + slot.to(tl.int64) * ((KH * KW + BIAS_GRAD) * channels) + c
+    for tap in tl.static_range(KH * KW + BIAS_GRAD):
         tl.store(partial + tap * channels, weight_grads[tap], mask=c_ok)
 
 
@@ -290,9 +308,10 @@ input_grad_geometry = functools.lru_cache(maxsize=1024)(_input_grad_geometry)
 FUSED_BACKWARD = True
 
 
-# The channels_last fused backward (depthwise_grad_input_weight_nhwc_kernel): off until timed on
-# the GPU against the two kernels it replaces (docs/notes.md, session 8).
-FUSED_NHWC_BACKWARD = False
+# The channels_last fused backward (depthwise_grad_nhwc_pixels_kernel). Session 9 probe (H200):
+# #84 bfloat16 1.99 ms against 27.9 for the two kernels it replaces and 5.77 for cuDNN; float32
+# 3.15 against 19.4 and 73.5.
+FUSED_NHWC_BACKWARD = True
 
 
 def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
@@ -360,16 +379,19 @@ def fused_nhwc_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
             and geom.kernel_h * geom.kernel_w <= FUSED_NHWC_TAPS)
 
 
-def fused_nhwc_config(gi_geom: ConvGeometry, x: torch.Tensor) -> Tuple[ForwardConfig, int]:
-    """Blocks and row splits of the channels_last fused backward (not yet timed on the GPU): the
-    forward's channel blocks with 2 x 4 outputs (sm_90 code, 3x3, 128 channels on 2 warps: 128
-    registers and 1.62 instructions an FMA in bfloat16; 4 x 4 outputs take 226 registers, 1.47;
-    float32 4 x 4: 208, 1.20), and enough programs to fill the GPU (about 4096), each walking a
-    column of tiles; under the interpreter one program a column."""
-    blocks = nhwc_pixels_config(gi_geom)
-    config = ForwardConfig("nhwc_pixels", min(blocks.block_h, 2), 4, blocks.num_warps, block_c=blocks.block_c)
-    columns = gi_geom.batch * cdiv(gi_geom.out_channels, config.block_c) * cdiv(gi_geom.out_w, config.block_w)
-    row_tiles = cdiv(gi_geom.out_h, config.block_h)
+def nhwc_pixels_grad_config(tile_geom: ConvGeometry, x: torch.Tensor, grad_input: bool) -> Tuple[ForwardConfig, int]:
+    """Blocks and row splits of depthwise_grad_nhwc_pixels_kernel over the tiles of tile_geom's
+    output (grad_input's geometry for the fused pass, the forward's for the weight gradient alone):
+    the forward's blocks, the fused pass with 4 x 4 outputs in half precision and 2 x 4 in float32
+    (session 9 probe, H200, #84 and 64x144x56x56: bfloat16 1.99 / 0.148 ms at 4 x 4 against
+    2.10 / 0.164 at 2 x 4; float32 3.15 / 0.188 at 2 x 4 against 3.28 / 0.197); enough programs to
+    fill the GPU (about 4096), each walking a column of tiles; under the interpreter one a column."""
+    config = nhwc_pixels_config(tile_geom)
+    if grad_input:
+        block_h = min(config.block_h, 4 if x.element_size() < 4 else 2)
+        config = ForwardConfig("nhwc_pixels", block_h, 4, config.num_warps, block_c=config.block_c)
+    columns = tile_geom.batch * cdiv(tile_geom.out_channels, config.block_c) * cdiv(tile_geom.out_w, config.block_w)
+    row_tiles = cdiv(tile_geom.out_h, config.block_h)
     return config, (min(row_tiles, cdiv(4096, columns)) if x.is_cuda else 1)
 
 
@@ -377,51 +399,75 @@ def conv_grad_input_and_weight_nhwc(grad_out: torch.Tensor, x: torch.Tensor, wei
                                     geom: ConvGeometry, config: Optional[ForwardConfig] = None,
                                     row_splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused backward of channels_last x (fused_nhwc_backward_applies): grad_input and grad_weight
-    from one read of grad_out and x (depthwise_grad_input_weight_nhwc_kernel)."""
+    from one read of grad_out and x (depthwise_grad_nhwc_pixels_kernel with GRAD_INPUT)."""
     # (any kernel that fits the unrolled code is correct; FUSED_NHWC_TAPS is where autograd takes it)
     assert geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and channels_last_kernel_applies(x), \
         "the channels_last fused backward needs stride 1, multiplier 1 and unit channel strides"
-    if grad_out.stride(1) != 1:  # (autograd hands the output's layout back; this is the odd case)
-        grad_out = grad_out.contiguous(memory_format=torch.channels_last)
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
-    key = (geom, layout_key(grad_out), layout_key(x), layout_key(dx), config, row_splits)
-    plan = cached_plan(_FUSED_NHWC_PLANS, key, lambda: _fused_nhwc_plan(geom, grad_out, x, dx, config, row_splits))
-    taps = geom.kernel_h * geom.kernel_w
-    flipped_taps = weight.flip(2, 3).reshape(geom.out_channels, taps).t().contiguous()  # taps-major
-    partial = new_partial(plan, x.device)
-    depthwise_grad_input_weight_nhwc_kernel[plan.grid](grad_out, flipped_taps, x, dx, partial, *plan.scalars,
-                                                       **plan.constants)
-    grad_w = partial.sum(dim=0).t().reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).flip(2, 3)
+    flipped_taps = weight.flip(2, 3).reshape(geom.out_channels, -1).t().contiguous()  # taps-major
+    partial_sums = _launch_nhwc_pixels_grad(geom, grad_out, x, dx, flipped_taps, config, row_splits, False)
+    grad_w = partial_sums.t().reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).flip(2, 3)
     return dx, grad_w.to(weight.dtype)
 
 
-_FUSED_NHWC_PLANS: dict = {}
+def _launch_nhwc_pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor,
+                             dx: Optional[torch.Tensor], flipped_taps: Optional[torch.Tensor],
+                             config: Optional[ForwardConfig], row_splits: Optional[int], bias_grad: bool
+                             ) -> torch.Tensor:
+    """Launches depthwise_grad_nhwc_pixels_kernel (the fused pass when dx is given, else the weight
+    gradient alone) and returns the partial sums added over the programs: [taps (+ bias), channels]."""
+    if grad_out.stride(1) != 1:  # (autograd hands the output's layout back; this is the odd case)
+        grad_out = grad_out.contiguous(memory_format=torch.channels_last)
+    key = (geom, layout_key(grad_out), layout_key(x), dx is not None and layout_key(dx), config, row_splits,
+           bias_grad)
+    plan = cached_plan(_NHWC_PIXELS_GRAD_PLANS, key,
+                       lambda: _nhwc_pixels_grad_plan(geom, grad_out, x, dx, config, row_splits, bias_grad))
+    partial = new_partial(plan, x.device)
+    if dx is None:  # the weight gradient: rows of x under the taps, grad_out at the tiles
+        depthwise_grad_nhwc_pixels_kernel[plan.grid](x, x, grad_out, x, partial, *plan.scalars, **plan.constants)
+    else:
+        depthwise_grad_nhwc_pixels_kernel[plan.grid](grad_out, flipped_taps, x, dx, partial, *plan.scalars,
+                                                     **plan.constants)
+    return partial.sum(dim=0)
 
 
-def _fused_nhwc_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx: torch.Tensor,
-                     config: Optional[ForwardConfig], row_splits: Optional[int]) -> LaunchPlan:
-    gi_geom = input_grad_geometry(geom)
-    default_config, default_splits = fused_nhwc_config(gi_geom, x)
+_NHWC_PIXELS_GRAD_PLANS: dict = {}
+
+
+def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx: Optional[torch.Tensor],
+                           config: Optional[ForwardConfig], row_splits: Optional[int], bias_grad: bool) -> LaunchPlan:
+    grad_input = dx is not None
+    assert not (grad_input and bias_grad), "the fused pass has no bias gradient"
+    tile_geom = input_grad_geometry(geom) if grad_input else geom
+    default_config, default_splits = nhwc_pixels_grad_config(tile_geom, x, grad_input)
     config = config or default_config
-    row_tiles = cdiv(gi_geom.out_h, config.block_h)
+    row_tiles = cdiv(tile_geom.out_h, config.block_h)
     row_splits = max(1, min(row_tiles, row_splits or default_splits))
     taps = geom.kernel_h * geom.kernel_w
     assert config.kernel == "nhwc_pixels" and config.block_h * config.block_w * taps <= MAX_PIXEL_TAPS, \
         "too many outputs x taps to unroll"
-    scalars = (geom.out_channels, gi_geom.in_h, gi_geom.in_w, gi_geom.out_h, gi_geom.out_w, row_tiles, row_splits,
-               grad_out.stride(0), grad_out.stride(2), x.stride(0), x.stride(2), dx.stride(0), dx.stride(2),
-               gi_geom.pad_top, gi_geom.pad_left)
-    constants = dict(KH=geom.kernel_h, KW=geom.kernel_w, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w,
-                     G_STRIDE_W=grad_out.stride(3), X_STRIDE_W=x.stride(3), DX_STRIDE_W=dx.stride(3),
-                     INDEX_64=image_needs_int64(grad_out, x, dx), ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32),
-                     BLOCK_H=config.block_h, BLOCK_W=config.block_w, BLOCK_C=config.block_c,
-                     BF16_PAIRS=bf16_pairs_apply(grad_out, gi_geom, config.block_c, config.num_warps),
+    # the swept tensor (src: grad_out for the fused pass, x for the weight gradient) and the one
+    # read at the tiles' positions (q)
+    src, q = (grad_out, x) if grad_input else (x, grad_out)
+    dx_strides = (dx.stride(0), dx.stride(2), dx.stride(3)) if grad_input else (0, 0, 1)
+    scalars = (geom.out_channels, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w, row_tiles,
+               row_splits, src.stride(0), src.stride(2), q.stride(0), q.stride(2), dx_strides[0], dx_strides[1],
+               tile_geom.pad_top, tile_geom.pad_left)
+    constants = dict(GRAD_INPUT=grad_input, MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w,
+                     STRIDE_H=tile_geom.stride_h, STRIDE_W=tile_geom.stride_w, DILATION_H=geom.dilation_h,
+                     DILATION_W=geom.dilation_w, BIAS_GRAD=bias_grad, SRC_STRIDE_W=src.stride(3),
+                     Q_STRIDE_W=q.stride(3), DX_STRIDE_W=dx_strides[2],
+                     INDEX_64=image_needs_int64(grad_out, x, *([dx] if grad_input else [])),
+                     ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), BLOCK_H=config.block_h,
+                     BLOCK_W=config.block_w, BLOCK_C=config.block_c,
+                     BF16_PAIRS=bf16_pairs_apply(src, tile_geom, config.block_c, config.num_warps),
                      num_warps=config.num_warps, num_stages=1)
-    programs = geom.batch * cdiv(geom.out_channels, config.block_c) * cdiv(gi_geom.out_w, config.block_w) * row_splits
-    slots = programs // cdiv(geom.out_channels, config.block_c)
+    tiles_w = cdiv(tile_geom.out_w, config.block_w)
+    channel_blocks = cdiv(geom.out_channels, config.block_c)
+    slots = geom.batch * tiles_w * row_splits  # (channel blocks share a slot)
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return LaunchPlan("grad_input_weight_nhwc", (programs,), scalars, constants, (slots, taps, geom.out_channels),
-                      acc_dtype)
+    return LaunchPlan("grad_nhwc_pixels", (slots * channel_blocks,), scalars, constants,
+                      (slots, taps + int(bias_grad), geom.out_channels), acc_dtype)
 
 
 def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,
@@ -496,15 +542,20 @@ def grad_weight_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightConfig:
 
 
 def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
-                     bias_grad: bool, config: Optional[GradWeightConfig] = None,
-                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias (C*m,)."""
+                     bias_grad: bool, config=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias (C*m,). config: a
+    GradWeightConfig, or for channels_last tensors an "nhwc_pixels" ForwardConfig (the tiles of
+    depthwise_grad_nhwc_pixels_kernel)."""
     taps = geom.kernel_h * geom.kernel_w
     if grad_out.numel() == 0:
         grad_w = torch.zeros((geom.out_channels, 1, geom.kernel_h, geom.kernel_w), device=x.device, dtype=weight_dtype)
         return grad_w, (torch.zeros(geom.out_channels, device=x.device, dtype=weight_dtype) if bias_grad else None)
     if config is None and toeplitz_applies(geom, x.dtype):
         return toeplitz_grad_weight(grad_out, x, geom, weight_dtype, bool(bias_grad))
+    if isinstance(config, ForwardConfig) or (config is None and grad_weight_pixels_applies(geom, x, grad_out)):
+        sums = _launch_nhwc_pixels_grad(geom, grad_out, x, None, None, config, None, bool(bias_grad))
+        grad_w = sums[:taps].t().reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
+        return grad_w, (sums[taps].to(weight_dtype) if bias_grad else None)
     plan = cached_plan(_GRAD_WEIGHT_PLANS, (geom, config, layout_key(grad_out), layout_key(x), bool(bias_grad)),
                        lambda: _grad_weight_plan(geom, config, grad_out, x, bool(bias_grad)))
     partial = new_partial(plan, x.device)
@@ -547,6 +598,15 @@ def _grad_weight_plan(geom: ConvGeometry, config: Optional[GradWeightConfig], gr
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return LaunchPlan("grad_weight", (geom.out_channels * splits,), scalars, constants,
                       (geom.out_channels, splits, padded_taps), acc_dtype)
+
+
+def grad_weight_pixels_applies(geom: ConvGeometry, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    """Where the channels_last weight gradient runs on the unrolled pixels
+    (depthwise_grad_nhwc_pixels_kernel) rather than depthwise_grad_weight_nhwc_kernel: on the GPU,
+    kernels the forward unrolls too (session 9 probe, H200: the latter took 27.9 ms for #84's
+    bfloat16 weight gradient; whose per-tile sums over pixels cross threads)."""
+    return (x.is_cuda and channels_last_kernel_applies(x, grad_out)
+            and geom.kernel_h * geom.kernel_w <= PIXEL_KERNEL_TAPS)
 
 
 def grad_weight_nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightConfig:

@@ -139,8 +139,8 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                  KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr,
                  STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
-                 MASKED: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads, xq_base, xq_stride_h,
-                 XQ_STRIDE_W: tl.constexpr):
+                 MASKED: tl.constexpr, OUTPUTS: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads,
+                 inputs_at_outputs):
     """_conv_band for channels_last with the columns unrolled (weights: the taps' [1, BLOCK_C]
     values, _tap_weights; loaded once by the caller): each pixel of a row (a [1, BLOCK_C]
     channel vector; a thread holds the same channels of every pixel) is loaded and converted once
@@ -148,24 +148,14 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
     load a row once a kernel column. Bounds tests are per pixel and uniform (a scalar each).
     BF16_PAIRS: bfloat16 channel pairs load as one 32-bit word and widen by a shift and a mask
     (the compiler's conversion takes three instructions a pair); the launcher checks alignment.
-    WEIGHT_GRAD (the fused channels_last backward: x is grad_out, w the flipped weight, y
-    grad_input, stride 1): also adds, per tap, this tile's pixels times the forward's input at their
-    outputs' positions (xq, shaped like y) into weight_grads and returns them: every (grad_out,
-    input) pair of that tap's weight gradient meets in exactly one FMA of one tile. Else returns
-    weight_grads as given."""
+    WEIGHT_GRAD: also adds, per tap, this tile's pixels times inputs_at_outputs (one [1, BLOCK_C]
+    value an output, _tile_pixels; zero outside) into weight_grads and returns them: every pair of
+    that tap's weight gradient meets in exactly one FMA of one tile. The fused channels_last
+    backward: x is grad_out, w the flipped weight, y grad_input, inputs_at_outputs the forward's
+    input. The channels_last weight gradient: OUTPUTS False (no outputs computed or stored), x the
+    forward's input, inputs_at_outputs grad_out. Else returns weight_grads as given."""
     first_in_row = first_row * STRIDE_H - pad_top
     first_in_col = first_col * STRIDE_W - pad_left
-    inputs_at_outputs = ()
-    if WEIGHT_GRAD:  # (zero outside the image or the channels: those pairs add nothing)
-        for j in tl.static_range(BLOCK_H):
-            for i in tl.static_range(BLOCK_W):
-                ptrs = xq_base + (first_row + j) * xq_stride_h + (first_col + i) * XQ_STRIDE_W
-                if MASKED:
-                    out_ok = (first_row + j < out_h) & (first_col + i < out_w)
-                    xq = tl.load(ptrs, mask=tl.where(out_ok, c_ok, False), other=0.0)
-                else:
-                    xq = tl.load(ptrs)
-                inputs_at_outputs = inputs_at_outputs + (xq.to(ACC_DTYPE),)
     start = tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE)
     if HAS_BIAS:  # (accumulating onto the bias saves an add an output)
         start += _load_weights(b_ptrs, c_ok, ACC_DTYPE, MASKED)
@@ -211,23 +201,43 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                 if j * STRIDE_H + kh * DILATION_H == r:
                     for kw in tl.static_range(KW):
                         for i in tl.static_range(BLOCK_W):
-                            accs = accs[:j * BLOCK_W + i] + (
-                                tl.fma(pixels[i * STRIDE_W + kw * DILATION_W], weights[kh * KW + kw],
-                                       accs[j * BLOCK_W + i]),) + accs[j * BLOCK_W + i + 1:]
+                            if OUTPUTS:
+                                accs = accs[:j * BLOCK_W + i] + (
+                                    tl.fma(pixels[i * STRIDE_W + kw * DILATION_W], weights[kh * KW + kw],
+                                           accs[j * BLOCK_W + i]),) + accs[j * BLOCK_W + i + 1:]
                             if WEIGHT_GRAD:
                                 weight_grads = weight_grads[:kh * KW + kw] + (
                                     tl.fma(pixels[i * STRIDE_W + kw * DILATION_W], inputs_at_outputs[j * BLOCK_W + i],
                                            weight_grads[kh * KW + kw]),) + weight_grads[kh * KW + kw + 1:]
+    if OUTPUTS:
+        for j in tl.static_range(BLOCK_H):
+            for i in tl.static_range(BLOCK_W):
+                value = accs[j * BLOCK_W + i]
+                ptrs = y_strip + (first_row + j) * y_stride_h + i * Y_STRIDE_W
+                if MASKED:
+                    out_ok = (first_row + j < out_h) & (first_col + i < out_w)
+                    tl.store(ptrs, value.to(y_base.dtype.element_ty), mask=tl.where(out_ok, c_ok, False))
+                else:
+                    tl.store(ptrs, value.to(y_base.dtype.element_ty))
+    return weight_grads
+
+
+@triton.jit
+def _tile_pixels(base, first_row, first_col, c_ok, rows, cols, stride_h, STRIDE_W: tl.constexpr,
+                 ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, MASKED: tl.constexpr):
+    """A tile's BLOCK_H x BLOCK_W pixels ([1, channels] each, zero outside rows x cols or the
+    channels), as a tuple in row-major order."""
+    pixels = ()
     for j in tl.static_range(BLOCK_H):
         for i in tl.static_range(BLOCK_W):
-            value = accs[j * BLOCK_W + i]
-            ptrs = y_strip + (first_row + j) * y_stride_h + i * Y_STRIDE_W
+            ptrs = base + (first_row + j) * stride_h + (first_col + i) * STRIDE_W
             if MASKED:
-                out_ok = (first_row + j < out_h) & (first_col + i < out_w)
-                tl.store(ptrs, value.to(y_base.dtype.element_ty), mask=tl.where(out_ok, c_ok, False))
+                inside = (first_row + j < rows) & (first_col + i < cols)
+                pixel = tl.load(ptrs, mask=tl.where(inside, c_ok, False), other=0.0)
             else:
-                tl.store(ptrs, value.to(y_base.dtype.element_ty))
-    return weight_grads
+                pixel = tl.load(ptrs)
+            pixels = pixels + (pixel.to(ACC_DTYPE),)
+    return pixels
 
 
 # pad_left is not specialised: were it known to be 0 (a multiple of 16), the unshifted load would get
@@ -288,12 +298,12 @@ def depthwise_fwd_tile_kernel(
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
-                         BLOCK_W, BLOCK_C, BF16_PAIRS, False, False, (), x_base, 0, 1)
+                         BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
         else:
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
-                         BLOCK_W, BLOCK_C, BF16_PAIRS, True, False, (), x_base, 0, 1)
+                         BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), ())
     elif interior:
         _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                    in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
@@ -810,7 +820,19 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
         return ForwardConfig("toeplitz", toeplitz_block_m(x), toeplitz_block_w(geom, x), 4)
     if channels_last_kernel_applies(x, out):
         return nhwc_config(geom, x)
+    if nchw_pixels_wins(geom, x, out):
+        return ForwardConfig("nchw_pixels", 8, 128, 1)
     return nchw_config(geom, x)
+
+
+def nchw_pixels_wins(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
+    """Where "nchw_pixels" beat the rows kernel (session 9 probe, H200, float32 3x3 stride 1 at 8 x 128
+    outputs a program: #84 2.258 ms against 2.272, 64x144x56x56 0.069 against 0.081; bfloat16 was a
+    tie or a loss: #84 1.186 against 1.181). Not nchw_config's answer: the NCHW fused backward needs
+    the rows kernel there."""
+    return (x.is_cuda and x.dtype == torch.float32 and geom.kernel_h == geom.kernel_w == 3
+            and geom.stride_h == geom.stride_w == 1 and geom.dilation_h == geom.dilation_w == 1
+            and x.stride(3) == 1 and (out is None or out.stride(3) == 1))
 
 
 def nchw_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
