@@ -28,7 +28,7 @@ from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_nee
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
 from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
                       _stride_unit, _tap_weights, _tile_pixels, bf16_pairs_apply, channels_last_kernel_applies,
-                      conv_forward, ForwardConfig, image_needs_int64, launch_forward, nchw_config, nhwc_pixels_config,
+                      ForwardConfig, image_needs_int64, launch_forward, nchw_config, nhwc_pixels_config,
                       output_memory_format, rows_kernel_fits, window_layout)
 
 
@@ -222,14 +222,14 @@ def depthwise_grad_nhwc_pixels_kernel(
     """The channels_last backward on the unrolled pixels of the "nhwc_pixels" forward (_conv_pixels),
     tiles of BLOCK_H x BLOCK_W positions by BLOCK_C channels:
     - GRAD_INPUT (stride 1, multiplier 1): the fused pass. Tiles of grad_input (dx), computed as the
-      forward on grad_out (src) with the flipped weight (taps-major, w_ptr); in the same loop each
+      forward on grad_out (src) with the flipped weight (w_ptr, [channels, taps]); in the same loop each
       (flipped) tap's weight gradient adds grad_out times the input x (q) at the tile's positions.
     - else the weight gradient alone (any stride, dilation, multiplier): tiles of grad_out (q), each
       tap's gradient adding the input x (src) under that tap times grad_out; BIAS_GRAD: grad_out's sum too.
     One read of grad_out and x either way. Program (image, channel block, column of tiles, row split)
     walks the row tiles row_split, row_split + row_splits, ... of its column and writes one partial
-    sum per tap (then the bias) and channel: partial[(image, column, row split), tap, channel],
-    added in a fixed order by the launcher."""
+    sum per tap (then the bias) and channel: partial[(image, column, row split), channel, tap] in
+    the weight's tap order, added in a fixed order by the launcher."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
     channel_blocks = tl.cdiv(channels, BLOCK_C)
@@ -249,8 +249,8 @@ def depthwise_grad_nhwc_pixels_kernel(
     for tap in tl.static_range(KH * KW + BIAS_GRAD):
         weight_grads = weight_grads + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
     weights = ()
-    if GRAD_INPUT:
-        weights = _tap_weights(w_ptr + c, channels, c_ok, KH * KW, ACC_DTYPE)  # (flipped, taps-major)
+    if GRAD_INPUT:  # the weight [channels, taps] read from its last tap back (flipped)
+        weights = _tap_weights(w_ptr + c * (KH * KW) + (KH * KW - 1), -1, c_ok, KH * KW, ACC_DTYPE)
     cols_inside = ((first_col + BLOCK_W <= tile_w) & (first_c + BLOCK_C <= channels)
                    & (first_col * STRIDE_W - pad_left >= 0)
                    & ((first_col + BLOCK_W - 1) * STRIDE_W - pad_left + (KW - 1) * DILATION_W < src_w))
@@ -282,9 +282,12 @@ def depthwise_grad_nhwc_pixels_kernel(
                 bias_grad += q[p]
             weight_grads = weight_grads[:KH * KW] + (bias_grad,)
     slot = (n * tiles_w + column % tiles_w) * row_splits + row_split  # (channel blocks share a slot)
-    partial = partial_ptr + slot.to(tl.int64) * ((KH * KW + BIAS_GRAD) * channels) + c
+    partial = partial_ptr + (slot.to(tl.int64) * channels + c) * (KH * KW + BIAS_GRAD)
     for tap in tl.static_range(KH * KW + BIAS_GRAD):
-        tl.store(partial + tap * channels, weight_grads[tap], mask=c_ok)
+        if GRAD_INPUT:  # (tap of the flipped weight: stored at the weight's own)
+            tl.store(partial + (KH * KW - 1 - tap), weight_grads[tap], mask=c_ok)
+        else:
+            tl.store(partial + tap, weight_grads[tap], mask=c_ok)
 
 
 def _input_grad_geometry(geom: ConvGeometry) -> ConvGeometry:
@@ -357,7 +360,8 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
         config = cached_plan(_FUSED_CONFIGS, (gi_geom, layout_key(grad_out)),
                              lambda: fused_backward_config(gi_geom, grad_out))
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
-    dx, partial = launch_forward(grad_out, weight.flip(2, 3), None, gi_geom, config, out=dx, weight_grad_from=x)
+    dx, partial = launch_forward(grad_out, weight, None, gi_geom, config, out=dx, weight_grad_from=x,
+                                 flip_weight=True)
     taps = geom.kernel_h * geom.kernel_w
     grad_w = partial.view(geom.batch, geom.out_channels, -1, partial.shape[1])[..., :taps].sum(dim=(0, 2))
     return dx, grad_w.view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight.dtype)
@@ -404,18 +408,17 @@ def conv_grad_input_and_weight_nhwc(grad_out: torch.Tensor, x: torch.Tensor, wei
     assert geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and channels_last_kernel_applies(x), \
         "the channels_last fused backward needs stride 1, multiplier 1 and unit channel strides"
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
-    flipped_taps = weight.flip(2, 3).reshape(geom.out_channels, -1).t().contiguous()  # taps-major
-    partial_sums = _launch_nhwc_pixels_grad(geom, grad_out, x, dx, flipped_taps, config, row_splits, False)
-    grad_w = partial_sums.t().reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).flip(2, 3)
-    return dx, grad_w.to(weight.dtype)
+    sums = _launch_nhwc_pixels_grad(geom, grad_out, x, dx, weight.contiguous(), config, row_splits, False)
+    return dx, sums.view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight.dtype)
 
 
 def _launch_nhwc_pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor,
-                             dx: Optional[torch.Tensor], flipped_taps: Optional[torch.Tensor],
+                             dx: Optional[torch.Tensor], weight: Optional[torch.Tensor],
                              config: Optional[ForwardConfig], row_splits: Optional[int], bias_grad: bool
                              ) -> torch.Tensor:
-    """Launches depthwise_grad_nhwc_pixels_kernel (the fused pass when dx is given, else the weight
-    gradient alone) and returns the partial sums added over the programs: [taps (+ bias), channels]."""
+    """Launches depthwise_grad_nhwc_pixels_kernel (the fused pass when dx is given, with the
+    contiguous weight; else the weight gradient alone) and returns the partial sums added over the
+    programs: [channels, taps (+ bias)] in the weight's tap order."""
     if grad_out.stride(1) != 1:  # (autograd hands the output's layout back; this is the odd case)
         grad_out = grad_out.contiguous(memory_format=torch.channels_last)
     key = (geom, layout_key(grad_out), layout_key(x), dx is not None and layout_key(dx), config, row_splits,
@@ -426,7 +429,7 @@ def _launch_nhwc_pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torc
     if dx is None:  # the weight gradient: rows of x under the taps, grad_out at the tiles
         depthwise_grad_nhwc_pixels_kernel[plan.grid](x, x, grad_out, x, partial, *plan.scalars, **plan.constants)
     else:
-        depthwise_grad_nhwc_pixels_kernel[plan.grid](grad_out, flipped_taps, x, dx, partial, *plan.scalars,
+        depthwise_grad_nhwc_pixels_kernel[plan.grid](grad_out, weight, x, dx, partial, *plan.scalars,
                                                      **plan.constants)
     return partial.sum(dim=0)
 
@@ -467,7 +470,7 @@ def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.
     slots = geom.batch * tiles_w * row_splits  # (channel blocks share a slot)
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return LaunchPlan("grad_nhwc_pixels", (slots * channel_blocks,), scalars, constants,
-                      (slots, taps + int(bias_grad), geom.out_channels), acc_dtype)
+                      (slots, geom.out_channels, taps + int(bias_grad)), acc_dtype)
 
 
 def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,
@@ -482,7 +485,7 @@ def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeom
     if grad_out.numel() == 0:
         return dx.zero_()
     if geom.stride_h == 1 and geom.stride_w == 1 and geom.multiplier == 1:
-        return conv_forward(grad_out, weight.flip(2, 3), None, input_grad_geometry(geom), out=dx)
+        return launch_forward(grad_out, weight, None, input_grad_geometry(geom), out=dx, flip_weight=True)[0]
     plan = cached_plan(_GRAD_INPUT_PLANS, (geom, layout_key(grad_out), layout_key(dx)),
                        lambda: _grad_input_plan(geom, grad_out, dx))
     depthwise_grad_input_tile_kernel[plan.grid](grad_out, weight.contiguous(), dx, *plan.scalars, **plan.constants)
@@ -554,8 +557,8 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
         return toeplitz_grad_weight(grad_out, x, geom, weight_dtype, bool(bias_grad))
     if isinstance(config, ForwardConfig) or (config is None and grad_weight_pixels_applies(geom, x, grad_out)):
         sums = _launch_nhwc_pixels_grad(geom, grad_out, x, None, None, config, None, bool(bias_grad))
-        grad_w = sums[:taps].t().reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
-        return grad_w, (sums[taps].to(weight_dtype) if bias_grad else None)
+        grad_w = sums[:, :taps].reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
+        return grad_w, (sums[:, taps].to(weight_dtype) if bias_grad else None)
     plan = cached_plan(_GRAD_WEIGHT_PLANS, (geom, config, layout_key(grad_out), layout_key(x), bool(bias_grad)),
                        lambda: _grad_weight_plan(geom, config, grad_out, x, bool(bias_grad)))
     partial = new_partial(plan, x.device)

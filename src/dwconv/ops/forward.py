@@ -249,7 +249,7 @@ def depthwise_fwd_tile_kernel(
     out_channels, in_h, in_w, out_h, out_w,
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
-    w_stride_c, w_stride_tap,
+    w_stride_c, w_stride_tap, w_first_tap,
     stride_w, pad_top, pad_left, dilation_w,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
@@ -260,7 +260,8 @@ def depthwise_fwd_tile_kernel(
     """One program = BLOCK_H output rows (any number, not only powers of 2) of a BLOCK_W x BLOCK_C
     strip (columns, output channels) of one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW
     (a strip of one plane); for channels_last a run of channels along the contiguous axis, with the
-    weight taps-major (w_stride_c 1) so that each tap's weights are one vector load too.
+    weight taps-major for "nhwc" (w_stride_c 1: each tap's weights are one vector load, once a band
+    row); "nhwc_pixels" loads them once a program, from the weight as it is.
     PIXELS (channels_last, "nhwc_pixels"): the strip's columns unrolled (_conv_pixels), with the
     column stride and dilation PIXEL_STRIDE_W / PIXEL_DILATION_W and the pixel strides of x and y
     PIXEL_X_STRIDE_W / PIXEL_Y_STRIDE_W known to the compiler (pixel addresses become immediate
@@ -285,7 +286,7 @@ def depthwise_fwd_tile_kernel(
         first_col = first_col.to(tl.int64)
         out_cols = out_cols.to(tl.int64)
     c_ok = out_c < out_channels
-    w_taps = w_ptr + out_c * w_stride_c
+    w_taps = w_ptr + w_first_tap + out_c * w_stride_c  # (tap t at + t * w_stride_tap: negative when flipped)
     # Most strips of a large image read only inside it: those skip every bounds test (the masked
     # loads' tests and zero fills were half the instructions of a 3x3 tile).
     interior = ((first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w) & (first_c + BLOCK_C <= out_channels)
@@ -757,6 +758,7 @@ MAX_PIXEL_TAPS = 2048
 # 58 s, 9x9 178 s, against 33 s for the band kernel's 9x9).
 PIXEL_KERNEL_TAPS = 49
 NHWC_KERNELS = ("nhwc", "nhwc_pixels")
+TILE_KERNELS = ("tile", "nhwc", "nhwc_pixels")  # (depthwise_fwd_tile_kernel: weight read through strides)
 
 
 def band_limit(device: torch.device) -> int:
@@ -933,26 +935,33 @@ def launch_forward(
     config: Optional[ForwardConfig] = None,
     out: Optional[torch.Tensor] = None,
     weight_grad_from: Optional[torch.Tensor] = None,
+    flip_weight: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """conv_forward, and the fused backward: with weight_grad_from (the forward's input; rows
     kernel, stride 1, multiplier 1) this call is grad_input (x = grad_out, weight flipped) and also
-    returns partial[program, tap], grad_weight partial sums in the original tap order."""
+    returns partial[program, tap], grad_weight partial sums in the original tap order.
+    flip_weight: convolve with weight.flip(2, 3) (grad_input); the tile kernels read the taps in
+    reverse instead of copying the weight."""
     if out is None:
         out = torch.empty(geom.output_shape, device=x.device, dtype=x.dtype,
                           memory_format=output_memory_format(x))
     if out.numel() == 0:
         return out, None
     fused = weight_grad_from is not None
+    if flip_weight and ((config is None and toeplitz_applies(geom, x.dtype)) or (config and config.kernel == "toeplitz")):
+        weight, flip_weight = weight.flip(2, 3), False
     if config is None and toeplitz_applies(geom, x.dtype) and not fused:  # (blocks chosen in its cached plan)
         return toeplitz_forward(x, weight, bias, geom, out), None
     if config is not None and config.kernel == "toeplitz":
         return toeplitz_forward(x, weight, bias, geom, out, config.block_h, config.block_w, config.num_warps), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
-           layout_key(weight_grad_from) if fused else None, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
+           layout_key(weight_grad_from) if fused else None, flip_weight, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
-                                                                  weight_grad_from))
-    if plan.kernel in NHWC_KERNELS:  # taps-major: a tap's weights for a run of channels are one vector
-        weight = weight.reshape(geom.out_channels, -1).t().contiguous()
+                                                                  weight_grad_from, flip_weight))
+    if flip_weight and plan.kernel not in TILE_KERNELS:
+        weight = weight.flip(2, 3)
+    if plan.kernel == "nhwc":  # taps-major: a tap's weights for a run of channels are one vector
+        weight = weight.reshape(geom.out_channels, -1).t()
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
     if plan.kernel == "nchw_pixels":
@@ -972,9 +981,10 @@ _FORWARD_PLANS: dict = {}
 
 
 def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.Tensor, out: torch.Tensor,
-                  has_bias: bool, features: Optional[torch.Tensor]) -> LaunchPlan:
+                  has_bias: bool, features: Optional[torch.Tensor], flip_weight: bool = False) -> LaunchPlan:
     """Grid and arguments of one forward launch (see launch_forward); features: the fused
-    backward's input, whose weight gradient the rows kernel also accumulates."""
+    backward's input, whose weight gradient the rows kernel also accumulates; flip_weight: the
+    tile kernels read the taps in reverse."""
     if config is None:
         config = forward_config(geom, x, out)
     index_64 = plane_needs_int64(x, (geom.in_h, geom.in_w)) or plane_needs_int64(out, (geom.out_h, geom.out_w))
@@ -990,7 +1000,7 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
         return _nchw_pixels_plan(geom, config, x, out, common)
     if config.kernel != "rows":
         assert features is None, "the fused backward runs on the rows kernel"
-        return _tile_plan(geom, config, x, out, common)
+        return _tile_plan(geom, config, x, out, common, flip_weight)
     assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
     chunks = cdiv(geom.out_h, config.block_h)
     vec = config.vec
@@ -1051,8 +1061,17 @@ def bf16_pairs_apply(x: torch.Tensor, geom: ConvGeometry, block_c: int, num_warp
             and x.data_ptr() % 4 == 0)
 
 
-def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, common: dict
-               ) -> LaunchPlan:
+def _tile_weight_strides(kernel: str, geom: ConvGeometry, flipped: bool) -> Tuple[int, int, int]:
+    """(channel stride, tap stride, first tap's offset) of the weight depthwise_fwd_tile_kernel reads:
+    [C, taps] as given, or [taps, C] for "nhwc" (launch_forward transposes it); flipped: the taps
+    from the last one back."""
+    taps = geom.kernel_h * geom.kernel_w
+    channel, tap = (1, geom.out_channels) if kernel == "nhwc" else (taps, 1)
+    return (channel, -tap, (taps - 1) * tap) if flipped else (channel, tap, 0)
+
+
+def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, common: dict,
+               flip_weight: bool = False) -> LaunchPlan:
     """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc", "nhwc_pixels":
     unit channel strides; the launcher hands it the weight taps-major)."""
     nhwc = config.kernel in NHWC_KERNELS
@@ -1066,7 +1085,7 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
         common = dict(common, INDEX_64=image_needs_int64(x, out))
     tiles = cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
-               *((1, geom.out_channels) if nhwc else (taps, 1)), geom.stride_w, geom.pad_top, geom.pad_left,
+               *_tile_weight_strides(config.kernel, geom, flip_weight), geom.stride_w, geom.pad_top, geom.pad_left,
                geom.dilation_w)
     unroll = taps <= MAX_BAND_TAPS
     assert config.block_h * taps <= band_limit(x.device) or config.block_h == 1, "band too long to unroll"
