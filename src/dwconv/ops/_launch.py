@@ -10,6 +10,7 @@ of the data pointer, which are also what Triton specialises a kernel on.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, Optional, Tuple, TypeVar
 
@@ -27,6 +28,8 @@ class LaunchPlan:
     constants: Dict[str, object] = field(default_factory=dict)  # constexpr arguments, num_warps
     partial_shape: Optional[Tuple[int, ...]] = None  # float32 partial sums the launch writes, if any
     partial_dtype: torch.dtype = torch.float32
+    # launch(): per (kernel, device), the compiled kernel and the arguments it takes after the tensors
+    compiled: Dict[Hashable, tuple] = field(default_factory=dict, compare=False, repr=False)
 
 
 def layout_key(t: torch.Tensor) -> Hashable:
@@ -56,3 +59,30 @@ def new_partial(plan: LaunchPlan, device: torch.device) -> torch.Tensor:
     """NaN-filled (a few KB to MB): a partial sum no program wrote poisons the result instead of
     passing silently."""
     return torch.full(plan.partial_shape, float("nan"), device=device, dtype=plan.partial_dtype)
+
+
+# Off until timed on the GPU (docs/notes.md, session 9): DWCONV_FAST_LAUNCH=1 turns it on.
+FAST_LAUNCH = os.environ.get("DWCONV_FAST_LAUNCH", "0") == "1"
+
+
+def launch(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
+    """kernel[plan.grid](*tensors, *plan.scalars, **plan.constants). With FAST_LAUNCH, later launches
+    of a plan on a device go straight to the compiled kernel that the first one returned, skipping
+    Triton's per-call specialisation and cache lookup (Triton's run() was ~70 us of each launch's
+    host time in the session 9 profile, under cProfile). Sound because a plan fixes every scalar
+    and constexpr argument, and each launch checks that the tensors' dtypes and 16-byte alignments,
+    what Triton specialises pointers on, are the first launch's; otherwise it takes Triton's path."""
+    if not (FAST_LAUNCH and tensors[0].is_cuda):
+        kernel[plan.grid](*tensors, *plan.scalars, **plan.constants)
+        return
+    key = (kernel, torch.cuda.current_device())  # (Triton compiles and caches per current device)
+    pointers = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+    entry = plan.compiled.get(key)
+    if entry is not None and entry[0] == pointers:
+        entry[1][entry[2]](*tensors, *entry[3])
+        return
+    compiled = kernel[plan.grid](*tensors, *plan.scalars, **plan.constants)
+    names = kernel.arg_names[len(tensors) + len(plan.scalars):]
+    if compiled is not None and all(name in plan.constants for name in names):
+        grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
+        plan.compiled[key] = (pointers, compiled, grid, plan.scalars + tuple(plan.constants[n] for n in names))

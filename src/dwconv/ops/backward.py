@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
+from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
 from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
                       _stride_unit, _tap_weights, _tile_pixels, bf16_pairs_apply, channels_last_kernel_applies,
@@ -427,10 +427,9 @@ def _launch_nhwc_pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torc
                        lambda: _nhwc_pixels_grad_plan(geom, grad_out, x, dx, config, row_splits, bias_grad))
     partial = new_partial(plan, x.device)
     if dx is None:  # the weight gradient: rows of x under the taps, grad_out at the tiles
-        depthwise_grad_nhwc_pixels_kernel[plan.grid](x, x, grad_out, x, partial, *plan.scalars, **plan.constants)
+        launch(depthwise_grad_nhwc_pixels_kernel, plan, x, x, grad_out, x, partial)
     else:
-        depthwise_grad_nhwc_pixels_kernel[plan.grid](grad_out, weight, x, dx, partial, *plan.scalars,
-                                                     **plan.constants)
+        launch(depthwise_grad_nhwc_pixels_kernel, plan, grad_out, weight, x, dx, partial)
     return partial.sum(dim=0)
 
 
@@ -488,7 +487,7 @@ def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeom
         return launch_forward(grad_out, weight, None, input_grad_geometry(geom), out=dx, flip_weight=True)[0]
     plan = cached_plan(_GRAD_INPUT_PLANS, (geom, layout_key(grad_out), layout_key(dx)),
                        lambda: _grad_input_plan(geom, grad_out, dx))
-    depthwise_grad_input_tile_kernel[plan.grid](grad_out, weight.contiguous(), dx, *plan.scalars, **plan.constants)
+    launch(depthwise_grad_input_tile_kernel, plan, grad_out, weight.contiguous(), dx)
     return dx
 
 
@@ -563,7 +562,7 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
                        lambda: _grad_weight_plan(geom, config, grad_out, x, bool(bias_grad)))
     partial = new_partial(plan, x.device)
     kernel = depthwise_grad_weight_nhwc_kernel if plan.kernel == "grad_weight_nhwc" else depthwise_grad_weight_kernel
-    kernel[plan.grid](grad_out, x, partial, *plan.scalars, **plan.constants)
+    launch(kernel, plan, grad_out, x, partial)
     # Fixed-order reductions over the splits (deterministic), each one op into a fresh tensor.
     grad_w = partial[:, :, :taps].sum(dim=1).view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w)
     grad_b = partial[:, :, taps].sum(dim=1).to(weight_dtype) if bias_grad else None

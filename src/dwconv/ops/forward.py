@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ._launch import LaunchPlan, cached_plan, layout_key, new_partial, plane_needs_int64
+from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
 from .toeplitz import toeplitz_applies, toeplitz_block_m, toeplitz_block_w, toeplitz_forward
 
 
@@ -965,15 +965,14 @@ def launch_forward(
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
     if plan.kernel == "nchw_pixels":
-        depthwise_fwd_nchw_pixels_kernel[plan.grid](x, weight, bias_arg, out, *plan.scalars, **plan.constants)
+        launch(depthwise_fwd_nchw_pixels_kernel, plan, x, weight, bias_arg, out)
         return out, None
     if plan.kernel != "rows":
-        depthwise_fwd_tile_kernel[plan.grid](x, weight, bias_arg, out, *plan.scalars, **plan.constants)
+        launch(depthwise_fwd_tile_kernel, plan, x, weight, bias_arg, out)
         return out, None
     partial = new_partial(plan, x.device) if fused else None
-    depthwise_fwd_rows_kernel[plan.grid](
-        x, weight, bias_arg, out, weight_grad_from if fused else out, partial if fused else out,
-        *plan.scalars, **plan.constants)
+    launch(depthwise_fwd_rows_kernel, plan, x, weight, bias_arg, out, weight_grad_from if fused else out,
+           partial if fused else out)
     return out, partial
 
 

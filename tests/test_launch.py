@@ -1,0 +1,92 @@
+"""The launch fast path (dwconv.ops._launch.launch with FAST_LAUNCH): its bookkeeping here with a
+stand-in kernel (no GPU needed), and on the GPU the gradients and outputs it gives against Triton's
+own launch path."""
+
+import pytest
+import torch
+
+import dwconv
+import dwconv.ops._launch as _launch
+from dwconv.ops._launch import LaunchPlan, launch
+from helpers import DEVICE, assert_close, randn, reference_conv
+
+
+class FakeTensor:
+    is_cuda = True
+
+    def __init__(self, address, dtype=torch.float32):
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self):
+        return self.address
+
+
+class FakeCompiled:
+    """What a JITFunction launch returns: indexing by a 3-dimensional grid gives its launcher."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append(("compiled", grid, args))
+
+
+class FakeKernel:
+    arg_names = ["x", "y", "size", "stride", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("triton", grid, args, kwargs))
+            return FakeCompiled(self.calls)
+        return run
+
+
+def test_fast_launch_reuses_the_compiled_kernel_only_for_the_same_pointer_kinds(monkeypatch):
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = FakeKernel()
+    plan = LaunchPlan("fake", (7,), (100, 3), dict(FLAG=True, BLOCK=64, num_warps=4))
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    launch(kernel, plan, x, y)
+    assert kernel.calls[-1] == ("triton", (7,), (x, y, 100, 3), dict(FLAG=True, BLOCK=64, num_warps=4))
+    launch(kernel, plan, FakeTensor(4096), y)  # another 16-byte aligned x: the compiled kernel, arguments in order
+    assert kernel.calls[-1][:2] == ("compiled", (7, 1, 1))
+    assert kernel.calls[-1][2][2:] == (100, 3, 64, True), "scalars, then constexprs in the kernel's order"
+    launch(kernel, plan, FakeTensor(4100), y)  # not 16-byte aligned: Triton specialises again
+    assert kernel.calls[-1][0] == "triton"
+    launch(kernel, plan, x, FakeTensor(2048, torch.bfloat16))  # another dtype: Triton again
+    assert kernel.calls[-1][0] == "triton"
+    assert len(kernel.calls) == 4
+
+
+def test_no_fast_launch_when_off_or_on_the_cpu(monkeypatch):
+    kernel = FakeKernel()
+    plan = LaunchPlan("fake", (2,), (5, 6), dict(FLAG=False, BLOCK=8))
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
+    for _ in range(2):
+        launch(kernel, plan, FakeTensor(0), FakeTensor(0))
+    assert [c[0] for c in kernel.calls] == ["triton", "triton"] and not plan.compiled
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="launches compiled kernels")
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+def test_fast_launch_on_the_gpu(monkeypatch, layout):
+    """Forward and gradients, three calls each with fresh tensors, through the fast path: the same
+    values as Triton's path, right against a float64 reference."""
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+    for _ in range(3):
+        x = randn(4, 32, 19, 23).contiguous(memory_format=layout).requires_grad_()
+        weight = randn(32, 1, 3, 3).requires_grad_()
+        bias = randn(32).requires_grad_()
+        out = dwconv.depthwise_conv2d(x, weight, bias, 1, 1)
+        assert_close(out, reference_conv(x, weight, bias, 1, 1, 1), torch.float32)
+        grads = torch.autograd.grad(out, (x, weight, bias), torch.ones_like(out))
+        monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
+        slow = torch.autograd.grad(dwconv.depthwise_conv2d(x, weight, bias, 1, 1), (x, weight, bias),
+                                   torch.ones_like(out))
+        monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+        for got, ref in zip(grads, slow):
+            assert torch.equal(got, ref)
