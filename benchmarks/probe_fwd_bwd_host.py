@@ -9,23 +9,17 @@ and its forward with requires_grad alone; then a cProfile of the forward+backwar
 import cProfile
 import gc
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
 
 import dwconv
 from dwconv.bench import Timer
+from host_overhead_gpu import per_call_us  # (benchmarks/ is on the path when run as a script)
 
 
-def host_us(fn, calls=100):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / calls * 1e6
+def host_us(fn):
+    return per_call_us(fn, 100)[0]
 
 
 def main():
