@@ -26,6 +26,19 @@ def test_suite_dtype_filter():
     assert {c.dtype for c in cases_from_args(parse_args(["--suite", "models", "--dtype", "bfloat16"]))} == {"bfloat16"}
     assert len(cases_from_args(parse_args(["--suite", "models"]))) == len(SUITES["models"])
     assert [c.dtype for c in cases_from_args(parse_args([]))] == ["float32"]
+    bf16 = cases_from_args(parse_args(["--suite", "models", "--dtype", "bfloat16"]))
+    assert cases_from_args(parse_args(["--suite", "models", "--dtype", "bfloat16", "--cases", "2", "0"])) == \
+        [bf16[2], bf16[0]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times CUDA graphs")
+def test_bench_with_cuda_graphs(capsys):
+    """Forward+backward of dwconv and PyTorch captured in CUDA graphs and replayed for the timing."""
+    from dwconv.bench import main
+
+    assert main(["-N", "2", "-C", "8", "-H", "16", "-W", "16", "--padding", "1", "--backward", "--channels-last",
+                 "--cuda-graphs", "--iters", "3", "--warmup", "1"]) == 0
+    assert "replayed from a CUDA graph" in capsys.readouterr().out
 
 
 def fake_rows():

@@ -125,6 +125,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--channels-last", action="store_true",
                    help="also time dwconv on channels_last tensors (path dwconv_cl; compare with cudnn_cl)")
     p.add_argument("--backward", action="store_true", help="time forward+backward and backward instead of forward")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="time each call replayed from a CUDA graph (no host time: the kernels' own)")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--csv", metavar="FILE", help="write the rows to a CSV file")
@@ -179,6 +181,21 @@ class Timer:
             end.record()
         torch.cuda.synchronize()
         return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn captured in a CUDA graph (after warm-up on a side stream, as torch.cuda.graph asks):
+    its replay, which launches the same kernels with no Python in between."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def make_inputs(case: Case, generator: torch.Generator):
@@ -266,12 +283,13 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
                 fn()
                 torch.cuda.synchronize()
                 peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
-            times = timer(fn)
+            times = timer(graphed(fn) if args.cuda_graphs else fn)
             mean = statistics.fmean(times)
             gbps = pass_bytes / mean / 1e6
             rows.append(dict(layer=case.label, path=name, **{"pass": pass_name}, ms=mean, std=statistics.pstdev(times),
                              gbps=gbps, pct_copy=100 * gbps / copy_gbps, peak_mb=peak_mb,
-                             max_err=max_err if name.startswith("dwconv") else float("nan")))
+                             max_err=max_err if name.startswith("dwconv") else float("nan"),
+                             cuda_graph=bool(args.cuda_graphs)))
         if args.backward:
             del graph_out, grad_out, leaves, wrt
     for row in rows:
@@ -315,6 +333,8 @@ def measure_copy(timer: Timer) -> float:
 
 def print_table(rows: List[Dict], copy_gbps: float) -> None:
     print(f"\ndevice copy: {copy_gbps:.0f} GB/s (read + write), measured in this run")
+    if rows and rows[0].get("cuda_graph"):
+        print("every call replayed from a CUDA graph: GPU time alone, no host time")
     width = max([44] + [len(r["layer"]) for r in rows])
     header = (f"{'layer':<{width}} {'path':<9} {'pass':<8} {'ms':>9} {'std':>7} {'GB/s':>7} {'%copy':>6} "
               f"{'peak MB':>8} {'dwconv x':>8}")
