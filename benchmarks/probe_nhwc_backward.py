@@ -3,10 +3,11 @@ as two kernels (conv_grad_weight's choice: since session 9 the unrolled pixels u
 grad_input on the forward's kernel) against the fused pass (depthwise_grad_nhwc_pixels_kernel with
 GRAD_INPUT) and cuDNN on channels_last tensors,
 on #84 and issue #4's stride-1 layers. Gradients checked against cuDNN's (float32 math) first.
---fused BLOCK_H BLOCK_W BLOCK_C WARPS [ROW_SPLITS]: more fused blocks (the default's come first).
+--fused BLOCK_H BLOCK_W BLOCK_C WARPS [RUNS]: more fused blocks (the default's come first; RUNS:
+programs a column of tiles, across the images).
 Bytes counted: grad_out and x read, grad_input written (the floor of either path).
 
-    PYTHONPATH=src python benchmarks/probe_nhwc_backward.py [--fused BH BW BC WARPS [SPLITS]]... [--layers 0 1]
+    PYTHONPATH=src python benchmarks/probe_nhwc_backward.py [--fused BH BW BC WARPS [RUNS]]... [--layers 0 1]
 """
 
 import argparse
@@ -28,7 +29,7 @@ def rel_err(got, ref):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fused", nargs="+", type=int, action="append", metavar="N",
-                   help="BLOCK_H BLOCK_W BLOCK_C WARPS [ROW_SPLITS]")
+                   help="BLOCK_H BLOCK_W BLOCK_C WARPS [RUNS]")
     p.add_argument("--layers", type=int, nargs="+", help="indices into probe_nhwc.LAYERS (default: all)")
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     args = p.parse_args()
@@ -48,9 +49,9 @@ def main():
         runs = [("two kernels", two_kernels)]
         for blocks in [None] + (args.fused or []):
             config = blocks and ForwardConfig("nhwc_pixels", blocks[0], blocks[1], blocks[3], block_c=blocks[2])
-            splits = blocks[4] if blocks and len(blocks) > 4 else None
+            run_count = blocks[4] if blocks and len(blocks) > 4 else None
             name = "fused " + ("default" if blocks is None else "x".join(map(str, blocks)))
-            runs.append((name, lambda c=config, s=splits: conv_grad_input_and_weight_nhwc(g, x, w, geom, c, s)))
+            runs.append((name, lambda c=config, r=run_count: conv_grad_input_and_weight_nhwc(g, x, w, geom, c, r)))
         for name, fn in runs:
             got_x, got_w = fn()
             ms = time_ms(fn)

@@ -314,21 +314,22 @@ def test_fused_backward_through_autograd(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    "shape,kernel,padding,dilation,block,row_splits",
+    "shape,kernel,padding,dilation,block,runs",
     [
         ((2, 64, 7, 9), (3, 3), 1, 1, None, None),  # the default blocks (2 x 4 outputs, 64 channels: bf16 pairs)
-        ((1, 40, 6, 11), (5, 5), 2, 1, (2, 4, 16), 2),  # channels not a block multiple, two row splits
+        ((1, 40, 6, 11), (5, 5), 2, 1, (2, 4, 16), 2),  # channels not a block multiple, two runs a column
         ((2, 64, 9, 8), (3, 3), 0, 2, (3, 4, 64), 2),  # dilation 2, no padding, rows not a block multiple
+        ((3, 8, 7, 6), (3, 3), 1, 1, (2, 4, 8), 5),  # runs that cross from one image into the next
         ((1, 6, 5, 5), (3, 3), 3, 1, (2, 2, 4), 3),  # padding past the kernel's reach (cropped grad_out)
         ((1, 8, 9, 7), (7, 3), (3, 1), 1, (4, 4, 8), 1),  # a non-square kernel
         ((1, 3, 1, 2), (3, 3), 1, 1, (2, 2, 4), 1),  # a 1 x 2 image
     ],
     ids=str,
 )
-def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, block, row_splits):
+def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, block, runs):
     """grad_input and grad_weight of channels_last tensors from one pass of the unrolled-pixels kernel
     over grad_out (each grad_out x input pair in one FMA of one tile; partial sums per column of
-    tiles and row split)."""
+    tiles and run)."""
     from dwconv.ops.backward import conv_grad_input_and_weight_nhwc
 
     x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
@@ -336,12 +337,12 @@ def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, b
     geom = conv_geometry(x, weight, None, 1, padding, dilation)
     grad_out = randn(*geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
     config = ForwardConfig("nhwc_pixels", block[0], block[1], 1, block_c=block[2]) if block else None
-    grad_x, grad_w = conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config, row_splits)
+    grad_x, grad_w = conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config, runs)
     assert grad_x.is_contiguous(memory_format=torch.channels_last) and grad_w.dtype == dtype
     ref = reference_grads(x, weight, None, grad_out, 1, padding, dilation)
     assert_close(grad_x, ref[0], dtype, "grad_input")
     assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight")
-    again = conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config, row_splits)
+    again = conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config, runs)
     assert torch.equal(again[0], grad_x) and torch.equal(again[1], grad_w), "not deterministic"
 
 
@@ -361,7 +362,9 @@ def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, b
 def test_grad_weight_channels_last_pixels(dtype, shape, kernel, stride, padding, dilation, multiplier, block):
     """The weight and bias gradients of channels_last tensors on the unrolled pixels (the GPU's path
     up to 7x7): tiles of grad_out, each tap adding the input under it; partial sums per column of
-    tiles and row split."""
+    tiles and run, with one run a column (the interpreter's) and with runs across images."""
+    from dwconv.ops.backward import _launch_nhwc_pixels_grad
+
     x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
     weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
     geom = conv_geometry(x, weight, None, stride, padding, dilation)
@@ -375,6 +378,10 @@ def test_grad_weight_channels_last_pixels(dtype, shape, kernel, stride, padding,
     assert_close_sum(grad_b, ref[2], torch.ones_like(x), grad_out, "grad_bias")
     again = conv_grad_weight(grad_out, x, geom, dtype, True, config)
     assert torch.equal(again[0], grad_w) and torch.equal(again[1], grad_b), "not deterministic"
+    taps = weight.shape[2] * weight.shape[3]
+    sums = _launch_nhwc_pixels_grad(geom, grad_out, x, None, None, config, 3, True)  # 3 runs a column
+    assert_close_sum(sums[:, :taps].reshape(weight.shape).to(dtype), ref[1], x, grad_out, "grad_weight, 3 runs")
+    assert_close_sum(sums[:, taps].to(dtype), ref[2], torch.ones_like(x), grad_out, "grad_bias, 3 runs")
 
 
 def test_grad_weight_channels_last_pixels_through_autograd(monkeypatch):
@@ -412,3 +419,35 @@ def test_fused_backward_channels_last_through_autograd(monkeypatch):
     check_grads(x, weight, None, 2, 1, 1)  # stride 2: grad_input is a gather
     check_grads(x, weight, randn(32), 1, 1, 1)  # a bias gradient: the two kernels
     assert not calls, "the fused path ran where it does not apply"
+
+
+def test_channels_last_pixel_grad_programs_on_the_gpu():
+    """nhwc_pixels_grad_config's GPU answer: #84's fused pass keeps the measured layout (one program
+    an image column of tiles); a 7x7 weight gradient on 14x14 images keeps its partial sums near
+    16 MB (one program an image column would write 38 MB, twice the tensors)."""
+    from dwconv.ops.backward import nhwc_pixels_grad_config
+
+    class OnGpu:  # what the config reads of x, without a GPU
+        is_cuda = True
+
+        def __init__(self, shape, element_size):
+            self.shape, self._size = shape, element_size
+
+        def numel(self):
+            return self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
+
+        def element_size(self):
+            return self._size
+
+    def geometry(shape, k, padding):
+        return conv_geometry(torch.empty(shape, device="meta"), torch.empty(shape[1], 1, k, k, device="meta"), None,
+                             1, padding, 1)
+
+    kb84 = geometry((64, 128, 256, 512), 3, 0)
+    config, runs = nhwc_pixels_grad_config(kb84, OnGpu((64, 128, 256, 512), 2), True)
+    assert (config.block_h, config.block_w, config.block_c, runs) == (4, 4, 128, 64)
+    small = geometry((64, 384, 14, 14), 7, 3)
+    config, runs = nhwc_pixels_grad_config(small, OnGpu((64, 384, 14, 14), 2), False)
+    columns = (384 // config.block_c) * (14 // config.block_w)
+    partial_mb = columns * runs * config.block_c * 49 * 4 / 2**20
+    assert 8 <= partial_mb <= 17, partial_mb

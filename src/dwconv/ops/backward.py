@@ -210,7 +210,7 @@ def depthwise_grad_weight_nhwc_kernel(
 @triton.jit
 def depthwise_grad_nhwc_pixels_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
-    channels, src_h, src_w, tile_h, tile_w, row_tiles, row_splits,
+    channels, batch, src_h, src_w, tile_h, tile_w, row_tiles, runs,
     src_stride_n, src_stride_h, q_stride_n, q_stride_h, dx_stride_n, dx_stride_h,
     pad_top, pad_left,
     GRAD_INPUT: tl.constexpr, MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
@@ -226,23 +226,22 @@ def depthwise_grad_nhwc_pixels_kernel(
       (flipped) tap's weight gradient adds grad_out times the input x (q) at the tile's positions.
     - else the weight gradient alone (any stride, dilation, multiplier): tiles of grad_out (q), each
       tap's gradient adding the input x (src) under that tap times grad_out; BIAS_GRAD: grad_out's sum too.
-    One read of grad_out and x either way. Program (image, channel block, column of tiles, row split)
-    walks the row tiles row_split, row_split + row_splits, ... of its column and writes one partial
-    sum per tap (then the bias) and channel: partial[(image, column, row split), channel, tap] in
-    the weight's tap order, added in a fixed order by the launcher."""
+    One read of grad_out and x either way. The tiles of a column (channel block, BLOCK_W columns)
+    over every image, in (image, row) order, are cut into `runs` runs; program (column, run) walks
+    its run (within an image, tile after tile down the rows) and writes one partial sum per tap
+    (then the bias) and channel: partial[(column of tiles, run), channel, tap] in the weight's tap
+    order, added in a fixed order by the launcher. Runs across images keep the partial sums small
+    where the images are (kernels of many taps on small images)."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
-    channel_blocks = tl.cdiv(channels, BLOCK_C)
-    row_split = pid % row_splits
-    column = pid // row_splits
+    run = pid % runs
+    column = pid // runs
     first_col = (column % tiles_w) * BLOCK_W
-    n = column // tiles_w // channel_blocks
-    first_c = (column // tiles_w % channel_blocks) * BLOCK_C
+    first_c = (column // tiles_w) * BLOCK_C
     c = first_c + tl.arange(0, BLOCK_C)[None, :]
     c_ok = c < channels
-    src_base = src_ptr + n.to(tl.int64) * src_stride_n + c // MULTIPLIER
-    q_base = q_ptr + n.to(tl.int64) * q_stride_n + c
-    dx_base = dx_ptr + n.to(tl.int64) * dx_stride_n + c
+    tiles = batch * row_tiles
+    run_length = tl.cdiv(tiles, runs)
     if INDEX_64:
         first_col = first_col.to(tl.int64)
     weight_grads = ()
@@ -254,10 +253,14 @@ def depthwise_grad_nhwc_pixels_kernel(
     cols_inside = ((first_col + BLOCK_W <= tile_w) & (first_c + BLOCK_C <= channels)
                    & (first_col * STRIDE_W - pad_left >= 0)
                    & ((first_col + BLOCK_W - 1) * STRIDE_W - pad_left + (KW - 1) * DILATION_W < src_w))
-    for row_tile in range(row_split, row_tiles, row_splits):
-        first_row = row_tile * BLOCK_H
+    for tile in range(run * run_length, tl.minimum((run + 1) * run_length, tiles)):
+        n = (tile // row_tiles).to(tl.int64)
+        first_row = (tile % row_tiles) * BLOCK_H
         if INDEX_64:
             first_row = first_row.to(tl.int64)
+        src_base = src_ptr + n * src_stride_n + c // MULTIPLIER
+        q_base = q_ptr + n * q_stride_n + c
+        dx_base = dx_ptr + n * dx_stride_n + c
         interior = cols_inside & (first_row + BLOCK_H <= tile_h) & (first_row * STRIDE_H - pad_top >= 0) \
             & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < src_h)
         if interior:
@@ -281,7 +284,7 @@ def depthwise_grad_nhwc_pixels_kernel(
             for p in tl.static_range(BLOCK_H * BLOCK_W):
                 bias_grad += q[p]
             weight_grads = weight_grads[:KH * KW] + (bias_grad,)
-    slot = (n * tiles_w + column % tiles_w) * row_splits + row_split  # (channel blocks share a slot)
+    slot = (column % tiles_w) * runs + run  # (channel blocks share a slot)
     partial = partial_ptr + (slot.to(tl.int64) * channels + c) * (KH * KW + BIAS_GRAD)
     for tap in tl.static_range(KH * KW + BIAS_GRAD):
         if GRAD_INPUT:  # (tap of the flipped weight: stored at the weight's own)
@@ -383,48 +386,58 @@ def fused_nhwc_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
             and geom.kernel_h * geom.kernel_w <= FUSED_NHWC_TAPS)
 
 
-def nhwc_pixels_grad_config(tile_geom: ConvGeometry, x: torch.Tensor, grad_input: bool) -> Tuple[ForwardConfig, int]:
-    """Blocks and row splits of depthwise_grad_nhwc_pixels_kernel over the tiles of tile_geom's
-    output (grad_input's geometry for the fused pass, the forward's for the weight gradient alone):
-    the forward's blocks, the fused pass with 4 x 4 outputs in half precision and 2 x 4 in float32
-    (session 9 probe, H200, #84 and 64x144x56x56: bfloat16 1.99 / 0.148 ms at 4 x 4 against
-    2.10 / 0.164 at 2 x 4; float32 3.15 / 0.188 at 2 x 4 against 3.28 / 0.197); enough programs to
-    fill the GPU (about 4096), each walking a column of tiles; under the interpreter one a column."""
+def nhwc_pixels_grad_config(geom: ConvGeometry, x: torch.Tensor, grad_input: bool, bias_grad: bool = False
+                            ) -> Tuple[ForwardConfig, int]:
+    """Blocks and runs (programs a column of tiles) of depthwise_grad_nhwc_pixels_kernel, whose tiles
+    cover grad_input for the fused pass and grad_out for the weight gradient alone: the forward's
+    blocks, the fused pass with 4 x 4 outputs in half precision and 2 x 4 in float32 (session 9
+    probe, H200, #84 and 64x144x56x56: bfloat16 1.99 / 0.148 ms at 4 x 4 against 2.10 / 0.164 at
+    2 x 4; float32 3.15 / 0.188 at 2 x 4 against 3.28 / 0.197). Programs: as many as image columns
+    of tiles and at least about 4096 (what those runs measured), but fewer where the partial sums
+    would pass max(16 MB, a sixteenth of grad_out and x): each program writes its tiles' sums for
+    every tap, which for 7x7 on 14x14 images was twice the tensors' bytes (not yet timed).
+    Under the interpreter one program a column."""
+    tile_geom = input_grad_geometry(geom) if grad_input else geom
     config = nhwc_pixels_config(tile_geom)
     if grad_input:
         block_h = min(config.block_h, 4 if x.element_size() < 4 else 2)
         config = ForwardConfig("nhwc_pixels", block_h, 4, config.num_warps, block_c=config.block_c)
-    columns = tile_geom.batch * cdiv(tile_geom.out_channels, config.block_c) * cdiv(tile_geom.out_w, config.block_w)
-    row_tiles = cdiv(tile_geom.out_h, config.block_h)
-    return config, (min(row_tiles, cdiv(4096, columns)) if x.is_cuda else 1)
+    columns = cdiv(geom.out_channels, config.block_c) * cdiv(tile_geom.out_w, config.block_w)
+    tiles = geom.batch * cdiv(tile_geom.out_h, config.block_h)
+    if not x.is_cuda:
+        return config, 1
+    tensor_bytes = (x.numel() + geom.batch * geom.out_channels * geom.out_h * geom.out_w) * x.element_size()
+    partial_budget = max(16 << 20, tensor_bytes // 16)
+    sums_a_program = config.block_c * (geom.kernel_h * geom.kernel_w + int(bias_grad)) * 4
+    programs = min(max(4096, geom.batch * columns), max(columns, partial_budget // sums_a_program))
+    return config, max(1, min(tiles, cdiv(programs, columns)))
 
 
 def conv_grad_input_and_weight_nhwc(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                     geom: ConvGeometry, config: Optional[ForwardConfig] = None,
-                                    row_splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                                    runs: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused backward of channels_last x (fused_nhwc_backward_applies): grad_input and grad_weight
     from one read of grad_out and x (depthwise_grad_nhwc_pixels_kernel with GRAD_INPUT)."""
     # (any kernel that fits the unrolled code is correct; FUSED_NHWC_TAPS is where autograd takes it)
     assert geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and channels_last_kernel_applies(x), \
         "the channels_last fused backward needs stride 1, multiplier 1 and unit channel strides"
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
-    sums = _launch_nhwc_pixels_grad(geom, grad_out, x, dx, weight.contiguous(), config, row_splits, False)
+    sums = _launch_nhwc_pixels_grad(geom, grad_out, x, dx, weight.contiguous(), config, runs, False)
     return dx, sums.view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight.dtype)
 
 
 def _launch_nhwc_pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor,
                              dx: Optional[torch.Tensor], weight: Optional[torch.Tensor],
-                             config: Optional[ForwardConfig], row_splits: Optional[int], bias_grad: bool
+                             config: Optional[ForwardConfig], runs: Optional[int], bias_grad: bool
                              ) -> torch.Tensor:
     """Launches depthwise_grad_nhwc_pixels_kernel (the fused pass when dx is given, with the
     contiguous weight; else the weight gradient alone) and returns the partial sums added over the
     programs: [channels, taps (+ bias)] in the weight's tap order."""
     if grad_out.stride(1) != 1:  # (autograd hands the output's layout back; this is the odd case)
         grad_out = grad_out.contiguous(memory_format=torch.channels_last)
-    key = (geom, layout_key(grad_out), layout_key(x), dx is not None and layout_key(dx), config, row_splits,
-           bias_grad)
+    key = (geom, layout_key(grad_out), layout_key(x), dx is not None and layout_key(dx), config, runs, bias_grad)
     plan = cached_plan(_NHWC_PIXELS_GRAD_PLANS, key,
-                       lambda: _nhwc_pixels_grad_plan(geom, grad_out, x, dx, config, row_splits, bias_grad))
+                       lambda: _nhwc_pixels_grad_plan(geom, grad_out, x, dx, config, runs, bias_grad))
     partial = new_partial(plan, x.device)
     if dx is None:  # the weight gradient: rows of x under the taps, grad_out at the tiles
         launch(depthwise_grad_nhwc_pixels_kernel, plan, x, x, grad_out, x, partial)
@@ -437,14 +450,14 @@ _NHWC_PIXELS_GRAD_PLANS: dict = {}
 
 
 def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx: Optional[torch.Tensor],
-                           config: Optional[ForwardConfig], row_splits: Optional[int], bias_grad: bool) -> LaunchPlan:
+                           config: Optional[ForwardConfig], runs: Optional[int], bias_grad: bool) -> LaunchPlan:
     grad_input = dx is not None
     assert not (grad_input and bias_grad), "the fused pass has no bias gradient"
     tile_geom = input_grad_geometry(geom) if grad_input else geom
-    default_config, default_splits = nhwc_pixels_grad_config(tile_geom, x, grad_input)
+    default_config, default_runs = nhwc_pixels_grad_config(geom, x, grad_input, bias_grad)
     config = config or default_config
     row_tiles = cdiv(tile_geom.out_h, config.block_h)
-    row_splits = max(1, min(row_tiles, row_splits or default_splits))
+    runs = max(1, min(geom.batch * row_tiles, runs or default_runs))
     taps = geom.kernel_h * geom.kernel_w
     assert config.kernel == "nhwc_pixels" and config.block_h * config.block_w * taps <= MAX_PIXEL_TAPS, \
         "too many outputs x taps to unroll"
@@ -452,9 +465,9 @@ def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.
     # read at the tiles' positions (q)
     src, q = (grad_out, x) if grad_input else (x, grad_out)
     dx_strides = (dx.stride(0), dx.stride(2), dx.stride(3)) if grad_input else (0, 0, 1)
-    scalars = (geom.out_channels, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w, row_tiles,
-               row_splits, src.stride(0), src.stride(2), q.stride(0), q.stride(2), dx_strides[0], dx_strides[1],
-               tile_geom.pad_top, tile_geom.pad_left)
+    scalars = (geom.out_channels, geom.batch, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w,
+               row_tiles, runs, src.stride(0), src.stride(2), q.stride(0), q.stride(2), dx_strides[0],
+               dx_strides[1], tile_geom.pad_top, tile_geom.pad_left)
     constants = dict(GRAD_INPUT=grad_input, MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w,
                      STRIDE_H=tile_geom.stride_h, STRIDE_W=tile_geom.stride_w, DILATION_H=geom.dilation_h,
                      DILATION_W=geom.dilation_w, BIAS_GRAD=bias_grad, SRC_STRIDE_W=src.stride(3),
@@ -466,7 +479,7 @@ def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.
                      num_warps=config.num_warps, num_stages=1)
     tiles_w = cdiv(tile_geom.out_w, config.block_w)
     channel_blocks = cdiv(geom.out_channels, config.block_c)
-    slots = geom.batch * tiles_w * row_splits  # (channel blocks share a slot)
+    slots = tiles_w * runs  # (channel blocks share a slot)
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return LaunchPlan("grad_nhwc_pixels", (slots * channel_blocks,), scalars, constants,
                       (slots, geom.out_channels, taps + int(bias_grad)), acc_dtype)
