@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|fastlaunch|graphs|ab|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -27,6 +27,23 @@ for step in $steps; do
             python3 -m pytest -q -rf tests/test_integration.py -k "real_models or opcheck" -p no:cacheprovider \
               >"$OUT/real_models.log" 2>&1; tail -5 "$OUT/real_models.log" ;;
     host) python3 benchmarks/host_overhead_gpu.py 2>&1 | tee "$OUT/host.log" ;;
+    # session 9's launch fast path: its GPU tests, then host time without and with it
+    fastlaunch) DWCONV_FAST_LAUNCH=1 python3 -m pytest -q -rf tests/test_launch.py tests/test_backward.py \
+                  -k "launch or channels_last" -p no:cacheprovider >"$OUT/fastlaunch_tests.log" 2>&1
+                tail -3 "$OUT/fastlaunch_tests.log"
+                for fast in 0 1; do
+                  DWCONV_FAST_LAUNCH=$fast python3 benchmarks/host_overhead_gpu.py 2>&1 | grep -v "^ " | tee "$OUT/host_fast$fast.log"
+                  (cd benchmarks && DWCONV_FAST_LAUNCH=$fast python3 probe_fwd_bwd_host.py) 2>&1 | grep " us" \
+                    | tee "$OUT/fwd_bwd_host_fast$fast.log"
+                done ;;
+    # the kernels' own times (each call replayed from a CUDA graph), one dtype
+    graphs) python3 -m dwconv bench --suite models --dtype "${SUITE_DTYPE:-bfloat16}" --cuda-graphs \
+              --csv "$OUT/suite_graphs_${SUITE_DTYPE:-bfloat16}.csv" 2>&1 | tee "$OUT/suite_graphs.log" ;;
+    # A/B of the channels_last forward against an older tree unpacked in .ab_old (carried):
+    #   here: rm -rf .ab_old && mkdir .ab_old && git archive REV src | tar -x -C .ab_old
+    ab) for i in 1 2; do for tree in .ab_old/src src; do
+          echo "$tree"; (cd benchmarks && PYTHONPATH=../$tree python3 probe_nhwc.py --layers 0 --dtype bfloat16)
+        done; done 2>&1 | tee "$OUT/ab.log" ;;
     models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;
     ddp) torchrun --nproc_per_node=2 examples/train_ddp.py --steps 5 --check 2>&1 | tee "$OUT/ddp.log" ;;
     backward|all) python3 -m dwconv bench --suite forward --backward --csv "$OUT/bench_backward.csv" 2>&1 | tee "$OUT/bench_backward.log" ;;&
