@@ -664,7 +664,7 @@ def depthwise_fwd_nchw_pixels_kernel(
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
     WINDOW_VECS: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr,
 ):
-    """NCHW, stride 1, unit column steps ("nchw_pixels"; session 8, not yet timed): one program =
+    """NCHW, stride 1, unit column steps ("nchw_pixels"; float32 3x3's default since session 9): one program =
     BLOCK_H output rows x BLOCK_W columns of one plane, a thread 4 adjacent columns of each row.
     Per input row a thread loads the aligned 4-vectors covering its outputs' columns (the rows
     kernel's window) and takes each output's input as a lane of them: every output is one FMA chain
@@ -948,12 +948,11 @@ def launch_forward(
     if out.numel() == 0:
         return out, None
     fused = weight_grad_from is not None
-    if flip_weight and ((config is None and toeplitz_applies(geom, x.dtype)) or (config and config.kernel == "toeplitz")):
-        weight, flip_weight = weight.flip(2, 3), False
     if config is None and toeplitz_applies(geom, x.dtype) and not fused:  # (blocks chosen in its cached plan)
-        return toeplitz_forward(x, weight, bias, geom, out), None
+        return toeplitz_forward(x, weight.flip(2, 3) if flip_weight else weight, bias, geom, out), None
     if config is not None and config.kernel == "toeplitz":
-        return toeplitz_forward(x, weight, bias, geom, out, config.block_h, config.block_w, config.num_warps), None
+        return toeplitz_forward(x, weight.flip(2, 3) if flip_weight else weight, bias, geom, out, config.block_h,
+                                config.block_w, config.num_warps), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
            layout_key(weight_grad_from) if fused else None, flip_weight, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
