@@ -28,7 +28,7 @@ for step in $steps; do
               >"$OUT/real_models.log" 2>&1; tail -5 "$OUT/real_models.log" ;;
     host) python3 benchmarks/host_overhead_gpu.py 2>&1 | tee "$OUT/host.log" ;;
     # session 9's launch fast path: its GPU tests, then host time without and with it
-    fastlaunch) DWCONV_FAST_LAUNCH=1 python3 -m pytest -q -rf tests/test_launch.py tests/test_backward.py \
+    fastlaunch) DWCONV_FAST_LAUNCH=1 python3 -m pytest -q -rf $(python3 -c "import xdist" 2>/dev/null && printf -- "-n 8") tests/test_launch.py tests/test_backward.py \
                   -k "launch or channels_last" -p no:cacheprovider >"$OUT/fastlaunch_tests.log" 2>&1
                 tail -3 "$OUT/fastlaunch_tests.log"
                 for fast in 0 1; do
@@ -39,11 +39,15 @@ for step in $steps; do
     # the kernels' own times (each call replayed from a CUDA graph), one dtype
     graphs) python3 -m dwconv bench --suite models --dtype "${SUITE_DTYPE:-bfloat16}" --cuda-graphs \
               --csv "$OUT/suite_graphs_${SUITE_DTYPE:-bfloat16}.csv" 2>&1 | tee "$OUT/suite_graphs.log" ;;
-    # A/B of the channels_last forward against an older tree unpacked in .ab_old (carried):
-    #   here: rm -rf .ab_old && mkdir .ab_old && git archive REV src | tar -x -C .ab_old
-    ab) for i in 1 2; do for tree in .ab_old/src src; do
-          echo "$tree"; (cd benchmarks && PYTHONPATH=../$tree python3 probe_nhwc.py --layers 0 --dtype bfloat16)
-        done; done 2>&1 | tee "$OUT/ab.log" ;;
+    # A/B of trees unpacked here (carried), e.g. rm -rf .ab_old && mkdir .ab_old && git archive REV src | tar -x -C .ab_old
+    # AB_TREES (default ".ab_old/src src"), AB_PROBE (a command run in benchmarks/, default the
+    # channels_last forward of #84 in bfloat16): each tree's kernels compile in parallel first, then
+    # the timed runs alone, twice each, alternating
+    ab) trees=${AB_TREES:-.ab_old/src src}; probe=${AB_PROBE:-python3 probe_nhwc.py --layers 0 --dtype bfloat16}
+        for tree in $trees; do (cd benchmarks && PYTHONPATH=../$tree timeout 300 $probe >/dev/null 2>&1) & done; wait
+        for i in 1 2; do for tree in $trees; do
+          echo "$tree"; (cd benchmarks && PYTHONPATH=../$tree $probe)
+        done; done 2>&1 | tee -a "$OUT/ab.log" ;;
     models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;
     ddp) torchrun --nproc_per_node=2 examples/train_ddp.py --steps 5 --check 2>&1 | tee "$OUT/ddp.log" ;;
     backward|all) python3 -m dwconv bench --suite forward --backward --csv "$OUT/bench_backward.csv" 2>&1 | tee "$OUT/bench_backward.log" ;;&

@@ -249,7 +249,7 @@ def depthwise_grad_nhwc_pixels_kernel(
         weight_grads = weight_grads + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
     weights = ()
     if GRAD_INPUT:  # the weight [channels, taps] read from its last tap back (flipped)
-        weights = _tap_weights(w_ptr + c * (KH * KW) + (KH * KW - 1), -1, c_ok, KH * KW, ACC_DTYPE)
+        weights = _tap_weights(w_ptr + c * (KH * KW) + (KH * KW - 1), -1, c_ok, KH * KW, ACC_DTYPE, True)
     cols_inside = ((first_col + BLOCK_W <= tile_w) & (first_c + BLOCK_C <= channels)
                    & (first_col * STRIDE_W - pad_left >= 0)
                    & ((first_col + BLOCK_W - 1) * STRIDE_W - pad_left + (KW - 1) * DILATION_W < src_w))

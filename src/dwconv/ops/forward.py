@@ -50,11 +50,24 @@ def _load_weights(ptrs, c_ok, ACC_DTYPE: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _tap_weights(w_taps, w_stride_tap, c_ok, TAPS: tl.constexpr, ACC_DTYPE: tl.constexpr):
-    """Every tap's [1, channels] weights, as a tuple (channels past the end: 0)."""
+def _tap_weights(w_taps, w_stride_tap, c_ok, TAPS: tl.constexpr, ACC_DTYPE: tl.constexpr, MASKED: tl.constexpr):
+    """Every tap's [1, channels] weights, as a tuple (MASKED: channels past the end give 0)."""
     weights = ()
     for tap in tl.static_range(TAPS):
-        weights = weights + (_load_weights(w_taps + tap * w_stride_tap, c_ok, ACC_DTYPE, True),)
+        weights = weights + (_load_weights(w_taps + tap * w_stride_tap, c_ok, ACC_DTYPE, MASKED),)
+    return weights
+
+
+@triton.jit
+def _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, TAPS: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """The weights a "nhwc_pixels" branch (interior or edge tile) convolves with. Up to 9 taps each
+    branch loads its own (the interior's unmasked): #84 bfloat16 1.19 -> 1.09 ms; past that the
+    program's, loaded once before the branch (program_weights): a 7x7 56x56 bfloat16 layer took
+    0.125 ms with per-branch loads against 0.115 (docs/notes.md, session 10)."""
+    weights = program_weights
+    if TAPS <= 9:
+        weights = _tap_weights(w_taps, w_stride_tap, c_ok, TAPS, ACC_DTYPE, MASKED)
     return weights
 
 
@@ -260,8 +273,8 @@ def depthwise_fwd_tile_kernel(
     """One program = BLOCK_H output rows (any number, not only powers of 2) of a BLOCK_W x BLOCK_C
     strip (columns, output channels) of one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW
     (a strip of one plane); for channels_last a run of channels along the contiguous axis, with the
-    weight taps-major for "nhwc" (w_stride_c 1: each tap's weights are one vector load, once a band
-    row); "nhwc_pixels" loads them once a program, from the weight as it is.
+    weight taps-major (w_stride_c 1: each tap's weights are one vector load; "nhwc" loads them once
+    a band row, "nhwc_pixels" once a program).
     PIXELS (channels_last, "nhwc_pixels"): the strip's columns unrolled (_conv_pixels), with the
     column stride and dilation PIXEL_STRIDE_W / PIXEL_DILATION_W and the pixel strides of x and y
     PIXEL_X_STRIDE_W / PIXEL_Y_STRIDE_W known to the compiler (pixel addresses become immediate
@@ -294,13 +307,17 @@ def depthwise_fwd_tile_kernel(
                 & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < in_h)
                 & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
     if PIXELS:
-        weights = _tap_weights(w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE)  # (once, for either path)
+        program_weights = ()
+        if KH * KW > 9:  # (see _branch_weights)
+            program_weights = _tap_weights(w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True)
         if interior:
+            weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, False)
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
                          BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
         else:
+            weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True)
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
@@ -959,7 +976,9 @@ def launch_forward(
                                                                   weight_grad_from, flip_weight))
     if flip_weight and plan.kernel not in TILE_KERNELS:
         weight = weight.flip(2, 3)
-    if plan.kernel == "nhwc":  # taps-major: a tap's weights for a run of channels are one vector
+    # taps-major: a tap's weights for a run of channels are one vector load (the strided loads of
+    # the weight as given cost "nhwc_pixels" 7% on #84 float32: docs/notes.md, session 10)
+    if plan.kernel in NHWC_KERNELS:
         weight = weight.reshape(geom.out_channels, -1).t()
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
@@ -1061,10 +1080,10 @@ def bf16_pairs_apply(x: torch.Tensor, geom: ConvGeometry, block_c: int, num_warp
 
 def _tile_weight_strides(kernel: str, geom: ConvGeometry, flipped: bool) -> Tuple[int, int, int]:
     """(channel stride, tap stride, first tap's offset) of the weight depthwise_fwd_tile_kernel reads:
-    [C, taps] as given, or [taps, C] for "nhwc" (launch_forward transposes it); flipped: the taps
+    [C, taps] as given, or [taps, C] for the channels_last kernels (launch_forward transposes it); flipped: the taps
     from the last one back."""
     taps = geom.kernel_h * geom.kernel_w
-    channel, tap = (1, geom.out_channels) if kernel == "nhwc" else (taps, 1)
+    channel, tap = (1, geom.out_channels) if kernel in NHWC_KERNELS else (taps, 1)
     return (channel, -tap, (taps - 1) * tap) if flipped else (channel, tap, 0)
 
 
