@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|fastlaunch|graphs|ab|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -8,14 +8,15 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee -a "$OUT/env.txt"
 steps=${*:-all}
+# 8 workers where pytest-xdist is installed (the GPU image has it, and 16 cores): the tests are compile-bound
+xdist=$(python3 -c 'import xdist' 2>/dev/null && printf -- '-n 8')
 for step in $steps; do
   case $step in
-    # 8 workers where pytest-xdist is installed (the GPU image has it, and 16 cores): the suite is compile-bound
-    tests|all) python3 -m pytest -q -rf $(python3 -c 'import xdist' 2>/dev/null && printf -- '-n 8') tests -p no:cacheprovider \
+    tests|all) python3 -m pytest -q -rf $xdist tests -p no:cacheprovider \
                  >"$OUT/tests.log" 2>&1; tail -25 "$OUT/tests.log" ;;&
     # the suite takes over 5 minutes on a fresh GPU machine (every shape compiles): two calls
-    tests1) python3 -m pytest -q -rf tests/test_backward.py -p no:cacheprovider >"$OUT/tests1.log" 2>&1; tail -25 "$OUT/tests1.log" ;;
-    tests2) python3 -m pytest -q -rf tests --deselect tests/test_backward.py -p no:cacheprovider >"$OUT/tests2.log" 2>&1
+    tests1) python3 -m pytest -q -rf $xdist tests/test_backward.py -p no:cacheprovider >"$OUT/tests1.log" 2>&1; tail -25 "$OUT/tests1.log" ;;
+    tests2) python3 -m pytest -q -rf $xdist tests --ignore tests/test_backward.py -p no:cacheprovider >"$OUT/tests2.log" 2>&1
             tail -25 "$OUT/tests2.log" ;;
     sweep|all) python3 benchmarks/sweep_forward.py --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;&
     sweep84) python3 benchmarks/sweep_forward.py --quick --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;
@@ -27,8 +28,10 @@ for step in $steps; do
             python3 -m pytest -q -rf tests/test_integration.py -k "real_models or opcheck" -p no:cacheprovider \
               >"$OUT/real_models.log" 2>&1; tail -5 "$OUT/real_models.log" ;;
     host) python3 benchmarks/host_overhead_gpu.py 2>&1 | tee "$OUT/host.log" ;;
+    # where the backward on the autograd device thread loses host time (session 10)
+    thread) python3 benchmarks/probe_device_thread.py 2>&1 | tee "$OUT/device_thread.log" ;;
     # session 9's launch fast path: its GPU tests, then host time without and with it
-    fastlaunch) DWCONV_FAST_LAUNCH=1 python3 -m pytest -q -rf $(python3 -c "import xdist" 2>/dev/null && printf -- "-n 8") tests/test_launch.py tests/test_backward.py \
+    fastlaunch) DWCONV_FAST_LAUNCH=1 python3 -m pytest -q -rf $xdist tests/test_launch.py tests/test_backward.py \
                   -k "launch or channels_last" -p no:cacheprovider >"$OUT/fastlaunch_tests.log" 2>&1
                 tail -3 "$OUT/fastlaunch_tests.log"
                 for fast in 0 1; do

@@ -1,22 +1,33 @@
-"""Developer probe: host (Python) time of dwconv's launchers per call, with the Triton launches
-stubbed out, on CPU tensors (no GPU needed). It measures only dwconv's own wrapper code: argument
-checks, configuration, allocation and the small torch ops around the kernels, not Triton's launcher.
+"""Developer probe: host (Python) time of dwconv's own code per call, with every kernel launch
+stubbed out (ops._launch.launch replaced in each ops module), on small CPU tensors under
+TRITON_INTERPRET=1 (so that dwconv takes its kernel path; no GPU needed). What it measures:
+argument checks, geometry, plan lookups, allocations and the small torch ops around the kernels,
+and the autograd Function; not Triton's launcher (see host_overhead_gpu.py for that, on a GPU).
+Small shapes keep the torch ops around the kernels (partial sums' sum) from costing real work.
 
-    python benchmarks/host_overhead.py
+    python benchmarks/host_overhead.py [--profile]
 """
 
-import time
+import os
 
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")  # (before dwconv imports Triton)
 
-import dwconv.ops.backward as backward
-import dwconv.ops.forward as forward
-from dwconv._geometry import conv_geometry
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+import dwconv  # noqa: E402
+import dwconv.ops.backward as backward  # noqa: E402
+import dwconv.ops.forward as forward  # noqa: E402
+import dwconv.ops.toeplitz as toeplitz  # noqa: E402
+from dwconv._geometry import conv_geometry  # noqa: E402
 
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+def _no_launch(kernel, plan, *tensors):
+    return None
 
 
 def per_call_us(fn, calls):
@@ -28,20 +39,45 @@ def per_call_us(fn, calls):
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def main():
-    for name in ("depthwise_fwd_rows_kernel", "depthwise_fwd_tile_kernel"):
-        setattr(forward, name, _NoLaunch())
-    for name in ("depthwise_grad_weight_kernel", "depthwise_grad_input_tile_kernel"):
-        setattr(backward, name, _NoLaunch())
-    x = torch.randn(64, 144, 56, 56)
+def rows(layout, calls):
+    x = torch.randn(2, 144, 12, 12).contiguous(memory_format=layout)
     weight = torch.randn(144, 1, 3, 3)
     geom = conv_geometry(x, weight, None, 1, 1, 1)
-    grad_out = torch.randn(geom.output_shape)
-    print("64x144x56x56 k3 p1, float32, CPU tensors, kernels not launched; microseconds per call:")
-    print(f"  conv_geometry     {per_call_us(lambda: conv_geometry(x, weight, None, 1, 1, 1), 2000):6.1f}")
-    print(f"  conv_forward      {per_call_us(lambda: forward.conv_forward(x, weight, None, geom), 2000):6.1f}")
-    print(f"  conv_grad_weight  {per_call_us(lambda: backward.conv_grad_weight(grad_out, x, geom, weight.dtype, False), 500):6.1f}")
-    print(f"  conv_grad_input   {per_call_us(lambda: backward.conv_grad_input(grad_out, weight, geom, x), 500):6.1f}")
+    grad_out = torch.randn(geom.output_shape).contiguous(memory_format=layout)
+    xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    fused = backward.fused_backward_applies(geom, x)
+
+    def forward_backward():
+        torch.autograd.grad(dwconv.depthwise_conv2d(xg, wg, None, 1, 1), (xg, wg), grad_out)
+
+    yield "conv_geometry", lambda: conv_geometry(x, weight, None, 1, 1, 1), calls
+    yield "conv_forward", lambda: forward.conv_forward(x, weight, None, geom), calls
+    yield "conv_grad_weight", lambda: backward.conv_grad_weight(grad_out, x, geom, weight.dtype, False), calls
+    yield "conv_grad_input", lambda: backward.conv_grad_input(grad_out, weight, geom, x), calls
+    if fused:
+        yield "conv_grad_input_and_weight", lambda: backward.conv_grad_input_and_weight(grad_out, x, weight, geom), calls
+    yield "depthwise_conv2d (no grad)", lambda: dwconv.depthwise_conv2d(x, weight, None, 1, 1), calls
+    yield "forward+backward (autograd)", forward_backward, calls // 2
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--profile", action="store_true", help="cProfile the autograd forward+backward")
+    p.add_argument("--calls", type=int, default=2000)
+    args = p.parse_args()
+    for module in (forward, backward, toeplitz):
+        module.launch = _no_launch
+    for layout, name in ((torch.contiguous_format, "NCHW"), (torch.channels_last, "channels_last")):
+        print(f"2x144x12x12 k3 p1 float32 {name}, CPU tensors, kernels not launched; microseconds per call:")
+        for label, fn, calls in rows(layout, args.calls):
+            print(f"  {label:30s} {per_call_us(fn, calls):7.1f}", flush=True)
+            if args.profile and label.startswith("forward+backward"):
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(500):
+                    fn()
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
