@@ -131,6 +131,9 @@ def main() -> int:
         print(f"max relative difference: loss {loss_err:.2e}, first-step gradients {grad_err:.2e} -> "
               f"{'MATCH' if ok else 'MISMATCH'}")
         status = 0 if ok else 1
+    # rank 0 runs the reference alone: the others wait, so that no rank tears its connections down
+    # while a peer still holds them open (gloo aborted a rank so under a loaded CPU)
+    dist.barrier()
     dist.destroy_process_group()
     return status
 

@@ -2,7 +2,7 @@
 # Prints the python to use, after making sure torch, triton, pytest and dwconv are importable.
 # - GPU machine (no network; torch and triton already installed): uses python3 as it is, with src/ on PYTHONPATH.
 # - Fresh CPU machine: makes .venv with torch==2.13.0 (the CPU build; a bare `torch` would pull a
-#   multi-GB CUDA build), triton and pytest from the package registry, and dwconv installed editable.
+#   multi-GB CUDA build), triton, pytest and pytest-xdist from the package registry, and dwconv installed editable.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if python3 -c 'import torch, triton, pytest; assert torch.cuda.is_available()' >/dev/null 2>&1; then
@@ -10,9 +10,9 @@ if python3 -c 'import torch, triton, pytest; assert torch.cuda.is_available()' >
   exit 0
 fi
 venv=$root/.venv
-if ! "$venv/bin/python" -c 'import torch, triton, pytest, dwconv' >/dev/null 2>&1; then
-  python3 -m venv "$venv" >&2
-  "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "pytest>=8" numpy >&2
+if ! "$venv/bin/python" -c 'import torch, triton, pytest, xdist, dwconv' >/dev/null 2>&1; then
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "pytest>=8" "pytest-xdist>=3" numpy >&2
   "$venv/bin/pip" install -q --disable-pip-version-check --no-deps -e "$root" >&2
 fi
 # The GPU machine's Triton (3.6), beside the venv's, only to compile the kernels for sm_90 with it

@@ -5,7 +5,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 python=$(bash "$root/scripts/setup.sh")
 cd "$root"
 export PYTHONPATH=$root/src${PYTHONPATH:+:$PYTHONPATH}
+workers=()
 if ! "$python" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   export TRITON_INTERPRET=1
+  # the interpreter is CPU-bound: one worker a core (CI's machines have 2), where pytest-xdist is there
+  if "$python" -c 'import xdist' 2>/dev/null; then workers=(-n "$(nproc)"); fi
 fi
-exec "$python" -m pytest -q -p no:cacheprovider tests "$@"
+exec "$python" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} tests "$@"

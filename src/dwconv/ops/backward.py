@@ -231,11 +231,14 @@ def depthwise_grad_nhwc_pixels_kernel(
     its run (within an image, tile after tile down the rows) and writes one partial sum per tap
     (then the bias) and channel: partial[(column of tiles, run), channel, tap] in the weight's tap
     order, added in a fixed order by the launcher. Runs across images keep the partial sums small
-    where the images are (kernels of many taps on small images)."""
+    where the images are (kernels of many taps on small images). Programs of one run are
+    consecutive (all columns of the same rows at once, as session 9 measured #84: whole rows of
+    the image read together, each tile's halo columns shared with its neighbours through L2)."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
-    run = pid % runs
-    column = pid // runs
+    columns = tl.cdiv(channels, BLOCK_C) * tiles_w
+    run = pid // columns
+    column = pid % columns
     first_col = (column % tiles_w) * BLOCK_W
     first_c = (column // tiles_w) * BLOCK_C
     c = first_c + tl.arange(0, BLOCK_C)[None, :]
@@ -331,7 +334,7 @@ def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     if not (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and x.stride(3) == 1) \
             or toeplitz_applies(geom, x.dtype):  # large kernels: products on the tensor cores
         return False
-    gi_geom = _input_grad_geometry(geom)
+    gi_geom = input_grad_geometry(geom)  # (cached: dataclasses.replace costs ~6 us a backward)
     if min(gi_geom.pad_top, gi_geom.pad_bottom, gi_geom.pad_left, gi_geom.pad_right) < 0:
         return False
     return rows_kernel_fits(gi_geom) or not x.is_cuda  # the interpreter runs every case on rows
