@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -8,6 +8,13 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee -a "$OUT/env.txt"
 steps=${*:-all}
+# Triton's cache from an earlier call of this session, if carried (.tcache, ignored by git): the
+# step `savecache` (last) writes $OUT/triton_cache.tar.xz; here: mkdir -p .tcache && cp it there,
+# then name .tcache in the next call's carry. Compiles took 140-190 s of a suite or probe call.
+cache_dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .tcache/triton_cache.tar.xz ]; then
+  mkdir -p "$cache_dir" && tar -xJf .tcache/triton_cache.tar.xz -C "$cache_dir" && echo "Triton cache restored: $(ls "$cache_dir" | wc -l) entries"
+fi
 # 8 workers where pytest-xdist is installed (the GPU image has it, and 16 cores): the tests are compile-bound
 xdist=$(python3 -c 'import xdist' 2>/dev/null && printf -- '-n 8')
 for step in $steps; do
@@ -51,6 +58,9 @@ for step in $steps; do
         for i in 1 2; do for tree in $trees; do
           echo "$tree"; (cd benchmarks && PYTHONPATH=../$tree $probe)
         done; done 2>&1 | tee -a "$OUT/ab.log" ;;
+    # the Triton cache for the next call (files back are limited to 16 MiB each: skipped if larger)
+    savecache) tar -cJf "$OUT/triton_cache.tar.xz" -C "$cache_dir" . && ls -l "$OUT/triton_cache.tar.xz"
+               [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -lt 16000000 ] || { echo "cache too large to bring back"; rm -f "$OUT/triton_cache.tar.xz"; } ;;
     models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;
     ddp) torchrun --nproc_per_node=2 examples/train_ddp.py --steps 5 --check 2>&1 | tee "$OUT/ddp.log" ;;
     backward|all) python3 -m dwconv bench --suite forward --backward --csv "$OUT/bench_backward.csv" 2>&1 | tee "$OUT/bench_backward.log" ;;&
