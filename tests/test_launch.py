@@ -14,11 +14,18 @@ from helpers import DEVICE, assert_close, randn, reference_conv
 class FakeTensor:
     is_cuda = True
 
-    def __init__(self, address, dtype=torch.float32):
-        self.address, self.dtype = address, dtype
+    def __init__(self, address, dtype=torch.float32, device=0):
+        self.address, self.dtype, self.device_index = address, dtype, device
 
     def data_ptr(self):
         return self.address
+
+    def get_device(self):
+        return self.device_index
+
+    @property
+    def device(self):
+        return torch.device("cuda", self.device_index)
 
 
 class FakeCompiled:
@@ -63,12 +70,44 @@ def test_fast_launch_reuses_the_compiled_kernel_only_for_the_same_pointer_kinds(
 
 
 def test_no_fast_launch_when_off_or_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     kernel = FakeKernel()
     plan = LaunchPlan("fake", (2,), (5, 6), dict(FLAG=False, BLOCK=8))
     monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
     for _ in range(2):
         launch(kernel, plan, FakeTensor(0), FakeTensor(0))
     assert [c[0] for c in kernel.calls] == ["triton", "triton"] and not plan.compiled
+
+
+def test_launch_runs_on_the_tensors_gpu(monkeypatch):
+    """A tensor on a GPU other than the current one: the launch happens with its GPU made current
+    (Triton launches on the current device), and not otherwise."""
+    current = [0]
+    entered = []
+
+    class DeviceContext:
+        def __init__(self, device):
+            self.index = device.index
+
+        def __enter__(self):
+            entered.append(self.index)
+            current[0], self.previous = self.index, current[0]
+
+        def __exit__(self, *exc):
+            current[0] = self.previous
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", DeviceContext)
+    for fast in (False, True):
+        monkeypatch.setattr(_launch, "FAST_LAUNCH", fast)
+        kernel = FakeKernel()
+        plan = LaunchPlan("fake", (3,), (1, 2), dict(FLAG=True, BLOCK=16))
+        launched_on = []
+        kernel.calls = type("Recorder", (list,), {"append": lambda self, call: launched_on.append(current[0])})()
+        launch(kernel, plan, FakeTensor(0, device=1), FakeTensor(0, device=1))
+        launch(kernel, plan, FakeTensor(0, device=0), FakeTensor(0, device=0))
+        assert launched_on == [1, 0] and current[0] == 0
+    assert entered == [1, 1], "the guard only where the tensor's GPU is not the current one"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="launches compiled kernels")

@@ -10,6 +10,7 @@ of the data pointer, which are also what Triton specialises a kernel on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, Optional, Tuple, TypeVar
@@ -73,13 +74,26 @@ def new_partial(plan: LaunchPlan, device: torch.device) -> torch.Tensor:
 FAST_LAUNCH = os.environ.get("DWCONV_FAST_LAUNCH", "1") == "1"
 
 
+def on_device_of(t: torch.Tensor):
+    """A context that makes t's GPU the current device where it is not (Triton launches on the
+    current device: a tensor on another GPU would otherwise be read through a foreign pointer)."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def launch(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
     """kernel[plan.grid](*tensors, *plan.scalars, **plan.constants). With FAST_LAUNCH, later launches
     of a plan on a device go straight to the compiled kernel that the first one returned, skipping
     Triton's per-call specialisation and cache lookup (Triton's run() was ~70 us of each launch's
     host time in the session 9 profile, under cProfile). Sound because a plan fixes every scalar
     and constexpr argument, and each launch checks that the tensors' dtypes and 16-byte alignments,
-    what Triton specialises pointers on, are the first launch's; otherwise it takes Triton's path."""
+    what Triton specialises pointers on, are the first launch's; otherwise it takes Triton's path.
+    Runs on the first tensor's GPU (on_device_of)."""
+    if tensors[0].is_cuda and tensors[0].get_device() != torch.cuda.current_device():
+        with on_device_of(tensors[0]):
+            launch(kernel, plan, *tensors)
+        return
     if not (FAST_LAUNCH and tensors[0].is_cuda):
         kernel[plan.grid](*tensors, *plan.scalars, **plan.constants)
         return

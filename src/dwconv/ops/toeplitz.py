@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..functional import triton_interpreter_enabled
-from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
+from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, on_device_of, plane_needs_int64
 
 # Kernels with at least this many taps take the Toeplitz path. H200, (32,128,56,56), forward against
 # the CUDA-core tile kernel: bfloat16 9x9 0.49 / 0.32 ms, 11x11 0.22 / 0.70; float32 9x9 0.336 / 0.288,
@@ -246,8 +246,9 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                        lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps, num_stages))
     w_rows = padded_weight_rows(weight, geom, plan.constants["BLOCK_W"], plan.constants["BLOCK_K"],
                                 plan.constants["UNIT"])
-    depthwise_fwd_toeplitz_kernel[plan.grid](x, w_rows, bias.contiguous() if bias is not None else w_rows, dst,
-                                             *plan.scalars, w_rows.shape[2], **plan.constants)
+    with on_device_of(x):
+        depthwise_fwd_toeplitz_kernel[plan.grid](x, w_rows, bias.contiguous() if bias is not None else w_rows, dst,
+                                                 *plan.scalars, w_rows.shape[2], **plan.constants)
     if dst is not out:
         out.copy_(dst)
     return out
