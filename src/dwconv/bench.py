@@ -419,6 +419,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for run_args in runs:
             rows += measure_case(case, run_args, timer, copy_gbps)
             torch.cuda.empty_cache()
+        # the rows so far, after each case: a run cut short (a device call's time limit) keeps them
+        write_csv(args.csv, [{**row, "copy_gbps": copy_gbps} for row in rows], quiet=True)
     progress(progress_bar(len(cases), len(cases)))
     print_table(rows, copy_gbps)
     write_csv(args.csv, [{**row, "copy_gbps": copy_gbps} for row in rows])
@@ -430,7 +432,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def write_csv(path: Optional[str], rows: List[Dict]) -> None:
+def write_csv(path: Optional[str], rows: List[Dict], quiet: bool = False) -> None:
     if not path or not rows:
         return
     with open(path, "w", newline="") as f:
@@ -438,4 +440,5 @@ def write_csv(path: Optional[str], rows: List[Dict]) -> None:
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "device": environment()})
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
