@@ -91,7 +91,7 @@ def launch(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
     what Triton specialises pointers on, are the first launch's; otherwise it takes Triton's path.
     Runs on the first tensor's GPU (on_device_of)."""
     if tensors[0].is_cuda and tensors[0].get_device() != torch.cuda.current_device():
-        with on_device_of(tensors[0]):
+        with torch.cuda.device(tensors[0].device):
             launch(kernel, plan, *tensors)
         return
     if not (FAST_LAUNCH and tensors[0].is_cuda):

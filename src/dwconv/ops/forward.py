@@ -58,15 +58,20 @@ def _tap_weights(w_taps, w_stride_tap, c_ok, TAPS: tl.constexpr, ACC_DTYPE: tl.c
     return weights
 
 
+# Up to this many taps each "nhwc_pixels" branch (interior or edge tile) loads its own weights, the
+# interior's unmasked: #84 bfloat16 1.19 -> 1.09 ms; past it the program loads them once before the
+# branch: a 7x7 56x56 bfloat16 layer took 0.125 ms with per-branch loads against 0.115 (H200,
+# docs/notes.md, session 10).
+PER_BRANCH_WEIGHT_TAPS = tl.constexpr(9)
+
+
 @triton.jit
 def _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, TAPS: tl.constexpr, ACC_DTYPE: tl.constexpr,
                     MASKED: tl.constexpr):
-    """The weights a "nhwc_pixels" branch (interior or edge tile) convolves with. Up to 9 taps each
-    branch loads its own (the interior's unmasked): #84 bfloat16 1.19 -> 1.09 ms; past that the
-    program's, loaded once before the branch (program_weights): a 7x7 56x56 bfloat16 layer took
-    0.125 ms with per-branch loads against 0.115 (docs/notes.md, session 10)."""
+    """The weights a "nhwc_pixels" branch convolves with: its own up to PER_BRANCH_WEIGHT_TAPS taps,
+    else program_weights (loaded before the branch)."""
     weights = program_weights
-    if TAPS <= 9:
+    if TAPS <= PER_BRANCH_WEIGHT_TAPS:
         weights = _tap_weights(w_taps, w_stride_tap, c_ok, TAPS, ACC_DTYPE, MASKED)
     return weights
 
@@ -308,7 +313,7 @@ def depthwise_fwd_tile_kernel(
                 & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
     if PIXELS:
         program_weights = ()
-        if KH * KW > 9:  # (see _branch_weights)
+        if KH * KW > PER_BRANCH_WEIGHT_TAPS:
             program_weights = _tap_weights(w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True)
         if interior:
             weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, False)
