@@ -72,8 +72,10 @@ for step in $steps; do
            start=$SECONDS; seq 0 $((rows - 1)) | timeout "${WARM_S:-300}" xargs -P 8 -I{} python3 -m dwconv bench \
              --suite models --dtype "$d" --cases {} --iters 1 --warmup 1 >/dev/null 2>>"$OUT/warm.log"
            echo "suite compiles: $((SECONDS - start)) s"
-           python3 -m dwconv bench --suite models --dtype "$d" --csv "$OUT/suite_$d.csv" \
-             --plot "$OUT/suite_$d.png" 2>&1 | tee "$OUT/suite_$d.log" ;;
+           # a CSV of an earlier call, carried in .tcache: only its missing rows are timed (--resume)
+           [ -f ".tcache/suite_$d.csv" ] && cp ".tcache/suite_$d.csv" "$OUT/suite_$d.csv"
+           python3 -m dwconv bench --suite models --dtype "$d" --csv "$OUT/suite_$d.csv" --resume \
+             --plot "$OUT/suite_$d.png" 2>&1 | tee -a "$OUT/suite_$d.log" ;;
     cl) python3 -m dwconv bench --suite forward --channels-last --csv "$OUT/bench_cl.csv" 2>&1 | tee "$OUT/bench_cl.log"
         python3 -m dwconv bench --suite forward --channels-last --backward --csv "$OUT/bench_cl_backward.csv" 2>&1 | tee "$OUT/bench_cl_backward.log" ;;
     bench|all|bench84) python3 -m dwconv bench --dtype all --compile --csv "$OUT/bench84.csv" 2>&1 | tee "$OUT/bench84.log" ;;

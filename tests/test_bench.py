@@ -67,3 +67,21 @@ def test_plot_rows(tmp_path):
     path = tmp_path / "suite.png"
     plot_rows(fake_rows(), 4000.0, str(path), "test")
     assert path.stat().st_size > 1000
+
+
+def test_csv_rows_round_trip_for_resume(tmp_path):
+    """--resume reads an earlier run's rows back with numbers as numbers; rows of another run (an
+    extra column) are written beside them."""
+    from dwconv.bench import read_csv_rows, write_csv
+
+    path = str(tmp_path / "rows.csv")
+    old = dict(copy_gbps=4200.5, layer="L k3 bfloat16", path="dwconv", **{"pass": "forward"}, ms=0.125, std=0.002,
+               gbps=3000.0, pct_copy=71.4, peak_mb=float("nan"), max_err=1e-3, cuda_graph=False, dwconv_speedup=1.0)
+    write_csv(path, [old], quiet=True)
+    back = read_csv_rows(path)
+    assert back[0]["ms"] == 0.125 and back[0]["cuda_graph"] is False and back[0]["layer"] == "L k3 bfloat16"
+    assert back[0]["peak_mb"] != back[0]["peak_mb"]  # NaN survives
+    write_csv(path, back + [dict(old, layer="M", ms=0.5, extra=1)], quiet=True)
+    rows = read_csv_rows(path)
+    assert [r["layer"] for r in rows] == ["L k3 bfloat16", "M"] and rows[1]["ms"] == 0.5
+

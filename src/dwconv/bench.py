@@ -129,7 +129,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    help="time each call replayed from a CUDA graph (no host time: the kernels' own)")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--csv", metavar="FILE", help="write the rows to a CSV file")
+    p.add_argument("--csv", metavar="FILE", help="write the rows to a CSV file (rewritten after each layer)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --csv: keep the rows already in FILE and time only the layers it lacks "
+                        "(a suite split over several runs, or one cut short)")
     p.add_argument("--plot", metavar="FILE.png", help="draw speedups and bandwidth per layer (needs matplotlib)")
     p.add_argument("--model", action="append", metavar="NAME",
                    help="time a whole model (torchvision or timm name, or 'tiny'), stock against dwconv.convert: "
@@ -409,8 +412,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     timer = Timer(args.warmup, args.iters)
     progress("timing the device copy")
     copy_gbps = measure_copy(timer)
-    rows: List[Dict] = []
-    cases = cases_from_args(args)
+    rows: List[Dict] = read_csv_rows(args.csv) if args.resume and args.csv and os.path.exists(args.csv) else []
+    done = {row["layer"] for row in rows}
+    cases = [case for case in cases_from_args(args) if case.label not in done]
     # the models suite: both layouts and both passes in one run
     runs = ([argparse.Namespace(**{**vars(args), "channels_last": True, "backward": b}) for b in (False, True)]
             if args.suite == "models" else [args])
@@ -420,10 +424,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows += measure_case(case, run_args, timer, copy_gbps)
             torch.cuda.empty_cache()
         # the rows so far, after each case: a run cut short (a device call's time limit) keeps them
-        write_csv(args.csv, [{**row, "copy_gbps": copy_gbps} for row in rows], quiet=True)
+        write_csv(args.csv, [{"copy_gbps": copy_gbps, **row} for row in rows], quiet=True)
     progress(progress_bar(len(cases), len(cases)))
     print_table(rows, copy_gbps)
-    write_csv(args.csv, [{**row, "copy_gbps": copy_gbps} for row in rows])
+    write_csv(args.csv, [{"copy_gbps": copy_gbps, **row} for row in rows])  # (resumed rows keep their run's copy)
     if args.plot:
         from .bench_plot import plot_rows
 
@@ -432,11 +436,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def read_csv_rows(path: str) -> List[Dict]:
+    """The rows of an earlier run's --csv file, with their numbers as numbers (for --resume)."""
+    with open(path, newline="") as f:
+        rows = [{k: v for k, v in row.items() if k != "device"} for row in csv.DictReader(f)]
+    for row in rows:
+        for key in ("ms", "std", "gbps", "pct_copy", "peak_mb", "max_err", "dwconv_speedup", "copy_gbps"):
+            if key in row:
+                row[key] = float(row[key])
+        if "cuda_graph" in row:
+            row["cuda_graph"] = row["cuda_graph"] == "True"
+    return rows
+
+
 def write_csv(path: Optional[str], rows: List[Dict], quiet: bool = False) -> None:
     if not path or not rows:
         return
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["device"])
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)) + ["device"])
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "device": environment()})
