@@ -51,14 +51,30 @@ def depthwise_conv2d(
     geom = conv_geometry(input, weight, bias, stride, padding, dilation)
     if not uses_triton(input):
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups=geom.in_channels)
-    from ._library import DepthwiseConv2dFunction, conv_arguments
-    from .ops.forward import conv_forward
-
     if torch.compiler.is_compiling():  # one custom op in the graph, with its registered backward
+        from ._library import conv_arguments
+
         return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
+    function, conv_forward = _eager_path()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
-        return DepthwiseConv2dFunction.apply(input, weight, bias, geom)
+        return function.apply(input, weight, bias, geom)
     return conv_forward(input, weight, bias, geom)
+
+
+_EAGER = None
+
+
+def _eager_path():
+    """(DepthwiseConv2dFunction, conv_forward), imported on first use (importing them imports Triton,
+    which must come after a caller such as the no-GPU demo sets TRITON_INTERPRET) and kept: an
+    import statement costs ~2 us a call."""
+    global _EAGER
+    if _EAGER is None:
+        from ._library import DepthwiseConv2dFunction
+        from .ops.forward import conv_forward
+
+        _EAGER = (DepthwiseConv2dFunction, conv_forward)
+    return _EAGER
 
 
 def _autocast(input, weight, bias):
