@@ -322,6 +322,11 @@ FUSED_BACKWARD = True
 # 3.15 against 19.4 and 73.5.
 FUSED_NHWC_BACKWARD = True
 
+# Kernels the channels_last fused backward takes, by taps: each thread holds a weight and a weight
+# gradient a tap besides its outputs and their inputs; 7x7 spills (sm_90, Triton 3.6, float32, 32
+# channels a warp: 2 x 4 outputs 240 bytes of stack, 4 x 4 424).
+FUSED_NHWC_TAPS = 9
+
 
 def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     """Whether grad_input and grad_weight can come from one pass (the rows kernel on grad_out, or
@@ -329,8 +334,9 @@ def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     padding within the kernel's reach (every grad_out row is visited) and, on the GPU, a geometry
     the rows kernel takes. Shapes and strides only, so it also answers for the fake tensors
     torch.compile traces with."""
-    if channels_last_kernel_applies(x):
-        return FUSED_NHWC_BACKWARD and fused_nhwc_backward_applies(geom, x)
+    if channels_last_kernel_applies(x):  # the unrolled-pixels kernel, up to FUSED_NHWC_TAPS taps
+        return (FUSED_NHWC_BACKWARD and geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1
+                and geom.kernel_h * geom.kernel_w <= FUSED_NHWC_TAPS)
     if not (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and x.stride(3) == 1) \
             or toeplitz_applies(geom, x.dtype):  # large kernels: products on the tensor cores
         return False
@@ -376,19 +382,6 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
 _FUSED_CONFIGS: dict = {}
 
 
-# Kernels the channels_last fused backward takes, by taps: each thread holds a weight and a weight
-# gradient a tap besides its outputs and their inputs; 7x7 spills (sm_90, Triton 3.6, float32, 32
-# channels a warp: 2 x 4 outputs 240 bytes of stack, 4 x 4 424).
-FUSED_NHWC_TAPS = 9
-
-
-def fused_nhwc_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
-    """The channels_last fused backward's reach: stride 1, multiplier 1, kernels up to
-    FUSED_NHWC_TAPS taps, x with unit channel strides."""
-    return (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and channels_last_kernel_applies(x)
-            and geom.kernel_h * geom.kernel_w <= FUSED_NHWC_TAPS)
-
-
 def nhwc_pixels_grad_config(geom: ConvGeometry, x: torch.Tensor, grad_input: bool, bias_grad: bool = False
                             ) -> Tuple[ForwardConfig, int]:
     """Blocks and runs (programs a column of tiles) of depthwise_grad_nhwc_pixels_kernel, whose tiles
@@ -419,7 +412,7 @@ def nhwc_pixels_grad_config(geom: ConvGeometry, x: torch.Tensor, grad_input: boo
 def conv_grad_input_and_weight_nhwc(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                     geom: ConvGeometry, config: Optional[ForwardConfig] = None,
                                     runs: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The fused backward of channels_last x (fused_nhwc_backward_applies): grad_input and grad_weight
+    """The fused backward of channels_last x (see fused_backward_applies): grad_input and grad_weight
     from one read of grad_out and x (depthwise_grad_nhwc_pixels_kernel with GRAD_INPUT)."""
     # (any kernel that fits the unrolled code is correct; FUSED_NHWC_TAPS is where autograd takes it)
     assert geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and channels_last_kernel_applies(x), \
