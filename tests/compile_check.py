@@ -60,7 +60,7 @@ JITFunction.__getitem__ = compile_instead_of_launch
 from dwconv._geometry import conv_geometry  # noqa: E402
 from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight,  # noqa: E402
                                  conv_grad_weight)
-from dwconv.ops.forward import ForwardConfig, conv_forward  # noqa: E402
+from dwconv.ops.forward import ForwardConfig, conv_forward, launch_forward  # noqa: E402
 
 CL = torch.channels_last
 
@@ -88,6 +88,11 @@ def grad_weight(shape, kernel, dtype, config, **conv):
     conv_grad_weight(grad_out, x, geom, dtype, True, config)
 
 
+def flipped_forward(shape, kernel, dtype, config, **conv):
+    x, weight, geom, _ = tensors(shape, kernel, dtype, **conv)
+    launch_forward(x, weight, None, geom, config, flip_weight=True)
+
+
 def grad_input(shape, kernel, dtype, **conv):
     x, weight, geom, grad_out = tensors(shape, kernel, dtype, **conv)
     conv_grad_input(grad_out, weight, geom, x)
@@ -104,6 +109,8 @@ CASES = [
      dict(padding=2, dilation=2)),
     ("nchw pixels, #84's rows (pair stores)", forward, ((1, 2, 18, 512), (3, 3), f32,
                                                        ForwardConfig("nchw_pixels", 4, 128, 1)), {}),
+    ("nchw pixels, flipped taps (grad_input)", flipped_forward, ((1, 2, 18, 512), (3, 3), f32,
+                                                                ForwardConfig("nchw_pixels", 4, 128, 1)), {}),
     ("tile, stride 2, multiplier 2", forward, ((1, 2, 20, 20), (3, 3), f32, ForwardConfig("tile", 4, 64, 2)),
      dict(stride=2, padding=1, multiplier=2)),
     ("tile, float64", forward, ((1, 2, 20, 20), (5, 5), f64, ForwardConfig("tile", 8, 16, 2)), dict(padding=2)),

@@ -10,7 +10,7 @@ import torch
 import dwconv
 from dwconv._geometry import conv_geometry
 from dwconv.ops.forward import (NHWC_KERNELS, ForwardConfig, _forward_plan, conv_forward, forward_config,
-                                odd_rows_alignable, output_memory_format)
+                                launch_forward, odd_rows_alignable, output_memory_format)
 from helpers import CONV_OPTIONS as OPTIONS, DEVICE, DTYPES, assert_close, poisoned, randn, reference_conv
 
 KERNELS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (7, 7), (1, 3), (3, 1), (5, 3)]
@@ -244,6 +244,29 @@ def test_nchw_pixels(dtype, shape, kernel, multiplier, padding, dilation, block)
     weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
     check(x, weight, randn(shape[1] * multiplier, dtype=dtype), 1, padding, dilation,
           config=ForwardConfig("nchw_pixels", block[0], block[1], 1))
+
+
+@pytest.mark.parametrize(
+    "config,layout",
+    [
+        (ForwardConfig("rows", 8, 16, 1, 4), "nchw"),
+        (ForwardConfig("rows", 8, 16, 1), "nchw"),
+        (ForwardConfig("nchw_pixels", 4, 8, 1), "nchw"),
+        (ForwardConfig("tile", 4, 8, 1), "nchw"),
+        (ForwardConfig("nhwc_pixels", 2, 4, 1, block_c=8), "channels_last"),
+        (ForwardConfig("nhwc", 4, 4, 1, block_c=8), "channels_last"),
+    ],
+    ids=lambda v: v.kernel + (f"-vec{v.vec}" if getattr(v, "vec", 1) > 1 else "") if isinstance(v, ForwardConfig) else v,
+)
+def test_flipped_taps(config, layout):
+    """flip_weight (grad_input's convolution): every kernel reads the taps in reverse, in place of a
+    flipped copy; a 5x3 kernel, so that a flip along either axis alone, or none, fails."""
+    x = in_layout(randn(2, 3, 11, 16), layout)
+    weight = randn(3, 1, 5, 3)
+    geom = conv_geometry(x, weight, None, 1, (2, 1), 1)
+    out = poisoned(geom.output_shape, x.dtype, memory_format=output_memory_format(x))
+    out, _ = launch_forward(x, weight, None, geom, config, out=out, flip_weight=True)
+    assert_close(out, reference_conv(x, weight.flip(2, 3), None, 1, (2, 1), 1), x.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

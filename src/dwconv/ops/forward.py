@@ -472,7 +472,7 @@ def depthwise_fwd_rows_kernel(
     SLOTS: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
     VEC: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
     X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, ODD_ROW_ALIGN: tl.constexpr, PAD_TOP_ODD: tl.constexpr,
-    WEIGHT_GRAD: tl.constexpr, F_UNIT: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr = 0,
+    WEIGHT_GRAD: tl.constexpr, F_UNIT: tl.constexpr, FLIP_TAPS: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr = 0,
     EVICT: tl.constexpr = "", STORE_CACHE: tl.constexpr = "",
 ):
     """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
@@ -490,8 +490,11 @@ def depthwise_fwd_rows_kernel(
     Widths and strides of x (y) arrive divided by X_UNIT (Y_UNIT), the largest power of two up
     to VEC dividing all of them, so that the compiler can prove the alignment of vector accesses.
 
+    FLIP_TAPS: convolve with the weight's taps in reverse (grad_input: the flipped weight, read in
+    place instead of copied).
+
     WEIGHT_GRAD (the fused backward, stride 1, multiplier 1): this launch is grad_input, i.e. x is
-    grad_out and the weight is flipped; f is the forward's input, of y's shape. Padded grad_out row
+    grad_out and the weight is flipped (FLIP_TAPS); f is the forward's input, of y's shape. Padded grad_out row
     j also meets f rows j - reach + kh*DILATION_H (the rows the ring holds), and the view for the
     flipped tap KW-1-kw pairs with f at the program's own columns, so the program adds those
     products into per-tap registers: grad_weight[kh, kw] partial sums, stored per program in
@@ -531,7 +534,10 @@ def depthwise_fwd_rows_kernel(
     col_ok = out_cols < out_w
     slots = tl.arange(0, SLOTS)[:, None, None]
     taps = tl.arange(0, TAPS)[None, None, :]
-    weights = tl.load(w_ptr + out_c * (KH * KW) + taps, mask=taps < KH * KW, other=0.0).to(ACC_DTYPE)
+    weight_taps = taps
+    if FLIP_TAPS:
+        weight_taps = KH * KW - 1 - taps
+    weights = tl.load(w_ptr + out_c * (KH * KW) + weight_taps, mask=taps < KH * KW, other=0.0).to(ACC_DTYPE)
     reach: tl.constexpr = DILATION_H * (KH - 1)  # out row r is complete once padded row r + reach is in
     ODD_SHIFT: tl.constexpr = 2 * (ODD_ROW_ALIGN > 0)  # elements odd rows start past a vector boundary
     if ODD_ROW_ALIGN > 0:  # element offset of the plane: a multiple of 4 (written so the compiler sees it)
@@ -684,7 +690,7 @@ def depthwise_fwd_nchw_pixels_kernel(
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr,
     DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
-    WINDOW_VECS: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr,
+    WINDOW_VECS: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, FLIP_TAPS: tl.constexpr,
 ):
     """NCHW, stride 1, unit column steps ("nchw_pixels"; float32 3x3's default since session 9): one program =
     BLOCK_H output rows x BLOCK_W columns of one plane, a thread 4 adjacent columns of each row.
@@ -692,7 +698,8 @@ def depthwise_fwd_nchw_pixels_kernel(
     kernel's window) and takes each output's input as a lane of them: every output is one FMA chain
     over its taps (from the bias), with no ring of partial rows and no zero-weight FMAs. Widths and
     strides arrive divided by X_UNIT / Y_UNIT (as in the rows kernel) so that the compiler can
-    prove the vectors aligned; tiles inside the image skip every bounds test."""
+    prove the vectors aligned; tiles inside the image skip every bounds test. FLIP_TAPS: the
+    weight's taps in reverse (grad_input)."""
     in_w = in_w * X_UNIT
     out_w = out_w * Y_UNIT
     pid = tl.program_id(0)
@@ -716,7 +723,8 @@ def depthwise_fwd_nchw_pixels_kernel(
         start += tl.load(b_ptr + out_c).to(ACC_DTYPE)
     weights = ()
     for tap in tl.static_range(KH * KW):
-        weights = weights + (tl.load(w_ptr + out_c * (KH * KW) + tap).to(ACC_DTYPE),)
+        weights = weights + (tl.load(w_ptr + out_c * (KH * KW) + (KH * KW - 1 - tap if FLIP_TAPS else tap)
+                                     ).to(ACC_DTYPE),)
     zero = tl.zeros([1, 1, 1], dtype=first_row.dtype)  # (row masks as tensors: the interpreter's scalar & tensor)
     # every window vector and output inside the image: no bounds tests
     interior = ((first_row - pad_top >= 0) & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < in_h)
@@ -780,7 +788,6 @@ MAX_PIXEL_TAPS = 2048
 # 58 s, 9x9 178 s, against 33 s for the band kernel's 9x9).
 PIXEL_KERNEL_TAPS = 49
 NHWC_KERNELS = ("nhwc", "nhwc_pixels")
-TILE_KERNELS = ("tile", "nhwc", "nhwc_pixels")  # (depthwise_fwd_tile_kernel: weight read through strides)
 
 
 def band_limit(device: torch.device) -> int:
@@ -962,8 +969,8 @@ def launch_forward(
     """conv_forward, and the fused backward: with weight_grad_from (the forward's input; rows
     kernel, stride 1, multiplier 1) this call is grad_input (x = grad_out, weight flipped) and also
     returns partial[program, tap], grad_weight partial sums in the original tap order.
-    flip_weight: convolve with weight.flip(2, 3) (grad_input); the tile kernels read the taps in
-    reverse instead of copying the weight."""
+    flip_weight: convolve with weight.flip(2, 3) (grad_input); the kernels read the taps in reverse
+    (the Toeplitz path alone takes a flipped copy)."""
     if out is None:
         out = torch.empty(geom.output_shape, device=x.device, dtype=x.dtype,
                           memory_format=output_memory_format(x))
@@ -979,8 +986,6 @@ def launch_forward(
            layout_key(weight_grad_from) if fused else None, flip_weight, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
                                                                   weight_grad_from, flip_weight))
-    if flip_weight and plan.kernel not in TILE_KERNELS:
-        weight = weight.flip(2, 3)
     # taps-major: a tap's weights for a run of channels are one vector load (the strided loads of
     # the weight as given cost "nhwc_pixels" 7% on #84 float32: docs/notes.md, session 10)
     if plan.kernel in NHWC_KERNELS:
@@ -1006,7 +1011,7 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
                   has_bias: bool, features: Optional[torch.Tensor], flip_weight: bool = False) -> LaunchPlan:
     """Grid and arguments of one forward launch (see launch_forward); features: the fused
     backward's input, whose weight gradient the rows kernel also accumulates; flip_weight: the
-    tile kernels read the taps in reverse."""
+    kernels read the taps in reverse (no flipped copy)."""
     if config is None:
         config = forward_config(geom, x, out)
     index_64 = plane_needs_int64(x, (geom.in_h, geom.in_w)) or plane_needs_int64(out, (geom.out_h, geom.out_w))
@@ -1019,7 +1024,7 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     )
     if config.kernel == "nchw_pixels":
         assert features is None, "the fused backward runs on the rows kernel"
-        return _nchw_pixels_plan(geom, config, x, out, common)
+        return _nchw_pixels_plan(geom, config, x, out, dict(common, FLIP_TAPS=flip_weight))
     if config.kernel != "rows":
         assert features is None, "the fused backward runs on the rows kernel"
         return _tile_plan(geom, config, x, out, common, flip_weight)
@@ -1049,7 +1054,7 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
         WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
         ODD_ROW_ALIGN=odd_row_align, PAD_TOP_ODD=geom.pad_top % 2, WEIGHT_GRAD=features is not None, F_UNIT=f_unit,
         ODD_OUT_ALIGN=odd_out_align, EVICT="evict_first" if config.stream else "",
-        STORE_CACHE=".cs" if config.stream else "", **common,
+        STORE_CACHE=".cs" if config.stream else "", FLIP_TAPS=flip_weight, **common,
     )
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return LaunchPlan("rows", (programs,), scalars, constants, partial_shape, acc_dtype)
