@@ -109,6 +109,8 @@ CASES = [
      dict(padding=2, dilation=2)),
     ("nchw pixels, #84's rows (pair stores)", forward, ((1, 2, 18, 512), (3, 3), f32,
                                                        ForwardConfig("nchw_pixels", 4, 128, 1)), {}),
+    ("nchw pixels, whole 510-column rows (next session's probe)", forward, ((1, 2, 18, 512), (3, 3), f32,
+                                                                          ForwardConfig("nchw_pixels", 8, 512, 4)), {}),
     ("nchw pixels, flipped taps (grad_input)", flipped_forward, ((1, 2, 18, 512), (3, 3), f32,
                                                                 ForwardConfig("nchw_pixels", 4, 128, 1)), {}),
     ("tile, stride 2, multiplier 2", forward, ((1, 2, 20, 20), (3, 3), f32, ForwardConfig("tile", 4, 64, 2)),
