@@ -452,10 +452,11 @@ def read_csv_rows(path: str) -> List[Dict]:
 def write_csv(path: Optional[str], rows: List[Dict], quiet: bool = False) -> None:
     if not path or not rows:
         return
+    device = environment()
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)) + ["device"])
         writer.writeheader()
         for row in rows:
-            writer.writerow({**row, "device": environment()})
+            writer.writerow({**row, "device": device})
     if not quiet:
         print(f"wrote {path}")
