@@ -24,8 +24,13 @@ CASES = [
     ((1, 1, 21, 23), (11, 11), 1, 10, 2, 1),
     ((1, 2, 8, 9), (11, 11), 1, 10, 1, 1),
     ((2, 2, 16, 40), (11, 11), 1, 5, 1, 1),  # rows loaded as 4-element vectors, windows shifted
+    # windows filled to the last column by the strips' common shift (1 and 7 columns, 16-byte
+    # vectors in half precision): k31's layout, and the largest shift
+    ((1, 2, 8, 64), (5, 31), 1, (2, 15), 1, 1),
+    ((1, 2, 6, 64), (4, 26), 1, 1, 1, 1),
 ]
-IDS = ["k13-same", "k11-same-mult2", "k4x31-wide", "k9x12-stride", "k11-dil2", "k11-pad10", "k11-vectors"]
+IDS = ["k13-same", "k11-same-mult2", "k4x31-wide", "k9x12-stride", "k11-dil2", "k11-pad10", "k11-vectors",
+       "k5x31-full-window", "k4x26-shift7"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -41,8 +46,8 @@ def test_forward(shape, kernel, stride, padding, dilation, multiplier, dtype, la
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES[:1] + CASES[2:3] + CASES[4:5],
-                         ids=IDS[:1] + IDS[2:3] + IDS[4:5])
+@pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES[:1] + CASES[2:3] + CASES[4:5] + CASES[7:],
+                         ids=IDS[:1] + IDS[2:3] + IDS[4:5] + IDS[7:])
 def test_gradients(shape, kernel, stride, padding, dilation, multiplier, dtype, layout):
     x = randn(*shape, dtype=dtype).contiguous(memory_format=LAYOUTS[layout])
     weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
@@ -69,6 +74,25 @@ def test_forward_block_shapes():
     weight = randn(2, 1, 11, 11)
     for block_m, block_w in [(16, 16), (32, 32), (64, 64)]:
         check(x, weight, randn(2), 1, 5, config=ForwardConfig("toeplitz", block_m, block_w, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_window_shifts(dtype):
+    """Every offset of the strips' first column past a load vector (left padding 0-7), 32-column
+    strips of a 31-wide kernel: the window must hold offset + 62 columns (a window one column short
+    reads zeros for the last tap's input; the loads narrow to keep it 64 wide where they must)."""
+    x = randn(1, 2, 4, 64, dtype=dtype)
+    weight = randn(2, 1, 4, 31, dtype=dtype)
+    for pad_left in range(8):
+        padding = (1, pad_left)
+        check(x, weight, None, 1, padding, 1, config=ForwardConfig("toeplitz", 16, 32, 4))
+        geom = conv_geometry(x, weight, None, 1, padding, 1)
+        grad_out = randn(*geom.output_shape, dtype=dtype)
+        grad_w, _ = toeplitz.toeplitz_grad_weight(grad_out, x, geom, dtype, False, block_m=16, block_w=32)
+        x64, w64 = x.double(), weight.double().requires_grad_()
+        torch.nn.functional.conv2d(x64, w64, None, 1, padding, 1, 2).backward(grad_out.double())
+        torch.testing.assert_close(grad_w.double(), w64.grad, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4,
+                                   atol=2e-1 if dtype == torch.bfloat16 else 1e-3, msg=lambda m: f"pad_left {pad_left}: {m}")
 
 
 def test_grad_weight_splits_and_determinism():

@@ -46,6 +46,10 @@ TOEPLITZ_MIN_TAPS = 100
 # H200: float32 k31 forward 2.46 -> 1.85 ms, k51 10.0 -> 6.6; grad_weight bfloat16 k31 1.19 -> 0.94;
 # bfloat16 forward within 5% either way (k51 0.716 with 3, 0.755 with 1).
 NUM_STAGES = 1
+# float32 products as three TF32 products of parts split in the kernel by two bit operations an
+# element; False: Triton's "tf32x3", whose rounding split took ~300 of the k31 forward loop's 473
+# sm_90 instructions (benchmarks/sass_stats.py).
+SPLIT_TF32 = True
 
 
 @triton.jit
@@ -75,13 +79,36 @@ def _window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT: tl.constexpr, BL
 
 
 @triton.jit
+def _tf32_parts(x):
+    """x = high + low, high with TF32's 10 mantissa bits (truncated: two bit operations, where
+    rounding to nearest takes ~6 instructions an element on sm_90). The tensor cores read only
+    low's top 10 mantissa bits too, so high * high + high * low + low * high misses ~2^-20 of x * y."""
+    high = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return high, x - high
+
+
+@triton.jit
+def _product(a, b, acc, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SPLIT_TF32: tl.constexpr):
+    """acc + a @ b on the tensor cores. SPLIT_TF32 (float32 operands): three TF32 products of the
+    operands' parts, the small ones first, as Triton's "tf32x3" does, with the cheaper split."""
+    if SPLIT_TF32:
+        a_high, a_low = _tf32_parts(a)
+        b_high, b_low = _tf32_parts(b)
+        acc = tl.dot(a_low, b_high, acc, input_precision="tf32")
+        acc = tl.dot(a_high, b_low, acc, input_precision="tf32")
+        return tl.dot(a_high, b_high, acc, input_precision="tf32")
+    else:
+        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def depthwise_fwd_toeplitz_kernel(
     x_ptr, w_rows_ptr, b_ptr, y_ptr,
     out_channels, in_h, in_w, out_h, out_w, total_rows,
     x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
     stride_h, stride_w, pad_top, pad_shift, pad_up, dilation_h, w_row_len,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, UNIT: tl.constexpr, INDEX_64: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT_TF32: tl.constexpr, UNIT: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program = BLOCK_M output rows x BLOCK_W columns of one output channel (unit column steps;
@@ -108,7 +135,7 @@ def depthwise_fwd_toeplitz_kernel(
         a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
         a = tl.load(a_ptrs + (in_rows * (x_stride_h * UNIT))[:, None], mask=a_ok, other=0.0)
         band = tl.load(band_ptrs + kh * w_row_len)
-        acc = tl.dot(a.to(DOT_DTYPE), band.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        acc = _product(a, band, acc, DOT_DTYPE, PRECISION, SPLIT_TF32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + out_c).to(tl.float32)
     out_cols = first_col + cols
@@ -124,7 +151,8 @@ def depthwise_grad_weight_toeplitz_kernel(
     x_stride_n, x_stride_c, x_stride_h, g_stride_n, g_stride_c, g_stride_h,
     stride_h, stride_w, pad_top, pad_shift, pad_up, dilation_h, dilation_w,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, UNIT: tl.constexpr, INDEX_64: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SPLIT_TF32: tl.constexpr, UNIT: tl.constexpr,
+    INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program = one output channel, BLOCK_W output columns, rows_per_split rows (a multiple of
@@ -157,7 +185,7 @@ def depthwise_grad_weight_toeplitz_kernel(
             a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
             a = tl.load(x_ptr + (x_base + in_rows * (x_stride_h * UNIT))[:, None] + in_cols[None, :], mask=a_ok,
                         other=0.0)
-            products = tl.dot(tl.trans(g.to(DOT_DTYPE)), a.to(DOT_DTYPE), products, input_precision=PRECISION)
+            products = _product(tl.trans(g), a, products, DOT_DTYPE, PRECISION, SPLIT_TF32)
             if BIAS_GRAD:
                 if kh == 0:
                     bias_acc += tl.sum(g.to(tl.float32), axis=0)
@@ -178,7 +206,15 @@ def window_width(geom: ConvGeometry, block_w: int, unit: int = 1) -> int:
     """BLOCK_K: the input columns a strip of block_w output columns reads from the multiple of unit at
     or below its first (a power of 2, >= 16)."""
     reach = (block_w - 1) * geom.stride_w + (geom.kernel_w - 1) * geom.dilation_w + 1
-    return max(16, next_power_of_2(unit - 1 + reach))
+    return max(16, next_power_of_2(window_shift(geom, block_w, unit) + reach))
+
+
+def window_shift(geom: ConvGeometry, block_w: int, unit: int) -> int:
+    """The most columns a strip's first input column lies past the multiple of unit at or below it.
+    Strips start block_w * stride_w columns apart, so where that is a multiple of unit, every strip
+    has the same offset, (-pad_left) mod unit (the kernels' `shift`): k31 with padding 15 then reads
+    32 columns in 16-byte vectors from a 64-column window (1 + 62 columns) instead of 2-element ones."""
+    return (-geom.pad_left) % unit if (block_w * geom.stride_w) % unit == 0 else unit - 1
 
 
 def load_unit(geom: ConvGeometry, block_w: int, tensors, widths) -> int:
@@ -220,13 +256,14 @@ def toeplitz_block_m(x: torch.Tensor) -> int:
     return 64 if x.element_size() == 4 else 128
 
 
-def _dot_types(dtype: torch.dtype):
-    """(operand dtype, input_precision) of the products."""
+def _dot_types(dtype: torch.dtype) -> dict:
+    """The products' constexprs: operand dtype, input_precision, and whether float32 operands are
+    split in the kernel (SPLIT_TF32) or by Triton ("tf32x3", before session 11)."""
     if dtype == torch.float32:
-        return tl.float32, "tf32x3"
+        return dict(DOT_DTYPE=tl.float32, PRECISION="tf32" if SPLIT_TF32 else "tf32x3", SPLIT_TF32=SPLIT_TF32)
     if dtype == torch.bfloat16 and triton_interpreter_enabled():  # (the interpreter's bfloat16 dot is wrong)
-        return tl.float32, "ieee"
-    return (tl.float16 if dtype == torch.float16 else tl.bfloat16), "tf32"
+        return dict(DOT_DTYPE=tl.float32, PRECISION="ieee", SPLIT_TF32=False)
+    return dict(DOT_DTYPE=tl.float16 if dtype == torch.float16 else tl.bfloat16, PRECISION="tf32", SPLIT_TF32=False)
 
 
 def _unit_columns(t: torch.Tensor) -> torch.Tensor:
@@ -277,13 +314,12 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
     # the input tile of a product at most 32 KB (its pipeline keeps 3 in shared memory: float32 k51
     # at 128 rows asked for 256 KB, over the H200's 227 KB)
     block_m = min(block_m, max(16, next_power_of_2(total_rows)), max(16, 32768 // (block_k * x.element_size())))
-    dot_dtype, precision = _dot_types(x.dtype)
     pad_up = cdiv(geom.pad_left, unit)
     scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w, total_rows,
                *[s // unit for s in x.stride()[:3]], *out.stride()[:3], geom.stride_h, geom.stride_w, geom.pad_top,
                pad_up * unit - geom.pad_left, pad_up, geom.dilation_h)
-    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype,
-                     PRECISION=precision, UNIT=unit, BLOCK_M=block_m,
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, HAS_BIAS=has_bias, **_dot_types(x.dtype),
+                     UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(out, (geom.out_h, geom.out_w)),
                      BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
@@ -323,7 +359,6 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
         rows_per_split = total_rows
     rows_per_split = cdiv(rows_per_split, block_m) * block_m
     splits = cdiv(total_rows, rows_per_split)
-    dot_dtype, precision = _dot_types(x.dtype)
     pad_up = cdiv(geom.pad_left, unit)
     scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w // unit, total_rows,
                rows_per_split, splits, *[s // unit for s in x.stride()[:3]],
@@ -331,8 +366,8 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
                geom.stride_h, geom.stride_w, geom.pad_top, pad_up * unit - geom.pad_left, pad_up, geom.dilation_h,
                geom.dilation_w)
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w,
-                     KW_PAD=next_power_of_2(geom.kernel_w), BIAS_GRAD=bias_grad, DOT_DTYPE=dot_dtype,
-                     PRECISION=precision, UNIT=unit, BLOCK_M=block_m,
+                     KW_PAD=next_power_of_2(geom.kernel_w), BIAS_GRAD=bias_grad,
+                     **_dot_types(x.dtype), UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(grad_out, (geom.out_h, geom.out_w)),
                      BLOCK_W=block_w, BLOCK_K=window_width(geom, block_w, unit), num_warps=num_warps,

@@ -1,0 +1,95 @@
+"""Static sm_90 code of the Toeplitz kernels, compiled here without a GPU: shared
+memory and the instructions of the kernel-row loop (global loads by width, shared-memory traffic,
+tensor-core instructions), for the launchers' choice of blocks against a given alternative.
+
+A CPU-side proxy for what the device time measures (the loop body runs kernel_h times a program):
+
+    python benchmarks/sass_stats.py                  # k13 / k31 / k51 layers of issue #6
+    python benchmarks/sass_stats.py --worst-shift    # as before session 11: windows sized for any shift
+"""
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import compile_check  # noqa: E402  (Triton set up to compile for sm_90 instead of launching)
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from dwconv.ops import toeplitz  # noqa: E402
+
+# issue #6's layers (batch 32: the row blocks' height depends on it)
+LAYERS = {"k31": ((32, 128, 56, 56), 31, 15), "k13": ((32, 256, 28, 28), 13, 6), "k51": ((32, 128, 56, 56), 51, 25)}
+NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+
+
+def loop_body(sass: str):
+    """The instructions of the longest loop: from a label to the last branch back to it."""
+    lines = [ln for ln in sass.splitlines() if ln.strip()]
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"\s*\.?(L_x_\d+):", ln))}
+    best = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s.*`\(\.(L_x_\d+)\)", ln)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            body = [x for x in lines[labels[m.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]{4,}\*/", x)]
+            best = max(best, body, key=len)
+    return best
+
+
+def classify(instructions):
+    counts = collections.Counter()
+    for ln in instructions:
+        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", ln)
+        if not m:
+            continue
+        op = m.group(1)
+        base = op.split(".")[0]
+        if base in ("LDG", "STG", "LDS", "STS", "LDSM", "LDGSTS"):
+            width = re.search(r"\.(128|64|U16|16|U8)", op)
+            counts[f"{base}.{width.group(1) if width else 32}"] += 1
+        elif base in ("HMMA", "HGMMA", "IMMA"):
+            counts[base] += 1
+        counts["total"] += 1
+    return counts
+
+
+def stats(compiled):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return dict(shared=compiled.metadata.shared, loop=classify(loop_body(sass)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worst-shift", action="store_true", help="size windows for any shift (before session 11)")
+    ap.add_argument("--layers", nargs="+", default=list(LAYERS))
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    args = ap.parse_args()
+    if args.worst_shift:
+        toeplitz.window_shift = lambda geom, block_w, unit: unit - 1
+    print(f"triton {triton.__version__}, sm_90{', worst-case shift' if args.worst_shift else ''}")
+    for name in args.layers:
+        shape, k, pad = LAYERS[name]
+        for dtype in args.dtype:
+            for what in ("forward", "grad_weight"):
+                before = len(compile_check.COMPILED)
+                run = compile_check.forward if what == "forward" else compile_check.grad_weight
+                run(shape, (k, k), getattr(torch, dtype), None, padding=pad)
+                plan = list(toeplitz._PLANS.values())[-1].constants
+                blocks = f"M{plan['BLOCK_M']} W{plan['BLOCK_W']} K{plan['BLOCK_K']} unit {plan['UNIT']}"
+                for kernel, compiled in compile_check.COMPILED[before:]:
+                    s = stats(compiled)
+                    mem = " ".join(f"{op} {n}" for op, n in sorted(s["loop"].items()) if op != "total")
+                    print(f"{name} {dtype:8s} {what:11s} {blocks}: shared {s['shared']} B, kernel-row loop "
+                          f"{s['loop']['total']} instructions ({mem})", flush=True)
+
+if __name__ == "__main__":
+    main()
