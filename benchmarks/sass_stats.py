@@ -1,5 +1,5 @@
 """Static sm_90 code of the Toeplitz kernels, compiled here without a GPU: shared
-memory and the instructions of the kernel-row loop (global loads by width, shared-memory traffic,
+memory and the instructions of the innermost loop of products (global loads by width, shared-memory traffic,
 tensor-core instructions), for the launchers' choice of blocks against a given alternative.
 
 A CPU-side proxy for what the device time measures (the loop body runs kernel_h times a program):
@@ -30,16 +30,17 @@ NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", 
 
 
 def loop_body(sass: str):
-    """The instructions of the longest loop: from a label to the last branch back to it."""
+    """The instructions of the innermost loop holding the products (tensor-core instructions): from
+    a label to the last branch back to it."""
     lines = [ln for ln in sass.splitlines() if ln.strip()]
     labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"\s*\.?(L_x_\d+):", ln))}
-    best = []
+    loops = []
     for i, ln in enumerate(lines):
         m = re.search(r"BRA\s.*`\(\.(L_x_\d+)\)", ln)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
-            body = [x for x in lines[labels[m.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]{4,}\*/", x)]
-            best = max(best, body, key=len)
-    return best
+            loops.append([x for x in lines[labels[m.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]{4,}\*/", x)])
+    with_products = [body for body in loops if any("MMA" in x for x in body)]
+    return min(with_products, key=len) if with_products else max(loops, key=len, default=[])
 
 
 def classify(instructions):
@@ -88,7 +89,7 @@ def main():
                 for kernel, compiled in compile_check.COMPILED[before:]:
                     s = stats(compiled)
                     mem = " ".join(f"{op} {n}" for op, n in sorted(s["loop"].items()) if op != "total")
-                    print(f"{name} {dtype:8s} {what:11s} {blocks}: shared {s['shared']} B, kernel-row loop "
+                    print(f"{name} {dtype:8s} {what:11s} {blocks}: shared {s['shared']} B, loop "
                           f"{s['loop']['total']} instructions ({mem})", flush=True)
 
 if __name__ == "__main__":

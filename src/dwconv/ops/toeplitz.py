@@ -50,6 +50,9 @@ NUM_STAGES = 1
 # element; False: Triton's "tf32x3", whose rounding split took ~300 of the k31 forward loop's 473
 # sm_90 instructions (benchmarks/sass_stats.py).
 SPLIT_TF32 = True
+# The weight gradient's products transposed where that gives them 64 rows or more (the window's
+# columns, not the strip's): sm_90's warpgroup MMA instead of mma.sync.
+TRANSPOSED_GRAD_WEIGHT = True
 
 
 @triton.jit
@@ -152,7 +155,7 @@ def depthwise_grad_weight_toeplitz_kernel(
     stride_h, stride_w, pad_top, pad_shift, pad_up, dilation_h, dilation_w,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SPLIT_TF32: tl.constexpr, UNIT: tl.constexpr,
-    INDEX_64: tl.constexpr,
+    INDEX_64: tl.constexpr, TRANSPOSED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program = one output channel, BLOCK_W output columns, rows_per_split rows (a multiple of
@@ -174,7 +177,9 @@ def depthwise_grad_weight_toeplitz_kernel(
     partial_row = partial_ptr + (out_c.to(tl.int64) * (splits * tiles_w) + part) * (KH * KW + BIAS_GRAD)
     bias_acc = tl.zeros([BLOCK_W], dtype=tl.float32)
     for kh in range(KH):
-        products = tl.zeros([BLOCK_W, BLOCK_K], dtype=tl.float32)
+        # C, or its transpose ([BLOCK_K, BLOCK_W]: a product with BLOCK_K rows, which the H200's
+        # warpgroup MMA takes from 64 rows on, where BLOCK_W is 16 or 32)
+        products = tl.zeros([BLOCK_K, BLOCK_W] if TRANSPOSED else [BLOCK_W, BLOCK_K], dtype=tl.float32)
         for m in range(first_row, tl.minimum(first_row + rows_per_split, total_rows), BLOCK_M):
             row_ok, out_row, first_in_row, x_base, g_base = _tile_rows(
                 m + tl.arange(0, BLOCK_M), total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c,
@@ -185,10 +190,15 @@ def depthwise_grad_weight_toeplitz_kernel(
             a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
             a = tl.load(x_ptr + (x_base + in_rows * (x_stride_h * UNIT))[:, None] + in_cols[None, :], mask=a_ok,
                         other=0.0)
-            products = _product(tl.trans(g), a, products, DOT_DTYPE, PRECISION, SPLIT_TF32)
+            if TRANSPOSED:
+                products = _product(tl.trans(a), g, products, DOT_DTYPE, PRECISION, SPLIT_TF32)
+            else:
+                products = _product(tl.trans(g), a, products, DOT_DTYPE, PRECISION, SPLIT_TF32)
             if BIAS_GRAD:
                 if kh == 0:
                     bias_acc += tl.sum(g.to(tl.float32), axis=0)
+        if TRANSPOSED:
+            products = tl.trans(products)
         taps = tl.sum(tl.where(kws[None, :] < KW, tl.gather(products, diagonal, axis=1), 0.0), axis=0)
         tl.store(partial_row + kh * KW + kws, taps, mask=kws < KW)
     if BIAS_GRAD:
@@ -355,6 +365,7 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     total_rows = geom.batch * geom.out_h
     block_m = min(block_m, max(16, next_power_of_2(total_rows)))
     tiles_w = cdiv(geom.out_w, block_w)
+    block_k = window_width(geom, block_w, unit)
     if not x.is_cuda:  # the interpreter: one program per channel and strip
         rows_per_split = total_rows
     rows_per_split = cdiv(rows_per_split, block_m) * block_m
@@ -370,8 +381,8 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
                      **_dot_types(x.dtype), UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(grad_out, (geom.out_h, geom.out_w)),
-                     BLOCK_W=block_w, BLOCK_K=window_width(geom, block_w, unit), num_warps=num_warps,
-                     num_stages=num_stages)
+                     TRANSPOSED=TRANSPOSED_GRAD_WEIGHT and block_k >= 64 > block_w,
+                     BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     grid = (geom.out_channels * splits * tiles_w,)
     return LaunchPlan("grad_weight_toeplitz", grid, scalars, constants,
                       (geom.out_channels, splits * tiles_w, geom.kernel_h * geom.kernel_w + int(bias_grad)))
