@@ -67,15 +67,16 @@ for step in $steps; do
     bench|all) python3 -m dwconv bench --suite forward --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" ;;&
     # issue #4's suite, one dtype a call (each compiles its kernels): SUITE_DTYPE=float32|float16|bfloat16
     # (compiles first: each row alone in a process, 8 at a time, to fill the Triton cache; then the timed run)
-    suite) d=${SUITE_DTYPE:-bfloat16}
-           rows=$(python3 -c "from dwconv.bench import SUITES; print(sum(c.dtype == '$d' for c in SUITES['models']))")
+    # SUITE=large: issue #6's large kernels instead of the models (files suite_large_<dtype>.*)
+    suite) d=${SUITE_DTYPE:-bfloat16}; s=${SUITE:-models}; f=suite_$d; [ "$s" = models ] || f=suite_${s}_$d
+           rows=$(python3 -c "from dwconv.bench import SUITES; print(sum(c.dtype == '$d' for c in SUITES['$s']))")
            start=$SECONDS; seq 0 $((rows - 1)) | timeout "${WARM_S:-300}" xargs -P 8 -I{} python3 -m dwconv bench \
-             --suite models --dtype "$d" --cases {} --iters 1 --warmup 1 >/dev/null 2>>"$OUT/warm.log"
+             --suite "$s" --dtype "$d" --cases {} --iters 1 --warmup 1 >/dev/null 2>>"$OUT/warm.log"
            echo "suite compiles: $((SECONDS - start)) s"
            # a CSV of an earlier call, carried in .tcache: only its missing rows are timed (--resume)
-           [ -f ".tcache/suite_$d.csv" ] && cp ".tcache/suite_$d.csv" "$OUT/suite_$d.csv"
-           python3 -m dwconv bench --suite models --dtype "$d" --csv "$OUT/suite_$d.csv" --resume \
-             --plot "$OUT/suite_$d.png" 2>&1 | tee -a "$OUT/suite_$d.log" ;;
+           [ -f ".tcache/$f.csv" ] && cp ".tcache/$f.csv" "$OUT/$f.csv"
+           python3 -m dwconv bench --suite "$s" --dtype "$d" --csv "$OUT/$f.csv" --resume \
+             --plot "$OUT/$f.png" 2>&1 | tee -a "$OUT/$f.log" ;;
     cl) python3 -m dwconv bench --suite forward --channels-last --csv "$OUT/bench_cl.csv" 2>&1 | tee "$OUT/bench_cl.log"
         python3 -m dwconv bench --suite forward --channels-last --backward --csv "$OUT/bench_cl_backward.csv" 2>&1 | tee "$OUT/bench_cl_backward.log" ;;
     bench|all|bench84) python3 -m dwconv bench --dtype all --compile --csv "$OUT/bench84.csv" 2>&1 | tee "$OUT/bench84.log" ;;

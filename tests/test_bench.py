@@ -22,6 +22,20 @@ def test_models_suite_holds_valid_distinct_layers():
         assert wanted in shapes
 
 
+def test_large_suite_and_flops():
+    """Issue #6's layers in every dtype; the k31 forward is the issue's 24.7 GFLOP."""
+    from dwconv.bench import FULL_SUITES, Case
+
+    cases = SUITES["large"]
+    assert {(c.kernel, c.padding, c.dtype) for c in cases} == {(k, k // 2, d) for k in (13, 31, 51)
+                                                               for d in ("float32", "float16", "bfloat16")}
+    assert "large" in FULL_SUITES
+    k31 = next(c for c in cases if c.kernel == 31)
+    assert round(k31.flops() / 1e9, 1) == 24.7 and k31.flops(backward=True) == 2 * k31.flops()
+    # output size from stride, padding and dilation: 5x5 input, k3 s2 p1 -> 3x3 outputs of 9 taps
+    assert Case(1, 2, 5, 5, 3, 2, 1, multiplier=2).flops() == 2 * 4 * 9 * 9
+
+
 def test_suite_dtype_filter():
     assert {c.dtype for c in cases_from_args(parse_args(["--suite", "models", "--dtype", "bfloat16"]))} == {"bfloat16"}
     assert len(cases_from_args(parse_args(["--suite", "models"]))) == len(SUITES["models"])
@@ -85,3 +99,15 @@ def test_csv_rows_round_trip_for_resume(tmp_path):
     rows = read_csv_rows(path)
     assert [r["layer"] for r in rows] == ["L k3 bfloat16", "M"] and rows[1]["ms"] == 0.5
 
+
+
+def test_table_prints_tflops(capsys):
+    """The TFLOP/s column, and rows resumed from a CSV written before it (NaN there)."""
+    from dwconv.bench import print_table
+
+    row = dict(layer="L k31 bfloat16", path="dwconv", ms=0.5, std=0.01, gbps=800.0, pct_copy=19.0, tflops=49.4,
+               peak_mb=float("nan"), dwconv_speedup=1.0, **{"pass": "forward"})
+    old = {k: v for k, v in row.items() if k != "tflops"}
+    print_table([row, old], 4200.0)
+    out = capsys.readouterr().out
+    assert "TFLOP/s" in out and "49.4" in out and "nan" in out and "float32 FMA 67" in out

@@ -10,7 +10,8 @@ grad_input written for the backward; peak_mb is torch.cuda.max_memory_allocated 
 forward+backward, above what was allocated before it.
 --suite models: the depthwise layers of MobileNetV2, EfficientNet-B0 and ConvNeXt-T, a dilated layer
 and #84, each in float32 / float16 / bfloat16, forward and forward+backward, NCHW and channels_last
-(dwconv against eager NCHW and cuDNN channels_last); --plot FILE.png draws it.
+(dwconv against eager NCHW and cuDNN channels_last); --plot FILE.png draws it. --suite large: the
+same for issue #6's large kernels (13, 31, 51), whose TFLOP/s column matters more than their GB/s.
 Without a GPU it says so and runs a small correctness demo under the Triton interpreter.
 """
 
@@ -45,6 +46,13 @@ class Case:
     bias: bool = False
     dtype: str = "float32"
     model: str = ""  # the network the layer comes from (suite "models")
+
+    def flops(self, backward: bool = False) -> int:
+        """Multiply-adds x 2 of the forward (each output: kernel^2 taps); the backward's grad_input
+        and grad_weight are as many each."""
+        out_h = (self.h + 2 * self.padding - self.dilation * (self.kernel - 1) - 1) // self.stride + 1
+        out_w = (self.w + 2 * self.padding - self.dilation * (self.kernel - 1) - 1) // self.stride + 1
+        return 2 * self.n * self.c * self.multiplier * out_h * out_w * self.kernel ** 2 * (2 if backward else 1)
 
     @property
     def label(self) -> str:
@@ -93,13 +101,22 @@ MODEL_LAYERS = [
     Case(32, 256, 64, 64, 3, 1, 2, 2, model="dilated"),
     replace(KB84, model="KernelBench #84"),
 ]
+# Issue #6's large kernels ('same' padding), where arithmetic, not memory, sets the time.
+LARGE_LAYERS = [Case(32, 128, 56, 56, 31, 1, 15, model="RepLKNet-style"),
+                Case(32, 256, 28, 28, 13, 1, 6, model="RepLKNet-style"),
+                Case(32, 128, 56, 56, 51, 1, 25, model="SLaK-style")]
+# Datasheet peaks of the H200 SXM, dense (TFLOP/s): the ceilings the TFLOP/s column is read against.
+PEAK_TFLOPS = {"float32 FMA": 67, "TF32 tensor": 495, "float16/bfloat16 tensor": 989}
 SUITES = {
     "84": [replace(KB84, dtype=d) for d in DTYPES],
     "forward": [replace(KB84, dtype=d) for d in DTYPES]
     + [replace(c, dtype=d) for c in FORWARD_SHAPES for d in ("float32", "bfloat16")],
     # forward and forward+backward, NCHW and channels_last, all three dtypes (see main)
     "models": [replace(c, dtype=d) for c in MODEL_LAYERS for d in DTYPES],
+    "large": [replace(c, dtype=d) for c in LARGE_LAYERS for d in DTYPES],
 }
+# suites timed in both layouts and both passes in one run
+FULL_SUITES = ("models", "large")
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -289,8 +306,9 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
             times = timer(graphed(fn) if args.cuda_graphs else fn)
             mean = statistics.fmean(times)
             gbps = pass_bytes / mean / 1e6
+            flops = case.flops(backward=pass_name == "backward") + (case.flops(True) if pass_name == "fwd+bwd" else 0)
             rows.append(dict(layer=case.label, path=name, **{"pass": pass_name}, ms=mean, std=statistics.pstdev(times),
-                             gbps=gbps, pct_copy=100 * gbps / copy_gbps, peak_mb=peak_mb,
+                             gbps=gbps, pct_copy=100 * gbps / copy_gbps, tflops=flops / mean / 1e9, peak_mb=peak_mb,
                              max_err=max_err if name.startswith("dwconv") else float("nan"),
                              cuda_graph=bool(args.cuda_graphs)))
         if args.backward:
@@ -340,13 +358,16 @@ def print_table(rows: List[Dict], copy_gbps: float) -> None:
         print("every call replayed from a CUDA graph: GPU time alone, no host time")
     width = max([44] + [len(r["layer"]) for r in rows])
     header = (f"{'layer':<{width}} {'path':<9} {'pass':<8} {'ms':>9} {'std':>7} {'GB/s':>7} {'%copy':>6} "
-              f"{'peak MB':>8} {'dwconv x':>8}")
+              f"{'TFLOP/s':>7} {'peak MB':>8} {'dwconv x':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
         peak = "" if r["peak_mb"] != r["peak_mb"] else f"{r['peak_mb']:.0f}"
+        tflops = r.get("tflops", float("nan"))  # (rows of a CSV from before the column: NaN)
         print(f"{r['layer']:<{width}} {r['path']:<9} {r['pass']:<8} {r['ms']:9.4f} {r['std']:7.4f} {r['gbps']:7.0f} "
-              f"{r['pct_copy']:6.1f} {peak:>8} {r['dwconv_speedup']:8.2f}")
+              f"{r['pct_copy']:6.1f} {tflops:7.1f} {peak:>8} {r['dwconv_speedup']:8.2f}")
+    print("TFLOP/s: 2 x multiply-adds (the backward's grad_input and grad_weight as many as the forward) over "
+          "the time; H200 datasheet peaks: " + ", ".join(f"{k} {v}" for k, v in PEAK_TFLOPS.items()))
 
 
 def environment() -> str:
@@ -417,7 +438,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cases = [case for case in cases_from_args(args) if case.label not in done]
     # the models suite: both layouts and both passes in one run
     runs = ([argparse.Namespace(**{**vars(args), "channels_last": True, "backward": b}) for b in (False, True)]
-            if args.suite == "models" else [args])
+            if args.suite in FULL_SUITES else [args])
     for i, case in enumerate(cases):
         progress(f"{progress_bar(i, len(cases))} {case.label}")
         for run_args in runs:
@@ -441,7 +462,7 @@ def read_csv_rows(path: str) -> List[Dict]:
     with open(path, newline="") as f:
         rows = [{k: v for k, v in row.items() if k != "device"} for row in csv.DictReader(f)]
     for row in rows:
-        for key in ("ms", "std", "gbps", "pct_copy", "peak_mb", "max_err", "dwconv_speedup", "copy_gbps"):
+        for key in ("ms", "std", "gbps", "pct_copy", "tflops", "peak_mb", "max_err", "dwconv_speedup", "copy_gbps"):
             if key in row:
                 row[key] = float(row[key])
         if "cuda_graph" in row:
