@@ -112,10 +112,11 @@ def depthwise_fwd_toeplitz_kernel(
     stride_h, stride_w, pad_top, pad_shift, pad_up, dilation_h, w_row_len,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT_TF32: tl.constexpr, UNIT: tl.constexpr, INDEX_64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+    BAND_VECTOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program = BLOCK_M output rows x BLOCK_W columns of one output channel (unit column steps;
-    x's in_w and strides in UNITs)."""
+    x's in_w and strides in UNITs). w_rows: BAND_VECTOR copies of each padded kernel row, copy r
+    starting r elements further (padded_weight_rows)."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
     row_blocks = tl.cdiv(total_rows, BLOCK_M)
@@ -126,18 +127,20 @@ def depthwise_fwd_toeplitz_kernel(
         rows, total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c, 0, 0, stride_h, pad_top, UNIT, INDEX_64)
     in_cols, col_ok, shift = _window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT, BLOCK_K)
     cols = tl.arange(0, BLOCK_W)
-    # T[i, j] = w_rows[kh, BAND0 - shift + i - j * stride_w], BAND0 = UNIT - 1 + (BLOCK_W - 1) * stride_w:
-    # the launcher's zero-padded, dilated weight rows make each band one unmasked load
-    band0 = UNIT - 1 + (BLOCK_W - 1) * stride_w - shift
-    band_ptrs = (w_rows_ptr + out_c * (KH * w_row_len) + band0 + tl.arange(0, BLOCK_K)[:, None]
-                 - cols[None, :] * stride_w)
+    # T[i, j] = row_kh[BAND0 - shift - j * stride_w + i], BAND0 = UNIT - 1 + (BLOCK_W - 1) * stride_w:
+    # the launcher's zero-padded, dilated weight rows make each band one unmasked load. Column j's
+    # run starts at `start`; in the row's copy start % BAND_VECTOR it starts at a multiple of
+    # BAND_VECTOR, so the column loads as whole vectors (one element at a time from a single row)
+    start = UNIT - 1 + (BLOCK_W - 1) * stride_w - shift - cols * stride_w
+    band_ptrs = (w_rows_ptr + out_c * (KH * BAND_VECTOR * w_row_len) + tl.arange(0, BLOCK_K)[:, None]
+                 + ((start % BAND_VECTOR) * w_row_len + (start // BAND_VECTOR) * BAND_VECTOR)[None, :])
     a_ptrs = x_ptr + x_base[:, None] + in_cols[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
     for kh in range(KH):
         in_rows = first_in_row + kh * dilation_h
         a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
         a = tl.load(a_ptrs + (in_rows * (x_stride_h * UNIT))[:, None], mask=a_ok, other=0.0)
-        band = tl.load(band_ptrs + kh * w_row_len)
+        band = tl.load(band_ptrs + kh * (BAND_VECTOR * w_row_len))
         acc = _product(a, band, acc, DOT_DTYPE, PRECISION, SPLIT_TF32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + out_c).to(tl.float32)
@@ -292,10 +295,10 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                                 num_warps, num_stages),
                        lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps, num_stages))
     w_rows = padded_weight_rows(weight, geom, plan.constants["BLOCK_W"], plan.constants["BLOCK_K"],
-                                plan.constants["UNIT"])
+                                plan.constants["UNIT"], plan.constants["BAND_VECTOR"])
     with on_device_of(x):
         depthwise_fwd_toeplitz_kernel[plan.grid](x, w_rows, bias.contiguous() if bias is not None else w_rows, dst,
-                                                 *plan.scalars, w_rows.shape[2], **plan.constants)
+                                                 *plan.scalars, w_rows.shape[3], **plan.constants)
     if dst is not out:
         out.copy_(dst)
     return out
@@ -304,15 +307,17 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 _PLANS: dict = {}
 
 
-def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, block_k: int, unit: int
-                       ) -> torch.Tensor:
-    """[C*m, kH, unit - 1 + (block_w - 1) * stride_w + block_k]: each kernel row from unit - 1 +
-    (block_w - 1) * stride_w on, its taps dilation_w apart, zeros around (a few KB to MB: the kernel
-    reads every band from it unmasked)."""
+def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, block_k: int, unit: int,
+                       vector: int) -> torch.Tensor:
+    """[C*m, kH, vector, row_len]: each kernel row from unit - 1 + (block_w - 1) * stride_w on, its
+    taps dilation_w apart, zeros around, in `vector` copies, copy r shifted r elements to the left
+    (row_len >= unit - 1 + (block_w - 1) * stride_w + block_k, a multiple of 16; k31 bfloat16: 6.6
+    MB). The kernel reads every band from it unmasked, each band column in whole vectors."""
     start = unit - 1 + (block_w - 1) * geom.stride_w
-    rows = weight.new_zeros(geom.out_channels, geom.kernel_h, start + block_k)
+    row_len = cdiv(start + block_k, 16) * 16
+    rows = weight.new_zeros(geom.out_channels, geom.kernel_h, row_len + vector - 1)
     rows[:, :, start:start + (geom.kernel_w - 1) * geom.dilation_w + 1:geom.dilation_w] = weight[:, 0]
-    return rows
+    return rows.unfold(2, row_len, 1).contiguous()  # (windows 0 .. vector - 1 of row_len elements)
 
 
 def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
@@ -332,6 +337,7 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
                      UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(out, (geom.out_h, geom.out_w)),
+                     BAND_VECTOR=16 // x.element_size(),
                      BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     grid = (geom.out_channels * cdiv(total_rows, block_m) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("toeplitz", grid, scalars, constants)
