@@ -2,7 +2,7 @@
 tile kernel and PyTorch eager, forward and forward+backward, in NCHW and channels_last; the errors of
 dwconv and of PyTorch against float64; a block sweep; the crossover by kernel size.
 
-    PYTHONPATH=src python benchmarks/probe_large.py [--quick] [--sweep] [--crossover]
+    PYTHONPATH=src python benchmarks/probe_large.py [--quick] [--sweep] [--crossover] [--parts]
 """
 
 import argparse
@@ -85,6 +85,22 @@ def backward_rows(shape, k, pad, dtype, layouts=("nchw", "cl")):
               f"peak {peak:.0f} MiB", flush=True)
 
 
+def parts(shape, k, pad, dtype):
+    """The backward's parts alone (CUDA events, no L2 flush), beside the forward: where the
+    forward+backward's time goes."""
+    from dwconv.ops.backward import conv_grad_input, conv_grad_weight
+
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype) / k
+    g = torch.randn(shape, device="cuda", dtype=dtype)
+    geom = conv_geometry(x, w, None, 1, pad, 1)
+    times = dict(forward=events_ms(lambda: conv_forward(x, w, None, geom), 10),
+                 grad_input=events_ms(lambda: conv_grad_input(g, w, geom, x), 10),
+                 grad_weight=events_ms(lambda: conv_grad_weight(g, x, geom, dtype, False), 10))
+    print(f"parts {str(dtype)[6:]:8s} {str(shape):18s} k{k}: " + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items())
+          + f" (sum {sum(times.values()):.3f})", flush=True)
+
+
 def sweep():
     """Forward blocks (rows, warps) and grad_weight blocks on the k31 layer."""
     shape, k, pad = LAYERS[0]
@@ -131,6 +147,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="the k31 layer only")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--crossover", action="store_true")
+    p.add_argument("--parts", action="store_true", help="time forward, grad_input and grad_weight alone")
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--no-tile", action="store_true", help="skip timing the CUDA-core tile kernel")
     p.add_argument("--stages", type=int, help="num_stages of the Toeplitz kernels (toeplitz.NUM_STAGES)")
@@ -147,6 +164,10 @@ def main():
         for shape, k, pad in layers:
             for dtype in dtypes:
                 backward_rows(shape, k, pad, dtype)
+    if args.parts:
+        for shape, k, pad in layers:
+            for dtype in dtypes:
+                parts(shape, k, pad, dtype)
     if args.sweep:
         sweep()
     if args.crossover:

@@ -22,7 +22,7 @@ RUNS = [((32, 128, 56, 56), 31, torch.bfloat16, [(128, 32, 4, 1), (256, 32, 8, 1
         ((32, 256, 28, 28), 13, torch.bfloat16, [(128, 16, 4, 1), (256, 16, 8, 1), (64, 16, 4, 1)]),
         ((32, 256, 28, 28), 13, torch.float32, [(64, 16, 4, 1), (128, 16, 4, 1)])]
 # grad_weight on k31: (block_m, block_w, rows_per_split, warps, num_stages)
-GRAD_WEIGHT = [(64, 32, 1024, 4, 1), (64, 64, 1024, 4, 1), (128, 32, 1024, 4, 1), (64, 32, 512, 4, 1),
+GRAD_WEIGHT = [(64, 32, 896, 4, 1), (64, 64, 1024, 4, 1), (128, 32, 1024, 4, 1), (64, 32, 512, 4, 1),
                (64, 16, 1024, 4, 1)]
 
 
@@ -52,6 +52,11 @@ for shape, k, dtype, configs in RUNS:
         if i == 0 and dtype == torch.float32:
             line += f"; Triton's tf32x3 split {switched('SPLIT_TF32', False, forward):.3f} ms"
         print(line, flush=True)
+    if k == 51 and dtype == torch.bfloat16:  # rows a program: 448 (512 programs) since session 11, 1024 before
+        g = torch.randn_like(x)
+        for rows in (448, 1024, 224):
+            ms = events_ms(lambda: toeplitz.toeplitz_grad_weight(g, x, geom, dtype, False, rows_per_split=rows), 5)
+            print(f"gw  {str(dtype)[6:]:8s} {shape} k{k} rows{rows}: {ms:.3f} ms", flush=True)
     if k == 31:
         g = torch.randn_like(x)
         for i, (block_m, block_w, rows, warps, stages) in enumerate(GRAD_WEIGHT):

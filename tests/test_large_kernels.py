@@ -111,6 +111,14 @@ def test_grad_weight_splits_and_determinism():
     torch.testing.assert_close(first[1], grad_out.sum(dim=(0, 2, 3)), rtol=1e-4, atol=1e-4)
 
 
+def test_grad_weight_rows():
+    """At most 1024 rows a program, fewer where the channels' strips leave under 512 programs."""
+    assert toeplitz.grad_weight_rows(32 * 56, 128 * 2) == 896  # k31: 2 splits, 512 programs
+    assert toeplitz.grad_weight_rows(32 * 56, 128) == 448  # k51 half precision: 4 splits
+    assert toeplitz.grad_weight_rows(256 * 56, 128) == 1024  # (many rows: the 1024 cap)
+    assert toeplitz.grad_weight_rows(10, 4096) == 10  # (more strips than wanted programs: one split)
+
+
 def test_dispatch_by_taps():
     """Toeplitz from TOEPLITZ_MIN_TAPS taps on, in float32 / float16 / bfloat16; float64 and small kernels not."""
     x = randn(1, 2, 16, 16)

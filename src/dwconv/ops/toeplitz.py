@@ -53,6 +53,8 @@ SPLIT_TF32 = True
 # The weight gradient's products transposed where that gives them 64 rows or more (the window's
 # columns, not the strip's): sm_90's warpgroup MMA instead of mma.sync.
 TRANSPOSED_GRAD_WEIGHT = True
+# Weight-gradient programs to aim for (grad_weight_rows)
+GRAD_WEIGHT_PROGRAMS = 512
 
 
 @triton.jit
@@ -344,12 +346,11 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
 
 
 def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
-                         bias_grad: bool, block_m: int = 64, block_w: Optional[int] = None, rows_per_split: int = 1024,
-                         num_warps: int = 4, num_stages: Optional[int] = None
+                         bias_grad: bool, block_m: int = 64, block_w: Optional[int] = None,
+                         rows_per_split: Optional[int] = None, num_warps: int = 4, num_stages: Optional[int] = None
                          ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
-    (H200, k31: 64 rows a product, 16 columns, 4 warps; 1024 rows a program 1.20 ms bfloat16 against
-    1.35 at about 4096 programs.)"""
+    rows_per_split: rows a program sums (default: grad_weight_rows)."""
     grad_out, x = _unit_columns(grad_out), _unit_columns(x)
     num_stages = num_stages or NUM_STAGES
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, block_m,
@@ -364,16 +365,25 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
     return grad_w, (sums[:, taps].to(weight_dtype) if bias_grad else None)
 
 
+def grad_weight_rows(total_rows: int, strips: int) -> int:
+    """Rows a weight-gradient program sums (each program does every tap of one strip of one channel,
+    then writes its partial sums): at most 1024 (H200, k31 bfloat16, 16-column strips: 1024 rows
+    1.20 ms against 1.35 at ~4096 programs), fewer where that leaves under GRAD_WEIGHT_PROGRAMS
+    programs (k51 half precision: 256 programs of 896 rows on 132 SMs; 512 of 448 now, not yet timed)."""
+    return min(1024, cdiv(total_rows, max(1, cdiv(GRAD_WEIGHT_PROGRAMS, strips))))
+
+
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, block_m: int,
-                      block_w: Optional[int], rows_per_split: int, num_warps: int, num_stages: int) -> LaunchPlan:
+                      block_w: Optional[int], rows_per_split: Optional[int], num_warps: int, num_stages: int
+                      ) -> LaunchPlan:
     block_w = block_w or toeplitz_block_w(geom, x, grad_weight=True)
     unit = load_unit(geom, block_w, (x, grad_out), (geom.in_w, geom.out_w))
     total_rows = geom.batch * geom.out_h
     block_m = min(block_m, max(16, next_power_of_2(total_rows)))
     tiles_w = cdiv(geom.out_w, block_w)
     block_k = window_width(geom, block_w, unit)
-    if not x.is_cuda:  # the interpreter: one program per channel and strip
-        rows_per_split = total_rows
+    if rows_per_split is None:
+        rows_per_split = grad_weight_rows(total_rows, geom.out_channels * tiles_w) if x.is_cuda else total_rows
     rows_per_split = cdiv(rows_per_split, block_m) * block_m
     splits = cdiv(total_rows, rows_per_split)
     pad_up = cdiv(geom.pad_left, unit)
