@@ -255,6 +255,7 @@ def test_nchw_pixels(dtype, shape, kernel, multiplier, padding, dilation, block)
         (ForwardConfig("tile", 4, 8, 1), "nchw"),
         (ForwardConfig("nhwc_pixels", 2, 4, 1, block_c=8), "channels_last"),
         (ForwardConfig("nhwc", 4, 4, 1, block_c=8), "channels_last"),
+        (ForwardConfig("toeplitz", 16, 16, 4), "nchw"),  # (its band rows gathered in reverse)
     ],
     ids=lambda v: v.kernel + (f"-vec{v.vec}" if getattr(v, "vec", 1) > 1 else "") if isinstance(v, ForwardConfig) else v,
 )

@@ -970,7 +970,7 @@ def launch_forward(
     kernel, stride 1, multiplier 1) this call is grad_input (x = grad_out, weight flipped) and also
     returns partial[program, tap], grad_weight partial sums in the original tap order.
     flip_weight: convolve with weight.flip(2, 3) (grad_input); the kernels read the taps in reverse
-    (the Toeplitz path alone takes a flipped copy)."""
+    (the Toeplitz path gathers its band rows in reverse)."""
     if out is None:
         out = torch.empty(geom.output_shape, device=x.device, dtype=x.dtype,
                           memory_format=output_memory_format(x))
@@ -978,10 +978,10 @@ def launch_forward(
         return out, None
     fused = weight_grad_from is not None
     if config is None and toeplitz_applies(geom, x.dtype) and not fused:  # (blocks chosen in its cached plan)
-        return toeplitz_forward(x, weight.flip(2, 3) if flip_weight else weight, bias, geom, out), None
+        return toeplitz_forward(x, weight, bias, geom, out, flip_weight=flip_weight), None
     if config is not None and config.kernel == "toeplitz":
-        return toeplitz_forward(x, weight.flip(2, 3) if flip_weight else weight, bias, geom, out, config.block_h,
-                                config.block_w, config.num_warps), None
+        return toeplitz_forward(x, weight, bias, geom, out, config.block_h, config.block_w, config.num_warps,
+                                flip_weight=flip_weight), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
            layout_key(weight_grad_from) if fused else None, flip_weight, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,

@@ -27,9 +27,11 @@ on the CUDA-core kernels. The grad_input of stride 1 is this forward (dwconv.ops
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -288,8 +290,9 @@ def _unit_columns(t: torch.Tensor) -> torch.Tensor:
 
 def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                      out: torch.Tensor, block_m: Optional[int] = None, block_w: Optional[int] = None,
-                     num_warps: int = 4, num_stages: Optional[int] = None) -> torch.Tensor:
-    """Writes the convolution into out (allocated by the caller, any layout) and returns it."""
+                     num_warps: int = 4, num_stages: Optional[int] = None, flip_weight: bool = False) -> torch.Tensor:
+    """Writes the convolution into out (allocated by the caller, any layout) and returns it.
+    flip_weight: convolve with weight.flip(2, 3) (grad_input), without a flipped copy."""
     x = _unit_columns(x)
     block_m, num_stages = block_m or toeplitz_block_m(x), num_stages or NUM_STAGES
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
@@ -297,7 +300,7 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                                 num_warps, num_stages),
                        lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps, num_stages))
     w_rows = padded_weight_rows(weight, geom, plan.constants["BLOCK_W"], plan.constants["BLOCK_K"],
-                                plan.constants["UNIT"], plan.constants["BAND_VECTOR"])
+                                plan.constants["UNIT"], plan.constants["BAND_VECTOR"], flip_weight)
     with on_device_of(x):
         depthwise_fwd_toeplitz_kernel[plan.grid](x, w_rows, bias.contiguous() if bias is not None else w_rows, dst,
                                                  *plan.scalars, w_rows.shape[3], **plan.constants)
@@ -310,16 +313,32 @@ _PLANS: dict = {}
 
 
 def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, block_k: int, unit: int,
-                       vector: int) -> torch.Tensor:
+                       vector: int, flip: bool = False) -> torch.Tensor:
     """[C*m, kH, vector, row_len]: each kernel row from unit - 1 + (block_w - 1) * stride_w on, its
     taps dilation_w apart, zeros around, in `vector` copies, copy r shifted r elements to the left
     (row_len >= unit - 1 + (block_w - 1) * stride_w + block_k, a multiple of 16; k31 bfloat16: 6.6
-    MB). The kernel reads every band from it unmasked, each band column in whole vectors."""
+    MB). The kernel reads every band from it unmasked, each band column in whole vectors. flip: of
+    weight.flip(2, 3) (grad_input). Two small ops: a zero appended to each channel's taps, then one
+    gather by a cached index."""
     start = unit - 1 + (block_w - 1) * geom.stride_w
     row_len = cdiv(start + block_k, 16) * 16
-    rows = weight.new_zeros(geom.out_channels, geom.kernel_h, row_len + vector - 1)
-    rows[:, :, start:start + (geom.kernel_w - 1) * geom.dilation_w + 1:geom.dilation_w] = weight[:, 0]
-    return rows.unfold(2, row_len, 1).contiguous()  # (windows 0 .. vector - 1 of row_len elements)
+    index = _band_index(geom.kernel_h, geom.kernel_w, geom.dilation_w, start, row_len, vector, flip, weight.device)
+    taps = F.pad(weight.reshape(geom.out_channels, geom.kernel_h * geom.kernel_w), (0, 1))
+    return taps[:, index]
+
+
+@functools.lru_cache(maxsize=64)
+def _band_index(kernel_h: int, kernel_w: int, dilation_w: int, start: int, row_len: int, vector: int, flip: bool,
+                device: torch.device) -> torch.Tensor:
+    """[kH, vector, row_len] positions in a channel's taps (kH * kW: the appended zero) that
+    padded_weight_rows gathers."""
+    column = torch.arange(row_len)[None, :] + torch.arange(vector)[:, None] - start  # [vector, row_len]
+    kw = torch.div(column, dilation_w, rounding_mode="floor")
+    is_tap = (column >= 0) & (column % dilation_w == 0) & (kw < kernel_w)
+    kh = torch.arange(kernel_h)[:, None, None]
+    if flip:
+        kh, kw = kernel_h - 1 - kh, kernel_w - 1 - kw
+    return torch.where(is_tap, kh * kernel_w + kw, kernel_h * kernel_w).to(device)
 
 
 def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
