@@ -12,8 +12,8 @@ rows (of any images of its channel: rows are numbered over batch x out_h) by BLO
 for each kernel row loads a [BLOCK_M, BLOCK_K] input tile and T_kh (from zero-padded weight rows
 the launcher builds) and adds one `tl.dot`. BLOCK_K / kernel_w is the arithmetic spent on T's zeros
 (2 to 4 at the chosen widths): the loads, not the products, bound these kernels on the H200
-(docs/notes.md, Session 6). float32 uses three TF32 products
-("tf32x3": float32 accuracy); float16 / bfloat16 multiply natively; all accumulate in float32.
+(docs/notes.md, Session 6). float32 uses three TF32 products of its operands' high and low parts
+(float32 accuracy); float16 / bfloat16 multiply natively; all accumulate in float32.
 
 The weight gradient is the same product turned around: for kernel row kh,
 C = grad_out_tile^T @ x_tile ([BLOCK_W, BLOCK_K], a sum over rows), and dw[kh, kw] is the sum of
@@ -133,8 +133,8 @@ def depthwise_fwd_toeplitz_kernel(
     cols = tl.arange(0, BLOCK_W)
     # T[i, j] = row_kh[BAND0 - shift - j * stride_w + i], BAND0 = UNIT - 1 + (BLOCK_W - 1) * stride_w:
     # the launcher's zero-padded, dilated weight rows make each band one unmasked load. Column j's
-    # run starts at `start`; in the row's copy start % BAND_VECTOR it starts at a multiple of
-    # BAND_VECTOR, so the column loads as whole vectors (one element at a time from a single row)
+    # run starts at `start`, one element further each column: no column of one row is aligned, but in
+    # the row's copy start % BAND_VECTOR it starts at a multiple of BAND_VECTOR (whole-vector loads)
     start = UNIT - 1 + (BLOCK_W - 1) * stride_w - shift - cols * stride_w
     band_ptrs = (w_rows_ptr + out_c * (KH * BAND_VECTOR * w_row_len) + tl.arange(0, BLOCK_K)[:, None]
                  + ((start % BAND_VECTOR) * w_row_len + (start // BAND_VECTOR) * BAND_VECTOR)[None, :])
