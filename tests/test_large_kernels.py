@@ -134,6 +134,33 @@ def test_dispatch_by_taps():
     check(randn(1, 2, 9, 9, dtype=torch.float64), randn(2, 1, 17, 17, dtype=torch.float64), None, 1, 8)
 
 
+def relative_error(got, ref):
+    return ((got.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES if DEVICE == "cuda" else [torch.float32], ids=str)
+def test_accuracy_against_pytorch(dtype):
+    """Issue #6's accuracy rule on a 51x51 kernel (2601-term sums): float32 within 1e-4 of the
+    largest float64 value; half precision within twice PyTorch's own error (or one unit of the
+    dtype's rounding, when PyTorch's error is smaller), output and both gradients. (On the CPU the
+    interpreter's products and PyTorch's half-precision convolution are not the GPU's: float32 only.)"""
+    x = randn(1, 4, 60, 60, dtype=dtype).requires_grad_()
+    weight = (randn(4, 1, 51, 51, dtype=dtype) / 51).requires_grad_()
+    grad_out = randn(1, 4, 60, 60, dtype=dtype)
+    x64, weight64 = x.detach().double().cpu().requires_grad_(), weight.detach().double().cpu().requires_grad_()
+    ref = torch.nn.functional.conv2d(x64, weight64, None, 1, 25, 1, 4)
+    ref_grads = torch.autograd.grad(ref, (x64, weight64), grad_out.double().cpu())
+    results = {}
+    for name, conv in (("dwconv", dwconv.depthwise_conv2d),
+                       ("torch", lambda *args: torch.nn.functional.conv2d(*args, groups=4))):
+        out = conv(x, weight, None, 1, 25)
+        grads = torch.autograd.grad(out, (x, weight), grad_out)
+        results[name] = [relative_error(t, r) for t, r in zip((out, *grads), (ref, *ref_grads))]
+    for what, ours, theirs in zip(("output", "grad_input", "grad_weight"), results["dwconv"], results["torch"]):
+        bound = 1e-4 if dtype == torch.float32 else max(2 * theirs, torch.finfo(dtype).eps)
+        assert ours <= bound, f"{what}: relative error {ours:.2e} (PyTorch's {theirs:.2e}), bound {bound:.2e}"
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="real sizes on the GPU only")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_real_sizes(dtype):
