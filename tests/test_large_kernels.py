@@ -9,7 +9,7 @@ from dwconv._geometry import conv_geometry
 from dwconv.ops import toeplitz
 from dwconv.ops.backward import fused_backward_applies
 from dwconv.ops.forward import ForwardConfig, forward_config
-from helpers import DEVICE, DTYPES, randn
+from helpers import DEVICE, DTYPES, assert_close, randn
 from test_backward import check_grads
 from test_forward import check
 
@@ -109,6 +109,24 @@ def test_grad_weight_splits_and_determinism():
     reference = toeplitz.toeplitz_grad_weight(grad_out, x, geom, x.dtype, True)
     torch.testing.assert_close(first[0], reference[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(first[1], grad_out.sum(dim=(0, 2, 3)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape,block_m,rows", [((3, 2, 23, 21), 16, 48), ((5, 2, 7, 21), 16, 32)],
+                         ids=["blocks-within-images", "blocks-over-images"])
+def test_grad_weight_row_steps(shape, block_m, rows):
+    """A program's row blocks step through the images by offsets (no division a row): 16-row blocks
+    over 23-row images (every step wraps into the next image at another row, one lands on a row
+    start exactly), and over 7-row images (a block spans images)."""
+    x = randn(*shape)
+    weight = randn(2, 1, 11, 11)
+    geom = conv_geometry(x, weight, None, 1, 5, 1)
+    grad_out = randn(*geom.output_shape)
+    grad_w, grad_b = toeplitz.toeplitz_grad_weight(grad_out, x, geom, x.dtype, True, block_m=block_m,
+                                                   rows_per_split=rows)
+    x64, w64 = x.double().requires_grad_(), weight.double().requires_grad_()
+    torch.nn.functional.conv2d(x64, w64, None, 1, 5, 1, 2).backward(grad_out.double())
+    assert_close(grad_w, w64.grad, torch.float32, "grad_weight")
+    assert_close(grad_b, grad_out.double().sum(dim=(0, 2, 3)), torch.float32, "grad_bias")
 
 
 def test_grad_weight_rows():

@@ -183,20 +183,34 @@ def depthwise_grad_weight_toeplitz_kernel(
     diagonal = tl.minimum(shift + cols[:, None] * stride_w + kws[None, :] * dilation_w, BLOCK_K - 1)
     partial_row = partial_ptr + (out_c.to(tl.int64) * (splits * tiles_w) + part) * (KH * KW + BIAS_GRAD)
     bias_acc = tl.zeros([BLOCK_W], dtype=tl.float32)
+    step_images, step_rows = BLOCK_M // out_h, BLOCK_M % out_h  # (a row block's step: images, then rows)
     for kh in range(KH):
         # C, or its transpose ([BLOCK_K, BLOCK_W]: a product with BLOCK_K rows, which the H200's
         # warpgroup MMA takes from 64 rows on, where BLOCK_W is 16 or 32)
         products = tl.zeros([BLOCK_K, BLOCK_W] if TRANSPOSED else [BLOCK_W, BLOCK_K], dtype=tl.float32)
+        rows = first_row + tl.arange(0, BLOCK_M)
+        _, out_row, first_in_row, x_base, g_base = _tile_rows(
+            rows, total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c, g_stride_n, g_stride_c, stride_h,
+            pad_top, UNIT, INDEX_64)
+        in_rows = first_in_row + kh * dilation_h
+        g_offsets = g_base + out_row * (g_stride_h * UNIT)
+        x_offsets = x_base + in_rows * (x_stride_h * UNIT)
         for m in range(first_row, tl.minimum(first_row + rows_per_split, total_rows), BLOCK_M):
-            row_ok, out_row, first_in_row, x_base, g_base = _tile_rows(
-                m + tl.arange(0, BLOCK_M), total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c,
-                g_stride_n, g_stride_c, stride_h, pad_top, UNIT, INDEX_64)
-            g = tl.load(g_ptr + (g_base + out_row * (g_stride_h * UNIT))[:, None] + out_cols[None, :],
-                        mask=row_ok[:, None] & out_col_ok[None, :], other=0.0)
-            in_rows = first_in_row + kh * dilation_h
-            a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
-            a = tl.load(x_ptr + (x_base + in_rows * (x_stride_h * UNIT))[:, None] + in_cols[None, :], mask=a_ok,
+            row_ok = rows < total_rows
+            g = tl.load(g_ptr + g_offsets[:, None] + out_cols[None, :], mask=row_ok[:, None] & out_col_ok[None, :],
                         other=0.0)
+            a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
+            a = tl.load(x_ptr + x_offsets[:, None] + in_cols[None, :], mask=a_ok, other=0.0)
+            # the next BLOCK_M rows, by steps of the offsets (a division by out_h a row was most of
+            # this loop's instructions): rows_moved rows down, into the next image where they wrap
+            wrap = (out_row + step_rows >= out_h).to(out_row.dtype)
+            images = (step_images + wrap).to(tl.int64)
+            rows_moved = step_rows - wrap * out_h
+            out_row += rows_moved
+            in_rows += rows_moved * stride_h
+            g_offsets += (images * g_stride_n + rows_moved * g_stride_h) * UNIT
+            x_offsets += (images * x_stride_n + (rows_moved * stride_h) * x_stride_h) * UNIT
+            rows += BLOCK_M
             if TRANSPOSED:
                 products = _product(tl.trans(a), g, products, DOT_DTYPE, PRECISION, SPLIT_TF32)
             else:
