@@ -136,8 +136,9 @@ def depthwise_fwd_toeplitz_kernel(
     # run starts at `start`, one element further each column: no column of one row is aligned, but in
     # the row's copy start % BAND_VECTOR it starts at a multiple of BAND_VECTOR (whole-vector loads)
     start = UNIT - 1 + (BLOCK_W - 1) * stride_w - shift - cols * stride_w
-    band_ptrs = (w_rows_ptr + out_c * (KH * BAND_VECTOR * w_row_len) + tl.arange(0, BLOCK_K)[:, None]
-                 + ((start % BAND_VECTOR) * w_row_len + (start // BAND_VECTOR) * BAND_VECTOR)[None, :])
+    w_channel = w_rows_ptr + out_c.to(tl.int64) * (KH * BAND_VECTOR * w_row_len)  # (int64: past 2^31 elements)
+    band_ptrs = w_channel + (tl.arange(0, BLOCK_K)[:, None]
+                             + ((start % BAND_VECTOR) * w_row_len + (start // BAND_VECTOR) * BAND_VECTOR)[None, :])
     a_ptrs = x_ptr + x_base[:, None] + in_cols[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
     for kh in range(KH):
