@@ -52,6 +52,11 @@ for shape, k, dtype, configs in RUNS:
         if i == 0 and dtype == torch.float32:
             line += f"; Triton's tf32x3 split {switched('SPLIT_TF32', False, forward):.3f} ms"
         print(line, flush=True)
+    if k == 13:  # 16-column strips (32-column windows: mma.sync) against 32 (64: warpgroup MMA, transposed)
+        g = torch.randn_like(x)
+        for block_w in (16, 32):
+            ms = events_ms(lambda: toeplitz.toeplitz_grad_weight(g, x, geom, dtype, False, block_w=block_w), 5)
+            print(f"gw  {str(dtype)[6:]:8s} {shape} k{k} W{block_w}: {ms:.3f} ms", flush=True)
     if k == 51 and dtype == torch.bfloat16:  # rows a program: 448 (512 programs) since session 11, 1024 before
         g = torch.randn_like(x)
         for rows in (448, 1024, 224):
