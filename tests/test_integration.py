@@ -110,9 +110,9 @@ def test_fake_tensor_shapes_and_strides(case):
 class DepthwiseNet(nn.Module):
     """Two depthwise layers around a pointwise one, as in a MobileNet block."""
 
-    def __init__(self, channels=4):
+    def __init__(self, channels=4, kernel=3):
         super().__init__()
-        self.dw1 = nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False)
+        self.dw1 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, groups=channels, bias=False)
         self.pw = nn.Conv2d(channels, 2 * channels, 1)
         self.dw2 = nn.Conv2d(2 * channels, 2 * channels, (5, 3), stride=(1, 2), padding=(2, 1),
                              groups=2 * channels)
@@ -171,10 +171,12 @@ def test_autocast_casts_like_conv2d(dtype):
 
 
 @GPU
-def test_cuda_graph_training_step():
-    """A whole training step (forward, backward, optimizer) captured in a CUDA graph and replayed."""
+@pytest.mark.parametrize("kernel", [3, 11], ids=["k3", "k11-toeplitz"])
+def test_cuda_graph_training_step(kernel):
+    """A whole training step (forward, backward, optimizer) captured in a CUDA graph and replayed;
+    k11: the large-kernel path, whose band rows are rebuilt from the updated weight each replay."""
     torch.manual_seed(0)
-    model = dwconv.convert(DepthwiseNet().cuda(), verbose=False)
+    model = dwconv.convert(DepthwiseNet(kernel=kernel).cuda(), verbose=False)
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)

@@ -346,14 +346,16 @@ def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, b
 def _band_index(kernel_h: int, kernel_w: int, dilation_w: int, start: int, row_len: int, vector: int, flip: bool,
                 device: torch.device) -> torch.Tensor:
     """[kH, vector, row_len] positions in a channel's taps (kH * kW: the appended zero) that
-    padded_weight_rows gathers."""
-    column = torch.arange(row_len)[None, :] + torch.arange(vector)[:, None] - start  # [vector, row_len]
+    padded_weight_rows gathers. Built on the device (no host-to-device copy, which a CUDA graph
+    being captured would refuse)."""
+    column = (torch.arange(row_len, device=device)[None, :] + torch.arange(vector, device=device)[:, None]
+              - start)  # [vector, row_len]
     kw = torch.div(column, dilation_w, rounding_mode="floor")
     is_tap = (column >= 0) & (column % dilation_w == 0) & (kw < kernel_w)
-    kh = torch.arange(kernel_h)[:, None, None]
+    kh = torch.arange(kernel_h, device=device)[:, None, None]
     if flip:
         kh, kw = kernel_h - 1 - kh, kernel_w - 1 - kw
-    return torch.where(is_tap, kh * kernel_w + kw, kernel_h * kernel_w).to(device)
+    return torch.where(is_tap, kh * kernel_w + kw, kernel_h * kernel_w)
 
 
 def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
