@@ -296,6 +296,48 @@ def test_fused_backward(shape, kernel, padding, dilation, vec):
     assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight")
 
 
+@pytest.mark.parametrize(
+    "dtype,shape,kernel,padding,dilation,block,runs",
+    [
+        (torch.float32, (2, 2, 10, 22), (3, 3), 1, 1, (4, 16), 1),  # #84's kernel: interior and edge tiles
+        (torch.bfloat16, (2, 2, 10, 22), (3, 3), 1, 1, (4, 16), 2),
+        (torch.float32, (1, 3, 13, 21), (3, 3), 0, 1, (2, 8), 3),  # no padding (grad_out padded by 2), odd rows
+        (torch.float32, (1, 2, 12, 24), (5, 3), (2, 1), 1, (3, 8), 2),  # non-square kernel, rows not a tile multiple
+        (torch.float32, (1, 2, 11, 22), (3, 3), 2, 2, (2, 8), 4),  # dilation 2
+        (torch.float32, (1, 2, 8, 22), (2, 4), "same", 1, (4, 8), 2),  # asymmetric padding
+    ],
+    ids=str,
+)
+def test_fused_backward_nchw_pixels(dtype, shape, kernel, padding, dilation, block, runs):
+    """grad_input and grad_weight from one pass of the "nchw_pixels" kernel over grad_out: each
+    grad_out x input pair in one FMA of one tile, partial sums per run of row tiles; deterministic."""
+    x = randn(*shape, dtype=dtype)
+    weight = randn(shape[1], 1, *kernel, dtype=dtype)
+    geom = conv_geometry(x, weight, None, 1, padding, dilation)
+    grad_out = randn(*geom.output_shape, dtype=dtype)
+    config = ForwardConfig("nchw_pixels", block[0], block[1], 1)
+    grad_x, grad_w = conv_grad_input_and_weight(grad_out, x, weight, geom, config, runs)
+    assert grad_w.dtype == dtype
+    ref = reference_grads(x, weight, None, grad_out, 1, padding, dilation)
+    assert_close(grad_x, ref[0], dtype, "grad_input")
+    assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight")
+    again = conv_grad_input_and_weight(grad_out, x, weight, geom, config, runs)
+    assert torch.equal(again[0], grad_x) and torch.equal(again[1], grad_w), "not deterministic"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the switch picks the GPU's fused blocks")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_nchw_pixels_switch(monkeypatch, dtype):
+    """backward.FUSED_NCHW_PIXELS: autograd's NCHW fused backward on "nchw_pixels" (rows of #84's
+    width, a 3x3 and a 5x5 layer)."""
+    import dwconv.ops.backward as ops
+
+    monkeypatch.setattr(ops, "FUSED_NCHW_PIXELS", True)
+    monkeypatch.setattr(ops, "_FUSED_CONFIGS", {})
+    check_grads(randn(2, 3, 18, 512, dtype=dtype), randn(3, 1, 3, 3, dtype=dtype), None, 1, 0)
+    check_grads(randn(2, 4, 21, 40, dtype=dtype), randn(4, 1, 5, 5, dtype=dtype), None, 1, 2)
+
+
 def test_fused_backward_through_autograd(monkeypatch):
     import dwconv.ops.backward as ops
 

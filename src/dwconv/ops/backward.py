@@ -328,6 +328,14 @@ FUSED_NHWC_BACKWARD = True
 FUSED_NHWC_TAPS = 9
 
 
+# The NCHW fused backward on the "nchw_pixels" kernel (WEIGHT_GRAD) instead of the rows kernel:
+# ~half its sm_90 instructions an output (#84 bfloat16: a 4 x 128 tile's loop ~1016 instructions
+# for 16 outputs a thread, both bounds paths; the rows kernel 732 for 12), where the rows kernel's
+# fused pass took 1.8x its forward's time as it has 1.8x its instructions (2.16 / 1.18 ms, 732 /
+# 405). Off until timed (benchmarks/probe_nchw_backward.py).
+FUSED_NCHW_PIXELS = False
+
+
 def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     """Whether grad_input and grad_weight can come from one pass (the rows kernel on grad_out, or
     for channels_last x the unrolled-pixels kernel): stride 1, multiplier 1, unit column steps in x,
@@ -348,7 +356,10 @@ def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
 
 def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> ForwardConfig:
     """The grad_input launch of the fused backward: the forward's choice on the GPU (the fused path
-    applies where that is the rows kernel); under the interpreter one 32 x 32 block per plane."""
+    applies where that is the rows kernel), or with FUSED_NCHW_PIXELS "nchw_pixels"; under the
+    interpreter one 32 x 32 block per plane."""
+    if grad_out.is_cuda and FUSED_NCHW_PIXELS and grad_out.stride(3) == 1:
+        return ForwardConfig("nchw_pixels", 4, 128, 1)
     if grad_out.is_cuda:
         config = nchw_config(gi_geom, grad_out)  # (a channels_last grad_out too: the rows kernel takes strides)
         # Session-3 sweep, #84: float32 best at two 4-vectors a thread (3.41 ms), half precision at
@@ -360,20 +371,21 @@ def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> Forw
 
 
 def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,
-                               config=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                               config=None, runs: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused backward (see fused_backward_applies): grad_input and grad_weight from one read of
-    grad_out and x. Partial sums per program, added per channel in a fixed order."""
+    grad_out and x. Partial sums per program, added per channel in a fixed order. runs: the
+    unrolled-pixels kernels' runs a column of tiles (channels_last, and "nchw_pixels" configs)."""
     if x.numel() == 0 or grad_out.numel() == 0:  # nothing to launch: the separate paths give the zeros
         return conv_grad_input(grad_out, weight, geom, x), conv_grad_weight(grad_out, x, geom, weight.dtype, False)[0]
     if channels_last_kernel_applies(x):
-        return conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config)
+        return conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config, runs)
     gi_geom = input_grad_geometry(geom)
     if config is None:  # once per layout, like the launch plans: this is on every eager backward
         config = cached_plan(_FUSED_CONFIGS, (gi_geom, layout_key(grad_out)),
                              lambda: fused_backward_config(gi_geom, grad_out))
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
     dx, partial = launch_forward(grad_out, weight, None, gi_geom, config, out=dx, weight_grad_from=x,
-                                 flip_weight=True)
+                                 flip_weight=True, runs=runs)
     taps = geom.kernel_h * geom.kernel_w
     grad_w = partial.view(geom.batch, geom.out_channels, -1, partial.shape[1])[..., :taps].sum(dim=(0, 2))
     return dx, grad_w.view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight.dtype)

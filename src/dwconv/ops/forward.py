@@ -640,9 +640,11 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
                       x_stride_h, y_stride_h, pad_top, KH: tl.constexpr, KW: tl.constexpr,
                       DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, ACC_DTYPE: tl.constexpr,
                       BLOCK_H: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
-                      WINDOW_VECS: tl.constexpr, Y_UNIT: tl.constexpr, MASKED: tl.constexpr):
+                      WINDOW_VECS: tl.constexpr, Y_UNIT: tl.constexpr, MASKED: tl.constexpr,
+                      WEIGHT_GRAD: tl.constexpr, weight_grads, features):
     """The tile of depthwise_fwd_nchw_pixels_kernel; MASKED: bounds tests on rows and columns (edge
-    tiles), else none."""
+    tiles), else none. WEIGHT_GRAD: also adds each tap's input lane times the feature at the output
+    it feeds (features: _tile_lanes, zero outside) into weight_grads, and returns them."""
     accs = ()
     for i in tl.static_range(BLOCK_H * 4):
         accs = accs + (start,)
@@ -658,9 +660,13 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
                 if j + kh * DILATION_H == r:
                     for kw in tl.static_range(KW):
                         for i in tl.static_range(4):
-                            accs = accs[:j * 4 + i] + (tl.fma(
-                                _window_lane(w0, w1, w2, w3, WINDOW_LANE0 + i + kw * DILATION_W, 4).to(ACC_DTYPE),
-                                weights[kh * KW + kw], accs[j * 4 + i]),) + accs[j * 4 + i + 1:]
+                            pixel = _window_lane(w0, w1, w2, w3, WINDOW_LANE0 + i + kw * DILATION_W, 4).to(ACC_DTYPE)
+                            accs = accs[:j * 4 + i] + (tl.fma(pixel, weights[kh * KW + kw], accs[j * 4 + i]),) \
+                                + accs[j * 4 + i + 1:]
+                            if WEIGHT_GRAD:
+                                weight_grads = weight_grads[:kh * KW + kw] + (
+                                    tl.fma(pixel, features[j * 4 + i], weight_grads[kh * KW + kw]),) \
+                                    + weight_grads[kh * KW + kw + 1:]
     pairs = tl.arange(0, 2)[None, None, :]
     for j in tl.static_range(BLOCK_H):
         out_row = zero + (first_row + j)
@@ -679,18 +685,79 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
                     tl.store(y_row + cols, value, mask=(out_row < out_h) & (cols < out_w))
                 else:
                     tl.store(y_row + cols, value)
+    return weight_grads
+
+
+@triton.jit
+def _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE: tl.constexpr,
+                BLOCK_H: tl.constexpr, MASKED: tl.constexpr):
+    """The values of f at a tile's outputs, as _conv_nchw_pixels holds its accumulators: a tuple
+    of [1, GROUPS] lanes, row by row (zero outside the plane)."""
+    values = ()
+    for j in tl.static_range(BLOCK_H):
+        out_row = zero + (first_row + j)
+        ptrs = f_base + out_row * f_stride_h + group_cols + lanes
+        if MASKED:
+            vector = tl.load(ptrs, mask=(out_row < out_h) & (group_cols + lanes < out_w), other=0.0)
+        else:
+            vector = tl.load(ptrs)
+        for i in tl.static_range(4):
+            values = values + (_lane(vector, i, 4).to(ACC_DTYPE),)
+    return values
+
+
+@triton.jit
+def _nchw_pixels_tile(x_base, y_base, f_base, weights, start, first_row, first_col, group_cols, lanes, zero,
+                      in_h, in_w, out_h, out_w, x_stride_h, y_stride_h, f_stride_h, pad_top,
+                      KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
+                      ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+                      WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
+                      Y_UNIT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads):
+    """One tile of depthwise_fwd_nchw_pixels_kernel, without bounds tests where every window vector
+    and output lies inside the image."""
+    interior = ((first_row - pad_top >= 0) & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < in_h)
+                & (first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w)
+                & (first_col - WINDOW_OFF >= 0) & (first_col + BLOCK_W - 4 - WINDOW_OFF + 4 * WINDOW_VECS <= in_w))
+    # (the weight gradient's tuple is assigned only where it exists: an empty tuple through a
+    # runtime branch does not compile)
+    if WEIGHT_GRAD:
+        if interior:
+            weight_grads = _conv_nchw_pixels(
+                x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
+                x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
+                WINDOW_LANE0, WINDOW_VECS, Y_UNIT, False, True, weight_grads,
+                _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
+                            False))
+        else:
+            weight_grads = _conv_nchw_pixels(
+                x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
+                x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
+                WINDOW_LANE0, WINDOW_VECS, Y_UNIT, True, True, weight_grads,
+                _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
+                            True))
+    else:
+        if interior:
+            _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h,
+                              out_w, x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE,
+                              BLOCK_H, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS, Y_UNIT, False, False, (), ())
+        else:
+            _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h,
+                              out_w, x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE,
+                              BLOCK_H, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS, Y_UNIT, True, False, (), ())
+    return weight_grads
 
 
 @triton.jit
 def depthwise_fwd_nchw_pixels_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, f_ptr, partial_ptr,
     out_channels, in_h, in_w, out_h, out_w,
-    x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
-    pad_top, pad_left,
+    x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h, f_stride_n, f_stride_c, f_stride_h,
+    pad_top, pad_left, runs,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr,
     DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
-    WINDOW_VECS: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, FLIP_TAPS: tl.constexpr,
+    WINDOW_VECS: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, F_UNIT: tl.constexpr,
+    FLIP_TAPS: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
 ):
     """NCHW, stride 1, unit column steps ("nchw_pixels"; float32 3x3's default since session 9): one program =
     BLOCK_H output rows x BLOCK_W columns of one plane, a thread 4 adjacent columns of each row.
@@ -699,24 +766,32 @@ def depthwise_fwd_nchw_pixels_kernel(
     over its taps (from the bias), with no ring of partial rows and no zero-weight FMAs. Widths and
     strides arrive divided by X_UNIT / Y_UNIT (as in the rows kernel) so that the compiler can
     prove the vectors aligned; tiles inside the image skip every bounds test. FLIP_TAPS: the
-    weight's taps in reverse (grad_input)."""
+    weight's taps in reverse (grad_input).
+    WEIGHT_GRAD (stride 1, multiplier 1; the fused backward): x is grad_out, the weight flipped, y
+    grad_input and f the forward's input (f_*: its strides in F_UNITs). A program walks a run of
+    the plane's row tiles down one column of tiles (`runs` runs a column; the forward passes one
+    run a row tile), adds each tap's grad_out lane times f at the output it feeds, and writes
+    partial[program, tap] in the weight's tap order, to be summed by the launcher."""
     in_w = in_w * X_UNIT
     out_w = out_w * Y_UNIT
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
-    tiles = tl.cdiv(out_h, BLOCK_H) * tiles_w
-    plane = pid // tiles
-    tile = pid % tiles
+    if WEIGHT_GRAD:  # programs of a run consecutive: a whole row of tiles at a time
+        plane = pid // (runs * tiles_w)
+        tile = pid % (runs * tiles_w)  # (run, column of tiles)
+    else:  # (one row tile a run)
+        tiles = tl.cdiv(out_h, BLOCK_H) * tiles_w
+        plane = pid // tiles
+        tile = pid % tiles
+    run = tile // tiles_w
     x_base, y_base, out_c = _plane_pointers(x_ptr, y_ptr, plane, out_channels, MULTIPLIER,
                                             x_stride_n * X_UNIT, x_stride_c * X_UNIT,
                                             y_stride_n * Y_UNIT, y_stride_c * Y_UNIT)
     GROUPS: tl.constexpr = BLOCK_W // 4
-    first_row = (tile // tiles_w) * BLOCK_H
     first_col = (tile % tiles_w) * BLOCK_W
     group_cols = first_col + 4 * tl.arange(0, GROUPS)[None, :, None]
     lanes = tl.arange(0, 4)[None, None, :]
     if INDEX_64:
-        first_row = first_row.to(tl.int64)
         group_cols = group_cols.to(tl.int64)
     start = tl.zeros([1, GROUPS], dtype=ACC_DTYPE)
     if HAS_BIAS:  # (accumulating onto the bias saves an add an output)
@@ -725,19 +800,36 @@ def depthwise_fwd_nchw_pixels_kernel(
     for tap in tl.static_range(KH * KW):
         weights = weights + (tl.load(w_ptr + out_c * (KH * KW) + (KH * KW - 1 - tap if FLIP_TAPS else tap)
                                      ).to(ACC_DTYPE),)
-    zero = tl.zeros([1, 1, 1], dtype=first_row.dtype)  # (row masks as tensors: the interpreter's scalar & tensor)
-    # every window vector and output inside the image: no bounds tests
-    interior = ((first_row - pad_top >= 0) & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < in_h)
-                & (first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w)
-                & (first_col - WINDOW_OFF >= 0) & (first_col + BLOCK_W - 4 - WINDOW_OFF + 4 * WINDOW_VECS <= in_w))
-    if interior:
-        _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
-                          x_stride_h * X_UNIT, y_stride_h * Y_UNIT, pad_top, KH, KW, DILATION_H, DILATION_W,
-                          ACC_DTYPE, BLOCK_H, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS, Y_UNIT, False)
+    weight_grads = ()
+    if WEIGHT_GRAD:
+        for tap in tl.static_range(KH * KW):
+            weight_grads = weight_grads + (tl.zeros([1, GROUPS], dtype=ACC_DTYPE),)
+        n = (plane // out_channels).to(tl.int64)
+        f_base = f_ptr + (n * f_stride_n + out_c.to(tl.int64) * f_stride_c) * F_UNIT
+        row_tiles = tl.cdiv(out_h, BLOCK_H)
+        run_length = tl.cdiv(row_tiles, runs)
+        for row_tile in range(run * run_length, tl.minimum(run * run_length + run_length, row_tiles)):
+            first_row = row_tile * BLOCK_H
+            if INDEX_64:
+                first_row = first_row.to(tl.int64)
+            zero = tl.zeros([1, 1, 1], dtype=first_row.dtype)  # (row masks as tensors: the interpreter's scalar & tensor)
+            weight_grads = _nchw_pixels_tile(x_base, y_base, f_base, weights, start, first_row, first_col, group_cols,
+                                             lanes, zero, in_h, in_w, out_h, out_w, x_stride_h * X_UNIT,
+                                             y_stride_h * Y_UNIT, f_stride_h * F_UNIT, pad_top, KH, KW, DILATION_H,
+                                             DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, WINDOW_OFF, WINDOW_LANE0,
+                                             WINDOW_VECS, Y_UNIT, True, weight_grads)
+        for tap in tl.static_range(KH * KW):  # (a flipped tap stored at the weight's own)
+            tl.store(partial_ptr + pid.to(tl.int64) * (KH * KW) + (KH * KW - 1 - tap if FLIP_TAPS else tap),
+                     tl.sum(weight_grads[tap]))
     else:
-        _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
-                          x_stride_h * X_UNIT, y_stride_h * Y_UNIT, pad_top, KH, KW, DILATION_H, DILATION_W,
-                          ACC_DTYPE, BLOCK_H, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS, Y_UNIT, True)
+        first_row = run * BLOCK_H
+        if INDEX_64:
+            first_row = first_row.to(tl.int64)
+        zero = tl.zeros([1, 1, 1], dtype=first_row.dtype)
+        _nchw_pixels_tile(x_base, y_base, y_base, weights, start, first_row, first_col, group_cols, lanes, zero,
+                          in_h, in_w, out_h, out_w, x_stride_h * X_UNIT, y_stride_h * Y_UNIT, 0, pad_top, KH, KW,
+                          DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS,
+                          Y_UNIT, False, weight_grads)
 
 
 @dataclass(frozen=True)
@@ -965,10 +1057,12 @@ def launch_forward(
     out: Optional[torch.Tensor] = None,
     weight_grad_from: Optional[torch.Tensor] = None,
     flip_weight: bool = False,
+    runs: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """conv_forward, and the fused backward: with weight_grad_from (the forward's input; rows
-    kernel, stride 1, multiplier 1) this call is grad_input (x = grad_out, weight flipped) and also
-    returns partial[program, tap], grad_weight partial sums in the original tap order.
+    """conv_forward, and the fused backward: with weight_grad_from (the forward's input; rows or
+    "nchw_pixels" kernel, stride 1, multiplier 1) this call is grad_input (x = grad_out, weight
+    flipped) and also returns partial[program, tap], grad_weight partial sums in the original tap
+    order, programs plane by plane (runs: "nchw_pixels"' runs a column of tiles).
     flip_weight: convolve with weight.flip(2, 3) (grad_input); the kernels read the taps in reverse
     (the Toeplitz path gathers its band rows in reverse)."""
     if out is None:
@@ -983,9 +1077,9 @@ def launch_forward(
         return toeplitz_forward(x, weight, bias, geom, out, config.block_h, config.block_w, config.num_warps,
                                 flip_weight=flip_weight), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
-           layout_key(weight_grad_from) if fused else None, flip_weight, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
+           layout_key(weight_grad_from) if fused else None, flip_weight, runs, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
-                                                                  weight_grad_from, flip_weight))
+                                                                  weight_grad_from, flip_weight, runs))
     # taps-major: a tap's weights for a run of channels are one vector load (the strided loads of
     # the weight as given cost "nhwc_pixels" 7% on #84 float32: docs/notes.md, session 10)
     if plan.kernel in NHWC_KERNELS:
@@ -993,8 +1087,10 @@ def launch_forward(
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
     if plan.kernel == "nchw_pixels":
-        launch(depthwise_fwd_nchw_pixels_kernel, plan, x, weight, bias_arg, out)
-        return out, None
+        partial = new_partial(plan, x.device) if fused else None
+        launch(depthwise_fwd_nchw_pixels_kernel, plan, x, weight, bias_arg, out, weight_grad_from if fused else out,
+               partial if fused else out)
+        return out, partial
     if plan.kernel != "rows":
         launch(depthwise_fwd_tile_kernel, plan, x, weight, bias_arg, out)
         return out, None
@@ -1008,9 +1104,10 @@ _FORWARD_PLANS: dict = {}
 
 
 def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.Tensor, out: torch.Tensor,
-                  has_bias: bool, features: Optional[torch.Tensor], flip_weight: bool = False) -> LaunchPlan:
+                  has_bias: bool, features: Optional[torch.Tensor], flip_weight: bool = False,
+                  runs: Optional[int] = None) -> LaunchPlan:
     """Grid and arguments of one forward launch (see launch_forward); features: the fused
-    backward's input, whose weight gradient the rows kernel also accumulates; flip_weight: the
+    backward's input, whose weight gradient the kernel also accumulates; flip_weight: the
     kernels read the taps in reverse (no flipped copy)."""
     if config is None:
         config = forward_config(geom, x, out)
@@ -1023,10 +1120,9 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
         num_warps=config.num_warps,
     )
     if config.kernel == "nchw_pixels":
-        assert features is None, "the fused backward runs on the rows kernel"
-        return _nchw_pixels_plan(geom, config, x, out, dict(common, FLIP_TAPS=flip_weight))
+        return _nchw_pixels_plan(geom, config, x, out, dict(common, FLIP_TAPS=flip_weight), features, runs)
     if config.kernel != "rows":
-        assert features is None, "the fused backward runs on the rows kernel"
+        assert features is None, "the fused backward runs on the rows or nchw_pixels kernel"
         return _tile_plan(geom, config, x, out, common, flip_weight)
     assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
     chunks = cdiv(geom.out_h, config.block_h)
@@ -1060,22 +1156,44 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     return LaunchPlan("rows", (programs,), scalars, constants, partial_shape, acc_dtype)
 
 
-def _nchw_pixels_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, common: dict
-                      ) -> LaunchPlan:
-    """depthwise_fwd_nchw_pixels_kernel: stride 1, unit column steps in x and out, 4 columns a thread."""
+def _nchw_pixels_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, common: dict,
+                      features: Optional[torch.Tensor] = None, runs: Optional[int] = None) -> LaunchPlan:
+    """depthwise_fwd_nchw_pixels_kernel: stride 1, unit column steps in x and out, 4 columns a thread.
+    features: the fused backward's input (the weight gradient's partial sums: runs a column of
+    tiles, default nchw_pixels_runs)."""
     assert geom.stride_h == geom.stride_w == 1 and x.stride(3) == 1 and out.stride(3) == 1, \
         "nchw_pixels needs stride 1 and unit column steps"
     assert config.block_w % 4 == 0 and config.block_h * geom.kernel_h * geom.kernel_w <= MAX_PIXEL_TAPS
     x_unit, y_unit = _stride_unit(x, 4, geom.in_w), _stride_unit(out, 4, geom.out_w)
     window_off, window_lane0, window_vecs = window_layout(geom, 4)
+    row_tiles = cdiv(geom.out_h, config.block_h)
+    f_strides, f_unit, partial_shape = out.stride(), 1, None  # placeholders when WEIGHT_GRAD is off
+    if features is not None:
+        assert geom.multiplier == 1 and features.shape == out.shape and features.stride(3) == 1, \
+            "the fused backward reads the input with unit column steps, multiplier 1"
+        f_strides, f_unit = features.stride(), _stride_unit(features, 4, geom.out_w)
+        runs = min(row_tiles, runs or nchw_pixels_runs(row_tiles))
+    else:
+        runs = row_tiles  # (one row tile a program)
+    programs = geom.batch * geom.out_channels * runs * cdiv(geom.out_w, config.block_w)
+    if features is not None:
+        partial_shape = (programs, geom.kernel_h * geom.kernel_w)
     scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // y_unit,
                *[s // x_unit for s in x.stride()[:3]], *[s // y_unit for s in out.stride()[:3]],
-               geom.pad_top, geom.pad_left)
+               *[s // f_unit for s in f_strides[:3]], geom.pad_top, geom.pad_left, runs)
     constants = dict(common, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, BLOCK_H=config.block_h,
                      WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs,
-                     X_UNIT=x_unit, Y_UNIT=y_unit, num_stages=1)
-    programs = geom.batch * geom.out_channels * cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
-    return LaunchPlan("nchw_pixels", (programs,), scalars, constants)
+                     X_UNIT=x_unit, Y_UNIT=y_unit, F_UNIT=f_unit, WEIGHT_GRAD=features is not None, num_stages=1)
+    return LaunchPlan("nchw_pixels", (programs,), scalars, constants, partial_shape)
+
+
+# Row tiles a fused-backward program of "nchw_pixels" walks (its weight-gradient partial sums are
+# written once a run): #84's 4-row tiles, 16 a run: 131072 programs, 4.7 MB of partial sums.
+NCHW_PIXELS_RUN_TILES = 16
+
+
+def nchw_pixels_runs(row_tiles: int) -> int:
+    return cdiv(row_tiles, NCHW_PIXELS_RUN_TILES)
 
 
 def bf16_pairs_apply(x: torch.Tensor, geom: ConvGeometry, block_c: int, num_warps: int) -> bool:
