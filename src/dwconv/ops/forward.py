@@ -690,11 +690,11 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
 
 @triton.jit
 def _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE: tl.constexpr,
-                BLOCK_H: tl.constexpr, MASKED: tl.constexpr):
+                BLOCK_H: tl.constexpr, LOAD: tl.constexpr, MASKED: tl.constexpr):
     """The values of f at a tile's outputs, as _conv_nchw_pixels holds its accumulators: a tuple
-    of [1, GROUPS] lanes, row by row (zero outside the plane)."""
+    of [1, GROUPS] lanes, row by row (zero outside the plane); LOAD False: none."""
     values = ()
-    for j in tl.static_range(BLOCK_H):
+    for j in tl.static_range(BLOCK_H if LOAD else 0):
         out_row = zero + (first_row + j)
         ptrs = f_base + out_row * f_stride_h + group_cols + lanes
         if MASKED:
@@ -718,32 +718,20 @@ def _nchw_pixels_tile(x_base, y_base, f_base, weights, start, first_row, first_c
     interior = ((first_row - pad_top >= 0) & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < in_h)
                 & (first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w)
                 & (first_col - WINDOW_OFF >= 0) & (first_col + BLOCK_W - 4 - WINDOW_OFF + 4 * WINDOW_VECS <= in_w))
-    # (the weight gradient's tuple is assigned only where it exists: an empty tuple through a
-    # runtime branch does not compile)
-    if WEIGHT_GRAD:
-        if interior:
-            weight_grads = _conv_nchw_pixels(
-                x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
-                x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
-                WINDOW_LANE0, WINDOW_VECS, Y_UNIT, False, True, weight_grads,
-                _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
-                            False))
-        else:
-            weight_grads = _conv_nchw_pixels(
-                x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
-                x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
-                WINDOW_LANE0, WINDOW_VECS, Y_UNIT, True, True, weight_grads,
-                _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
-                            True))
+    if interior:
+        weight_grads = _conv_nchw_pixels(
+            x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
+            x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
+            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, False, WEIGHT_GRAD, weight_grads,
+            _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
+                        WEIGHT_GRAD, False))
     else:
-        if interior:
-            _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h,
-                              out_w, x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE,
-                              BLOCK_H, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS, Y_UNIT, False, False, (), ())
-        else:
-            _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h,
-                              out_w, x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE,
-                              BLOCK_H, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS, Y_UNIT, True, False, (), ())
+        weight_grads = _conv_nchw_pixels(
+            x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
+            x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
+            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, True, WEIGHT_GRAD, weight_grads,
+            _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
+                        WEIGHT_GRAD, True))
     return weight_grads
 
 
@@ -826,10 +814,11 @@ def depthwise_fwd_nchw_pixels_kernel(
         if INDEX_64:
             first_row = first_row.to(tl.int64)
         zero = tl.zeros([1, 1, 1], dtype=first_row.dtype)
+        # (a placeholder for the weight gradients: an empty tuple cannot pass the tile's runtime branch)
         _nchw_pixels_tile(x_base, y_base, y_base, weights, start, first_row, first_col, group_cols, lanes, zero,
                           in_h, in_w, out_h, out_w, x_stride_h * X_UNIT, y_stride_h * Y_UNIT, 0, pad_top, KH, KW,
                           DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS,
-                          Y_UNIT, False, weight_grads)
+                          Y_UNIT, False, (start,))
 
 
 @dataclass(frozen=True)
