@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -58,6 +58,9 @@ for step in $steps; do
         for i in 1 2; do for tree in $trees; do
           echo "$tree"; (cd benchmarks && PYTHONPATH=../$tree $probe)
         done; done 2>&1 | tee -a "$OUT/ab.log" ;;
+    # session 11's Toeplitz blocks and switches: one process a layer compiles in parallel, then the timed run
+    blocks) (cd benchmarks && for i in 0 1 2 3 4 5; do timeout 400 python3 probe_large_blocks.py --runs $i >/dev/null 2>&1 & done; wait
+             python3 probe_large_blocks.py) 2>&1 | tee "$OUT/probe_large_blocks.log" ;;
     # the Triton cache for the next call (files back are limited to 16 MiB each: skipped if larger)
     savecache) tar -cJf "$OUT/triton_cache.tar.xz" -C "$cache_dir" . && ls -l "$OUT/triton_cache.tar.xz"
                [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -lt 16000000 ] || { echo "cache too large to bring back"; rm -f "$OUT/triton_cache.tar.xz"; } ;;

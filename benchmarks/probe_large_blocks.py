@@ -2,8 +2,14 @@
 the session-11 switches (float32 split in the kernel or by Triton; the weight gradient's product
 transposed or not), each against the other in the same process.
 
-    PYTHONPATH=src python benchmarks/probe_large_blocks.py
+    PYTHONPATH=src python benchmarks/probe_large_blocks.py [--runs I ...]
+
+Each configuration compiles its own kernels (~10-20 s each, 30 of them): warm the Triton cache
+first with one process a layer, e.g. `for i in 0 1 2 3 4 5; do python3 probe_large_blocks.py --runs
+$i >/dev/null & done; wait` (or `bash benchmarks/gpu_check.sh blocks`), then time them alone.
 """
+
+import argparse
 
 import torch
 
@@ -38,7 +44,10 @@ def switched(name, value, fn):
         toeplitz._PLANS.clear()
 
 
-for shape, k, dtype, configs in RUNS:
+parser = argparse.ArgumentParser()
+parser.add_argument("--runs", type=int, nargs="+", help="indices into RUNS (default: all)")
+selected = parser.parse_args().runs
+for shape, k, dtype, configs in [RUNS[i] for i in selected] if selected else RUNS:
     x = torch.randn(shape, device="cuda", dtype=dtype)
     w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype) / k
     geom = conv_geometry(x, w, None, 1, k // 2, 1)
