@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..functional import triton_interpreter_enabled
-from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, on_device_of, plane_needs_int64
+from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
 
 # Kernels with at least this many taps take the Toeplitz path. H200, (32,128,56,56), forward against
 # the CUDA-core tile kernel: bfloat16 9x9 0.49 / 0.32 ms, 11x11 0.22 / 0.70; float32 9x9 0.336 / 0.288,
@@ -316,9 +316,7 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                        lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps, num_stages))
     w_rows = padded_weight_rows(weight, geom, plan.constants["BLOCK_W"], plan.constants["BLOCK_K"],
                                 plan.constants["UNIT"], plan.constants["BAND_VECTOR"], flip_weight)
-    with on_device_of(x):
-        depthwise_fwd_toeplitz_kernel[plan.grid](x, w_rows, bias.contiguous() if bias is not None else w_rows, dst,
-                                                 *plan.scalars, w_rows.shape[3], **plan.constants)
+    launch(depthwise_fwd_toeplitz_kernel, plan, x, w_rows, bias.contiguous() if bias is not None else w_rows, dst)
     if dst is not out:
         out.copy_(dst)
     return out
@@ -335,11 +333,16 @@ def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, b
     MB). The kernel reads every band from it unmasked, each band column in whole vectors. flip: of
     weight.flip(2, 3) (grad_input). Two small ops: a zero appended to each channel's taps, then one
     gather by a cached index."""
-    start = unit - 1 + (block_w - 1) * geom.stride_w
-    row_len = cdiv(start + block_k, 16) * 16
+    start, row_len = _band_row(geom, block_w, block_k, unit)
     index = _band_index(geom.kernel_h, geom.kernel_w, geom.dilation_w, start, row_len, vector, flip, weight.device)
     taps = F.pad(weight.reshape(geom.out_channels, geom.kernel_h * geom.kernel_w), (0, 1))
     return taps[:, index]
+
+
+def _band_row(geom: ConvGeometry, block_w: int, block_k: int, unit: int) -> Tuple[int, int]:
+    """Where a padded weight row's first tap sits, and the row's length (a multiple of 16)."""
+    start = unit - 1 + (block_w - 1) * geom.stride_w
+    return start, cdiv(start + block_k, 16) * 16
 
 
 @functools.lru_cache(maxsize=64)
@@ -370,7 +373,7 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
     pad_up = cdiv(geom.pad_left, unit)
     scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w, total_rows,
                *[s // unit for s in x.stride()[:3]], *out.stride()[:3], geom.stride_h, geom.stride_w, geom.pad_top,
-               pad_up * unit - geom.pad_left, pad_up, geom.dilation_h)
+               pad_up * unit - geom.pad_left, pad_up, geom.dilation_h, _band_row(geom, block_w, block_k, unit)[1])
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, HAS_BIAS=has_bias, **_dot_types(x.dtype),
                      UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
