@@ -17,6 +17,16 @@ LAYERS = [((64, 128, 256, 512), 3, 0, 1), ((64, 144, 56, 56), 3, 1, 1), ((32, 25
           ((64, 240, 28, 28), 5, 2, 1), ((64, 96, 56, 56), 7, 3, 1)]
 
 
+def nchw_layers(dtype_names, layer_indices=None):
+    """(dtype name, shape, kernel, padding, dilation, x, w, geometry) for each dtype and layer, x
+    NCHW on the GPU, fresh random values."""
+    for dtype_name in dtype_names:
+        for shape, k, pad, dil in [LAYERS[i] for i in layer_indices] if layer_indices else LAYERS:
+            x = torch.randn(shape, device="cuda", dtype=getattr(torch, dtype_name))
+            w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=x.dtype)
+            yield dtype_name, shape, k, pad, dil, x, w, conv_geometry(x, w, None, 1, pad, dil)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--blocks", nargs=3, type=int, action="append", metavar=("BH", "BW", "WARPS"), required=True)
@@ -24,13 +34,9 @@ def main():
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     args = p.parse_args()
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
-    for dtype_name in args.dtype:
-        for shape, k, pad, dil in [LAYERS[i] for i in args.layers] if args.layers else LAYERS:
-            x = torch.randn(shape, device="cuda", dtype=getattr(torch, dtype_name))
-            w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=x.dtype)
-            geom = conv_geometry(x, w, None, 1, pad, dil)
-            configs = [None] + [ForwardConfig("nchw_pixels", bh, bw, warps) for bh, bw, warps in args.blocks]
-            time_configs(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}", x, w, geom, configs, "eager")
+    for dtype_name, shape, k, pad, dil, x, w, geom in nchw_layers(args.dtype, args.layers):
+        configs = [None] + [ForwardConfig("nchw_pixels", bh, bw, warps) for bh, bw, warps in args.blocks]
+        time_configs(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}", x, w, geom, configs, "eager")
 
 if __name__ == "__main__":
     main()

@@ -26,6 +26,22 @@ def rel_err(got, ref):
     return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
+def compare_backward(label, x, w, g, pad, dil, runs):
+    """Each run (name, fn returning grad_input and grad_weight): its gradients against cuDNN's on
+    the same tensors (float32 math), its time beside cuDNN's backward, a line each."""
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    out = F.conv2d(xr, wr, None, 1, pad, dil, groups=x.shape[1])
+    ref_x, ref_w = torch.autograd.grad(out, (xr, wr), g, retain_graph=True)
+    cudnn = time_ms(lambda: torch.autograd.grad(out, (xr, wr), g, retain_graph=True))
+    bytes_moved = (2 * x.numel() + g.numel()) * x.element_size()
+    for name, fn in runs:
+        got_x, got_w = fn()
+        ms = time_ms(fn)
+        print(f"{label} {name:22s}: {ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), cuDNN backward "
+              f"{cudnn:.3f} ms, x{cudnn / ms:.2f}; rel err grad_input {rel_err(got_x, ref_x):.1e} "
+              f"(cuDNN's own rounding included), grad_weight {rel_err(got_w, ref_w):.1e}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fused", nargs="+", type=int, action="append", metavar="N",
@@ -36,12 +52,6 @@ def main():
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
     for dtype_name, shape, k, pad, dil, x, w, geom in channels_last_layers(args.dtype, args.layers):
         g = torch.randn(geom.output_shape, device="cuda", dtype=x.dtype).contiguous(memory_format=torch.channels_last)
-        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
-        out = F.conv2d(xr, wr, None, 1, pad, dil, groups=shape[1])
-        ref_x, ref_w = torch.autograd.grad(out, (xr, wr), g, retain_graph=True)
-        cudnn = time_ms(lambda: torch.autograd.grad(out, (xr, wr), g, retain_graph=True))
-        bytes_moved = (2 * x.numel() + g.numel()) * x.element_size()
-        label = f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}"
 
         def two_kernels():
             return conv_grad_input(g, w, geom, x), conv_grad_weight(g, x, geom, w.dtype, False)[0]
@@ -52,12 +62,7 @@ def main():
             run_count = blocks[4] if blocks and len(blocks) > 4 else None
             name = "fused " + ("default" if blocks is None else "x".join(map(str, blocks)))
             runs.append((name, lambda c=config, r=run_count: conv_grad_input_and_weight_nhwc(g, x, w, geom, c, r)))
-        for name, fn in runs:
-            got_x, got_w = fn()
-            ms = time_ms(fn)
-            print(f"{label} {name:22s}: {ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), cuDNN CL backward "
-                  f"{cudnn:.3f} ms, x{cudnn / ms:.2f}; rel err grad_input {rel_err(got_x, ref_x):.1e} "
-                  f"(cuDNN's own rounding included), grad_weight {rel_err(got_w, ref_w):.1e}", flush=True)
+        compare_backward(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil} CL", x, w, g, pad, dil, runs)
 
 
 if __name__ == "__main__":
