@@ -272,7 +272,9 @@ def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor, grad_weight: bool = Fa
     - float32 (three TF32 products a kernel row): the narrowest window first, then the fewest load
       instructions: 32 columns 1.36 ms (window 64), 16 columns 1.75 (64), 64 columns 2.10 (128);
       k51 (window 128 at every width) 64 columns 3.41, 32 columns 4.27. Its grad_weight at most 32
-      columns (k31: 3.27 ms, 64 columns 6.01)."""
+      columns (k31: 3.27 ms, 64 columns 6.01).
+    Those times had windows sized for any shift; sized by the real one (window_shift, session 11,
+    not yet timed), k31 takes 32 columns in 16-byte vectors in every dtype (window 64)."""
     def cost(width):
         unit = load_unit(geom, width, (x,), (geom.in_w,))
         block_k = window_width(geom, width, unit)
