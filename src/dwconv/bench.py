@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import statistics
 import sys
@@ -49,10 +50,13 @@ class Case:
 
     def flops(self, backward: bool = False) -> int:
         """Multiply-adds x 2 of the forward (each output: kernel^2 taps); the backward's grad_input
-        and grad_weight are as many each."""
-        out_h = (self.h + 2 * self.padding - self.dilation * (self.kernel - 1) - 1) // self.stride + 1
-        out_w = (self.w + 2 * self.padding - self.dilation * (self.kernel - 1) - 1) // self.stride + 1
-        return 2 * self.n * self.c * self.multiplier * out_h * out_w * self.kernel ** 2 * (2 if backward else 1)
+        and grad_weight are as many each. (The output size from dwconv's geometry, on meta tensors.)"""
+        from ._geometry import conv_geometry
+
+        x = torch.empty(self.n, self.c, self.h, self.w, device="meta")
+        weight = torch.empty(self.c * self.multiplier, 1, self.kernel, self.kernel, device="meta")
+        outputs = math.prod(conv_geometry(x, weight, None, self.stride, self.padding, self.dilation).output_shape)
+        return 2 * outputs * self.kernel ** 2 * (2 if backward else 1)
 
     @property
     def label(self) -> str:

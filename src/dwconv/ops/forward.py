@@ -788,8 +788,8 @@ def depthwise_fwd_nchw_pixels_kernel(
     for tap in tl.static_range(KH * KW):
         weights = weights + (tl.load(w_ptr + out_c * (KH * KW) + (KH * KW - 1 - tap if FLIP_TAPS else tap)
                                      ).to(ACC_DTYPE),)
-    weight_grads = ()
     if WEIGHT_GRAD:
+        weight_grads = ()
         for tap in tl.static_range(KH * KW):
             weight_grads = weight_grads + (tl.zeros([1, GROUPS], dtype=ACC_DTYPE),)
         n = (plane // out_channels).to(tl.int64)
