@@ -331,8 +331,9 @@ FUSED_NHWC_TAPS = 9
 # The NCHW fused backward on the "nchw_pixels" kernel (WEIGHT_GRAD) instead of the rows kernel:
 # ~half its sm_90 instructions an output (#84 bfloat16: a 4 x 128 tile's loop ~1016 instructions
 # for 16 outputs a thread, both bounds paths; the rows kernel 732 for 12), where the rows kernel's
-# fused pass took 1.8x its forward's time as it has 1.8x its instructions (2.16 / 1.18 ms, 732 /
-# 405). Off until timed (benchmarks/probe_nchw_backward.py).
+# fused pass took 1.8x its forward's time as it has 1.8x its instructions (2.16 ms in session 3's
+# sweep, 1.18 in session 4's bench: two runs; 732 / 405). Off until timed
+# (benchmarks/probe_nchw_backward.py).
 FUSED_NCHW_PIXELS = False
 
 
