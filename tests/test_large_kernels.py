@@ -159,7 +159,7 @@ def relative_error(got, ref):
 @pytest.mark.parametrize("dtype", DTYPES if DEVICE == "cuda" else [torch.float32], ids=str)
 def test_accuracy_against_pytorch(dtype):
     """Issue #6's accuracy rule on a 51x51 kernel (2601-term sums): float32 within 1e-4 of the
-    largest float64 value; half precision within twice PyTorch's own error (or one unit of the
+    largest float64 value (and within twice PyTorch's error, or 4e-6); half precision within twice PyTorch's own error (or one unit of the
     dtype's rounding, when PyTorch's error is smaller), output and both gradients. (On the CPU the
     interpreter's products and PyTorch's half-precision convolution are not the GPU's: float32 only.)"""
     x = randn(1, 4, 60, 60, dtype=dtype).requires_grad_()
@@ -175,7 +175,10 @@ def test_accuracy_against_pytorch(dtype):
         grads = torch.autograd.grad(out, (x, weight), grad_out)
         results[name] = [relative_error(t, r) for t, r in zip((out, *grads), (ref, *ref_grads))]
     for what, ours, theirs in zip(("output", "grad_input", "grad_weight"), results["dwconv"], results["torch"]):
-        bound = 1e-4 if dtype == torch.float32 else max(2 * theirs, torch.finfo(dtype).eps)
+        # float32: the issue's 1e-4, and PyTorch's own error as for half precision (the tensor
+        # cores' truncating accumulation once gave 2.1e-5 on the H200's k51 layer against 2.3e-6)
+        floor = 4e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
+        bound = min(1e-4, max(2 * theirs, floor)) if dtype == torch.float32 else max(2 * theirs, floor)
         assert ours <= bound, f"{what}: relative error {ours:.2e} (PyTorch's {theirs:.2e}), bound {bound:.2e}"
 
 

@@ -209,7 +209,9 @@ class Timer:
 
 def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     """fn captured in a CUDA graph (after warm-up on a side stream, as torch.cuda.graph asks):
-    its replay, which launches the same kernels with no Python in between."""
+    its replay, which launches the same kernels with no Python in between. Captured on the same
+    side stream: a backward runs on its forward's stream, and autograd graphs built in the warm-up
+    (the "backward" pass's) must not tie the capture to another stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -217,9 +219,30 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         fn()
     return graph.replay
+
+
+def forward_backward(conv_fn: Callable, args: tuple, grad_out: torch.Tensor) -> Callable[[], object]:
+    """The forward and the gradients of every tensor argument, on leaves of its own."""
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in args]
+    wrt = [t for t in leaves if t is not None]
+    return lambda: torch.autograd.grad(conv_fn(*leaves), wrt, grad_out)
+
+
+def backward_only(conv_fn: Callable, args: tuple, grad_out: torch.Tensor) -> Callable[[], object]:
+    """The gradients alone, through one forward kept alive. The forward runs at the first call (so
+    on the stream that graphed() warms up and captures on, where the backward then runs too)."""
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in args]
+    wrt = [t for t in leaves if t is not None]
+    forward = []
+
+    def run():
+        if not forward:
+            forward.append(conv_fn(*leaves))
+        return torch.autograd.grad(forward[0], wrt, grad_out, retain_graph=True)
+    return run
 
 
 def make_inputs(case: Case, generator: torch.Generator):
@@ -289,14 +312,9 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
         if not args.backward:
             passes = {"forward": (lambda: conv_fn(*args_), nbytes)}
         else:
-            leaves = [t.detach().requires_grad_() if t is not None else None for t in args_]
-            wrt = [t for t in leaves if t is not None]
             grad_out = torch.randn_like(conv_fn(*args_), memory_format=torch.preserve_format)
-            graph_out = conv_fn(*leaves)
-            passes = {
-                "fwd+bwd": (lambda: torch.autograd.grad(conv_fn(*leaves), wrt, grad_out), nbytes + backward_bytes),
-                "backward": (lambda: torch.autograd.grad(graph_out, wrt, grad_out, retain_graph=True), backward_bytes),
-            }
+            passes = {"fwd+bwd": (forward_backward(conv_fn, args_, grad_out), nbytes + backward_bytes),
+                      "backward": (backward_only(conv_fn, args_, grad_out), backward_bytes)}
         for pass_name, (fn, pass_bytes) in passes.items():
             progress(f"{case.label}: timing {name} {pass_name}")
             peak_mb = float("nan")
@@ -316,7 +334,7 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
                              max_err=max_err if name.startswith("dwconv") else float("nan"),
                              cuda_graph=bool(args.cuda_graphs)))
         if args.backward:
-            del graph_out, grad_out, leaves, wrt
+            del grad_out, passes
     for row in rows:
         ours = next(r["ms"] for r in rows if r["path"] == "dwconv" and r["pass"] == row["pass"])
         row["dwconv_speedup"] = row["ms"] / ours

@@ -1,0 +1,67 @@
+"""Developer probe (GPU): where a large-kernel call's time goes (issue #6). For each layer: the call
+through dwconv, through conv_forward and through toeplitz_forward (events, back to back: host-bound
+where the host is slower), the host time a call (perf_counter, no sync inside), the same call
+replayed from a CUDA graph (the GPU's time alone), and the kernels one call runs (profiler).
+
+    PYTHONPATH=src python benchmarks/probe_large_host.py
+"""
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+import dwconv
+from dwconv._geometry import conv_geometry
+from dwconv.ops.forward import conv_forward
+from dwconv.ops.toeplitz import toeplitz_forward
+from profile_model import events_ms
+
+LAYERS = [((32, 256, 28, 28), 13, 6), ((32, 128, 56, 56), 31, 15)]
+
+
+def host_us(fn, calls=50):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def graph_ms(fn, iters=20):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return events_ms(graph.replay, iters)
+
+
+def main():
+    for shape, k, pad in LAYERS:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(shape, device="cuda", dtype=dtype)
+            w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype) / k
+            geom = conv_geometry(x, w, None, 1, pad, 1)
+            out = torch.empty_like(x)
+            calls = dict(dwconv=lambda: dwconv.depthwise_conv2d(x, w, None, 1, pad),
+                         conv_forward=lambda: conv_forward(x, w, None, geom),
+                         toeplitz=lambda: toeplitz_forward(x, w, None, geom, out),
+                         eager=lambda: F.conv2d(x, w, None, 1, pad, 1, shape[1]))
+            for name, fn in calls.items():
+                print(f"{str(dtype)[6:]:8s} k{k} {name:12s}: events {events_ms(fn, 20):.3f} ms, host {host_us(fn):.0f} us, "
+                      f"graph {graph_ms(fn):.3f} ms", flush=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                calls["dwconv"]()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6), flush=True)
+
+
+if __name__ == "__main__":
+    main()
