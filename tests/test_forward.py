@@ -235,6 +235,7 @@ def test_channels_last_takes_the_nhwc_kernel():
         ((1, 2, 11, 13), (5, 3), 1, (2, 1), 2, (3, 8)),  # dilation 2, a window of three vectors
         ((1, 1, 7, 7), (7, 7), 1, 3, 1, (4, 4)),  # k7 on an image smaller than the window
         ((1, 2, 10, 139), (3, 3), 1, 1, 1, (8, 128)),  # the GPU's float32 choice (nchw_pixels_wins), odd rows
+        ((1, 2, 10, 302), (3, 3), 1, 0, 1, (8, 512)),  # its choice for rows over 256: whole rows, 300 of 512
     ],
     ids=str,
 )

@@ -328,13 +328,12 @@ FUSED_NHWC_BACKWARD = True
 FUSED_NHWC_TAPS = 9
 
 
-# The NCHW fused backward on the "nchw_pixels" kernel (WEIGHT_GRAD) instead of the rows kernel:
-# ~half its sm_90 instructions an output (#84 bfloat16: a 4 x 128 tile's loop ~1016 instructions
-# for 16 outputs a thread, both bounds paths; the rows kernel 732 for 12), where the rows kernel's
-# fused pass took 1.8x its forward's time as it has 1.8x its instructions (2.16 ms in session 3's
-# sweep, 1.18 in session 4's bench: two runs; 732 / 405). Off until timed
-# (benchmarks/probe_nchw_backward.py).
-FUSED_NCHW_PIXELS = False
+# The NCHW fused backward of 3x3 kernels (stride and dilation 1) on the "nchw_pixels" kernel
+# (WEIGHT_GRAD) instead of the rows kernel: ~half its sm_90 instructions an output. H200, session
+# 12, benchmarks/probe_nchw_backward.py (one run), grad_input + grad_weight: #84 bfloat16 1.611 ms
+# at 4 x 128 outputs a program against 2.147 on rows, float32 3.222 (4 x 256, 2 warps: 3.144)
+# against 3.391; 64x144x56x56 bfloat16 0.120 against 0.172, float32 0.135 against 0.168.
+FUSED_NCHW_PIXELS = True
 
 
 def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
@@ -357,10 +356,12 @@ def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
 
 def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> ForwardConfig:
     """The grad_input launch of the fused backward: the forward's choice on the GPU (the fused path
-    applies where that is the rows kernel), or with FUSED_NCHW_PIXELS "nchw_pixels"; under the
-    interpreter one 32 x 32 block per plane."""
-    if grad_out.is_cuda and FUSED_NCHW_PIXELS and grad_out.stride(3) == 1:
-        return ForwardConfig("nchw_pixels", 4, 128, 1)
+    applies where that is the rows kernel), or with FUSED_NCHW_PIXELS "nchw_pixels" where that was
+    timed (3x3, dilation 1); under the interpreter one 32 x 32 block per plane."""
+    if grad_out.is_cuda and FUSED_NCHW_PIXELS and grad_out.stride(3) == 1 \
+            and gi_geom.kernel_h == gi_geom.kernel_w == 3 and gi_geom.dilation_h == gi_geom.dilation_w == 1:
+        # (#84's rows of 510: 4 x 256 on two warps, 2% faster in float32; 56-wide rows lost 40% there)
+        return ForwardConfig("nchw_pixels", 4, 256, 2) if gi_geom.out_w > 256 else ForwardConfig("nchw_pixels", 4, 128, 1)
     if grad_out.is_cuda:
         config = nchw_config(gi_geom, grad_out)  # (a channels_last grad_out too: the rows kernel takes strides)
         # Session-3 sweep, #84: float32 best at two 4-vectors a thread (3.41 ms), half precision at

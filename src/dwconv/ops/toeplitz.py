@@ -276,21 +276,26 @@ def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor, grad_weight: bool = Fa
       instructions: 32 columns 1.36 ms (window 64), 16 columns 1.75 (64), 64 columns 2.10 (128);
       k51 (window 128 at every width) 64 columns 3.41, 32 columns 4.27. Its grad_weight at most 32
       columns (k31: 3.27 ms, 64 columns 6.01).
-    Those times had windows sized for any shift; sized by the real one (window_shift, session 11,
-    not yet timed), k31 takes 32 columns in 16-byte vectors in every dtype (window 64)."""
+    Those times had windows sized for any shift; sized by the real one (window_shift, session 11),
+    k31 takes 32 columns in 16-byte vectors in every dtype (window 64). The weight gradient at
+    least 32 columns where the rows have them (session 12, k13 at 16 and 32: float32 0.475 / 0.378
+    ms, bfloat16 0.154 / 0.145; k31 float32 2.72 / 1.92)."""
     def cost(width):
         unit = load_unit(geom, width, (x,), (geom.in_w,))
         block_k = window_width(geom, width, unit)
         loads = block_k / width / unit
         return (block_k, loads, -width) if x.element_size() == 4 else (loads, block_k)
-    widest = 32 if grad_weight and x.element_size() == 4 else 64
-    return min((w for w in (16, 32, 64) if w <= min(widest, max(16, next_power_of_2(geom.out_w)))), key=cost)
+    widest = min(32 if grad_weight and x.element_size() == 4 else 64, max(16, next_power_of_2(geom.out_w)))
+    narrowest = min(32 if grad_weight else 16, widest)
+    return min((w for w in (16, 32, 64) if narrowest <= w <= widest), key=cost)
 
 
 def toeplitz_block_m(x: torch.Tensor) -> int:
-    """Output rows a forward product takes: 64 for float32 (k31 1.36 ms against 1.61 at 128), 128
-    for half precision (0.49 against 0.60 at 64)."""
-    return 64 if x.element_size() == 4 else 128
+    """Output rows a forward product takes: 128 (at most 32 KB of input tile: _forward_plan). H200,
+    session 12's blocks probe: float32 k31 0.956 ms against 0.994 at 64, k13 0.183 against 0.198
+    (session 6, before the split in the kernel: 1.36 at 64, 1.61 at 128); half precision k31
+    0.320 (0.49 against 0.60 at 64 in session 6)."""
+    return 128
 
 
 def _dot_types(dtype: torch.dtype) -> dict:
@@ -332,16 +337,16 @@ _PLANS: dict = {}
 
 def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, block_k: int, unit: int,
                        vector: int, flip: bool = False) -> torch.Tensor:
-    """[C*m, kH, vector, row_len]: each kernel row from unit - 1 + (block_w - 1) * stride_w on, its
+    """[C*m, kH * vector * row_len] (flat [kH, vector, row_len] a channel): each kernel row from unit - 1 + (block_w - 1) * stride_w on, its
     taps dilation_w apart, zeros around, in `vector` copies, copy r shifted r elements to the left
     (row_len >= unit - 1 + (block_w - 1) * stride_w + block_k, a multiple of 16; k31 bfloat16: 6.6
     MB). The kernel reads every band from it unmasked, each band column in whole vectors. flip: of
     weight.flip(2, 3) (grad_input). Two small ops: a zero appended to each channel's taps, then one
-    gather by a cached index."""
+    gather by a cached index (index_select: ~7 us of host time where taps[:, index] took ~16)."""
     start, row_len = _band_row(geom, block_w, block_k, unit)
     index = _band_index(geom.kernel_h, geom.kernel_w, geom.dilation_w, start, row_len, vector, flip, weight.device)
     taps = F.pad(weight.reshape(geom.out_channels, geom.kernel_h * geom.kernel_w), (0, 1))
-    return taps[:, index]
+    return taps.index_select(1, index)
 
 
 def _band_row(geom: ConvGeometry, block_w: int, block_k: int, unit: int) -> Tuple[int, int]:
@@ -353,7 +358,7 @@ def _band_row(geom: ConvGeometry, block_w: int, block_k: int, unit: int) -> Tupl
 @functools.lru_cache(maxsize=64)
 def _band_index(kernel_h: int, kernel_w: int, dilation_w: int, start: int, row_len: int, vector: int, flip: bool,
                 device: torch.device) -> torch.Tensor:
-    """[kH, vector, row_len] positions in a channel's taps (kH * kW: the appended zero) that
+    """[kH * vector * row_len] positions in a channel's taps (kH * kW: the appended zero) that
     padded_weight_rows gathers. Built on the device (no host-to-device copy, which a CUDA graph
     being captured would refuse)."""
     column = (torch.arange(row_len, device=device)[None, :] + torch.arange(vector, device=device)[:, None]
@@ -363,7 +368,7 @@ def _band_index(kernel_h: int, kernel_w: int, dilation_w: int, start: int, row_l
     kh = torch.arange(kernel_h, device=device)[:, None, None]
     if flip:
         kh, kw = kernel_h - 1 - kh, kernel_w - 1 - kw
-    return torch.where(is_tap, kh * kernel_w + kw, kernel_h * kernel_w)
+    return torch.where(is_tap, kh * kernel_w + kw, kernel_h * kernel_w).flatten()
 
 
 def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
