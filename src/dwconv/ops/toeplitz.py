@@ -291,11 +291,11 @@ def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor, grad_weight: bool = Fa
 
 
 def toeplitz_block_m(x: torch.Tensor) -> int:
-    """Output rows a forward product takes: 128 (at most 32 KB of input tile: _forward_plan). H200,
-    session 12's blocks probe: float32 k31 0.956 ms against 0.994 at 64, k13 0.183 against 0.198
-    (session 6, before the split in the kernel: 1.36 at 64, 1.61 at 128); half precision k31
-    0.320 (0.49 against 0.60 at 64 in session 6)."""
-    return 128
+    """Output rows a forward product takes: 64 for float32, 128 for half precision. H200: float32
+    k31 1.36 ms against 1.61 at 128 (session 6); in session 12 128 rows won before the products'
+    separate accumulator (0.956 against 0.994) and lost after it (forward 1.07-1.10 against
+    1.02; k13 0.209-0.217 against 0.201); half precision 0.49 against 0.60 at 64 (session 6)."""
+    return 64 if x.element_size() == 4 else 128
 
 
 def _dot_types(dtype: torch.dtype) -> dict:
