@@ -43,7 +43,31 @@ def graph_ms(fn, iters=20):
     return events_ms(graph.replay, iters)
 
 
+def backward_host(shape, k, pad, dtype):
+    """Host time a call of each backward part and of forward+backward through autograd (which runs
+    the backward on the engine's device thread), against a few plain torch ops for scale."""
+    from dwconv.ops.backward import conv_grad_input, conv_grad_weight
+    from dwconv.ops.toeplitz import padded_weight_rows
+
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=dtype) / k
+    g = torch.randn(shape, device="cuda", dtype=dtype)
+    geom = conv_geometry(x, w, None, 1, pad, 1)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    calls = dict(empty=lambda: torch.empty_like(x), band_rows=lambda: padded_weight_rows(w, geom, 32, 64, 8, 8),
+                 forward=lambda: conv_forward(x, w, None, geom),
+                 grad_input=lambda: conv_grad_input(g, w, geom, x),
+                 grad_weight=lambda: conv_grad_weight(g, x, geom, dtype, False),
+                 autograd_fwd_bwd=lambda: torch.autograd.grad(dwconv.depthwise_conv2d(xl, wl, None, 1, pad), (xl, wl), g))
+    for name, fn in calls.items():
+        fn()
+        print(f"{str(dtype)[6:]:8s} k{k} {name:16s}: host {host_us(fn, 30):.0f} us, events {events_ms(fn, 20):.3f} ms",
+              flush=True)
+
+
 def main():
+    for dtype in (torch.bfloat16, torch.float32):
+        backward_host(*LAYERS[0], dtype)
     for shape, k, pad in LAYERS:
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(shape, device="cuda", dtype=dtype)
