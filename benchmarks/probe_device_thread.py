@@ -8,9 +8,15 @@ nothing). For each layer and each mode (device thread / calling thread), microse
   total    the whole forward+backward, host time (no synchronisation inside the loop)
 If `inside` is the same in both modes, the cost is the engine's hand-offs, not dwconv's code.
 
-    PYTHONPATH=src python benchmarks/probe_device_thread.py
+--profile: also cProfile the backward formula where it runs (on the device thread: a profiler
+enabled on the calling thread does not see it), for the first layer in NCHW, top functions.
+
+    PYTHONPATH=src python benchmarks/probe_device_thread.py [--profile]
 """
 
+import cProfile
+import pstats
+import sys
 import time
 
 import torch
@@ -18,14 +24,19 @@ import torch
 import dwconv
 import dwconv._library as library
 
-LAYERS = [((64, 144, 56, 56), 3, 1), ((64, 384, 14, 14), 7, 3), ((64, 960, 7, 7), 3, 1)]
+LAYERS = [((64, 144, 56, 56), 3, 1), ((32, 256, 28, 28), 13, 6), ((64, 384, 14, 14), 7, 3), ((64, 960, 7, 7), 3, 1)]
 _formula = library._backward_formula
 STAMPS = []  # (entered, left) of each backward formula call
+PROFILER = []  # a cProfile.Profile while one is wanted
 
 
 def timed_formula(ctx, grad_out, traced):
     entered = time.perf_counter()
+    if PROFILER:
+        PROFILER[0].enable()
     grads = _formula(ctx, grad_out, traced)
+    if PROFILER:
+        PROFILER[0].disable()
     STAMPS.append((entered, time.perf_counter()))
     return grads
 
@@ -60,6 +71,16 @@ def measure(x, w, g, pad, one_thread, calls=200):
 def main():
     library._backward_formula = timed_formula
     print(torch.__version__, torch.cuda.get_device_name())
+    if "--profile" in sys.argv:
+        for shape, k, pad in LAYERS[:2]:
+            x = torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            w = torch.randn(shape[1], 1, k, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            g = torch.randn_like(dwconv.depthwise_conv2d(x, w, None, 1, pad))
+            measure(x, w, g, pad, False, calls=5)
+            PROFILER.append(cProfile.Profile())
+            measure(x, w, g, pad, False, calls=100)
+            print(f"{shape} k{k} NCHW, the backward formula on the device thread, 100 calls:")
+            pstats.Stats(PROFILER.pop()).sort_stats("tottime").print_stats(18)
     for shape, k, pad in LAYERS:
         for layout in (torch.contiguous_format, torch.channels_last):
             x = torch.randn(shape, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=layout).requires_grad_()
