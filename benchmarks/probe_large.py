@@ -2,7 +2,7 @@
 tile kernel and PyTorch eager, forward and forward+backward, in NCHW and channels_last; the errors of
 dwconv and of PyTorch against float64; a block sweep; the crossover by kernel size.
 
-    PYTHONPATH=src python benchmarks/probe_large.py [--quick] [--sweep] [--crossover] [--parts]
+    PYTHONPATH=src python benchmarks/probe_large.py [--quick] [--sweep] [--crossover] [--parts] [--fma]
 """
 
 import argparse
@@ -142,6 +142,44 @@ def crossover(dtypes):
                 f"{name} fwd {f:.3f} f+b {b:.3f} ms" for name, (f, b) in times.items()), flush=True)
 
 
+def fma(layers):
+    """float32: the CUDA-core kernel (large_fma) against the Toeplitz products: the forward at the
+    launcher's blocks and at 8 outputs a thread, the errors against float64, then forward+backward
+    through dwconv with the switch (large_fma.LARGE_FMA_FLOAT32) off and on."""
+    from dwconv.ops import large_fma
+    from dwconv.ops.backward import conv_grad_input
+
+    for shape, k, pad in layers:
+        x = torch.randn(shape, device="cuda")
+        w = torch.randn(shape[1], 1, k, k, device="cuda") / k
+        g = torch.randn(shape, device="cuda")
+        geom = conv_geometry(x, w, None, 1, pad, 1)
+        ref = F.conv2d(x.double(), w.double(), None, 1, pad, 1, groups=shape[1])
+        out = torch.empty_like(x)
+        default = large_fma.large_fma_blocks(geom)
+        eight = (default[0] * 2, default[1] // 2 if default[3] == 16 else default[1], default[2], 8)
+        runs = {"toeplitz": lambda: toeplitz.toeplitz_forward(x, w, None, geom, out)}
+        for blocks in (default, eight):
+            runs[f"fma {blocks}"] = lambda blocks=blocks: large_fma.large_fma_forward(x, w, None, geom, out,
+                                                                                      blocks=blocks)
+        for name, fn in runs.items():
+            out.fill_(float("nan"))
+            fn()
+            ms = events_ms(fn, 10)
+            print(f"fma fwd float32 {str(shape):18s} k{k} {name:28s}: {ms:.3f} ms ({flops(shape, k) / ms / 1e9:.1f} "
+                  f"TFLOP/s), err {rel_err(out, ref):.1e}", flush=True)
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        grad_inputs = []
+        for switch in (False, True):
+            large_fma.LARGE_FMA_FLOAT32 = switch
+            ms = events_ms(lambda: torch.autograd.grad(dwconv.depthwise_conv2d(xl, wl, None, 1, pad), (xl, wl), g), 5)
+            grad_inputs.append(torch.autograd.grad(dwconv.depthwise_conv2d(xl, wl, None, 1, pad), xl, g)[0])
+            print(f"fma f+b float32 {str(shape):18s} k{k} large_fma {'on ' if switch else 'off'}: {ms:.3f} ms, "
+                  f"grad_input alone {events_ms(lambda: conv_grad_input(g, w, geom, x), 10):.3f} ms", flush=True)
+        print(f"fma grad_input on / off: relative difference {rel_err(grad_inputs[1], grad_inputs[0].double()):.1e}")
+        large_fma.LARGE_FMA_FLOAT32 = False
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="the k31 layer only")
@@ -152,8 +190,11 @@ def main():
     p.add_argument("--no-tile", action="store_true", help="skip timing the CUDA-core tile kernel")
     p.add_argument("--stages", type=int, help="num_stages of the Toeplitz kernels (toeplitz.NUM_STAGES)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "float16"])
+    p.add_argument("--fma", action="store_true", help="only float32's CUDA-core kernel against the Toeplitz products")
     args = p.parse_args()
     layers = LAYERS[:1] if args.quick else LAYERS
+    if args.fma:
+        return fma(layers)
     if args.stages:
         toeplitz.NUM_STAGES = args.stages
     dtypes = [getattr(torch, name) for name in args.dtype]

@@ -6,6 +6,7 @@ A CPU-side proxy for what the device time measures (the loop body runs kernel_h 
 
     python benchmarks/sass_stats.py                  # k13 / k31 / k51 layers of issue #6
     python benchmarks/sass_stats.py --worst-shift    # as before session 11: windows sized for any shift
+    python benchmarks/sass_stats.py --fma            # float32 on the CUDA cores (large_fma.py) instead
 """
 
 import argparse
@@ -27,11 +28,12 @@ from dwconv.ops import toeplitz  # noqa: E402
 # issue #6's layers (batch 32: the row blocks' height depends on it)
 LAYERS = {"k31": ((32, 128, 56, 56), 31, 15), "k13": ((32, 256, 28, 28), 13, 6), "k51": ((32, 128, 56, 56), 51, 25)}
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+CUOBJDUMP = os.path.join(os.path.dirname(NVDISASM), "cuobjdump")
 
 
-def loop_body(sass: str):
-    """The instructions of the innermost loop holding the products (tensor-core instructions): from
-    a label to the last branch back to it."""
+def loop_body(sass: str, marker: str = "MMA"):
+    """The instructions of the innermost loop holding the products (instructions with `marker` in
+    their name: tensor-core MMAs, or FFMA): from a label to the last branch back to it."""
     lines = [ln for ln in sass.splitlines() if ln.strip()]
     labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"\s*\.?(L_x_\d+):", ln))}
     loops = []
@@ -39,7 +41,7 @@ def loop_body(sass: str):
         m = re.search(r"BRA\s.*`\(\.(L_x_\d+)\)", ln)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
             loops.append([x for x in lines[labels[m.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]{4,}\*/", x)])
-    with_products = [body for body in loops if any("MMA" in x for x in body)]
+    with_products = [body for body in loops if any(marker in x for x in body)]
     return min(with_products, key=len) if with_products else max(loops, key=len, default=[])
 
 
@@ -54,18 +56,42 @@ def classify(instructions):
         if base in ("LDG", "STG", "LDS", "STS", "LDSM", "LDGSTS"):
             width = re.search(r"\.(128|64|U16|16|U8)", op)
             counts[f"{base}.{width.group(1) if width else 32}"] += 1
-        elif base in ("HMMA", "HGMMA", "IMMA"):
+        elif base in ("HMMA", "HGMMA", "IMMA", "FFMA"):
             counts[base] += 1
         counts["total"] += 1
     return counts
 
 
-def stats(compiled):
+def stats(compiled, marker: str = "MMA"):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         sass = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    return dict(shared=compiled.metadata.shared, loop=classify(loop_body(sass)))
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    registers = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return dict(shared=compiled.metadata.shared, loop=classify(loop_body(sass, marker)),
+                registers=int(registers.group(1)) if registers else None, stack=int(stack.group(1)) if stack else None)
+
+
+def fma_stats(names):
+    """The float32 CUDA-core kernel (large_fma.py) at its default blocks: registers, stack, and its
+    kernel-row loop (FFMA against everything else)."""
+    from dwconv.ops.forward import ForwardConfig
+    from dwconv.ops.large_fma import large_fma_blocks
+
+    for name in names:
+        shape, k, pad = LAYERS[name]
+        geom = compile_check.tensors(shape, (k, k), torch.float32, padding=pad)[2]
+        blocks = large_fma_blocks(geom)
+        before = len(compile_check.COMPILED)
+        compile_check.forward(shape, (k, k), torch.float32, ForwardConfig("large_fma", *blocks[:3], vec=blocks[3]),
+                              padding=pad)
+        for kernel, compiled in compile_check.COMPILED[before:]:
+            s = stats(compiled, "FFMA")
+            other = " ".join(f"{op} {n}" for op, n in sorted(s["loop"].items()) if op not in ("total", "FFMA"))
+            print(f"{name} float32 large_fma blocks {blocks}: {s['registers']} registers, stack {s['stack']} B; "
+                  f"kernel-row loop {s['loop']['total']} instructions, FFMA {s['loop']['FFMA']} ({other})", flush=True)
 
 
 def main():
@@ -73,7 +99,11 @@ def main():
     ap.add_argument("--worst-shift", action="store_true", help="size windows for any shift (before session 11)")
     ap.add_argument("--layers", nargs="+", default=list(LAYERS))
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--fma", action="store_true", help="the float32 CUDA-core kernel (large_fma.py)")
     args = ap.parse_args()
+    if args.fma:
+        print(f"triton {triton.__version__}, sm_90")
+        return fma_stats(args.layers)
     if args.worst_shift:
         toeplitz.window_shift = lambda geom, block_w, unit: unit - 1
     print(f"triton {triton.__version__}, sm_90{', worst-case shift' if args.worst_shift else ''}")

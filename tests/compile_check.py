@@ -134,6 +134,13 @@ CASES = [
      dict(stride=2, padding=3, layout=CL)),
     ("nhwc, k17 (kernel-row loop)", forward, ((1, 32, 20, 20), (17, 17), f32, ForwardConfig("nhwc", 1, 8, 4, block_c=32)),
      dict(padding=8, layout=CL)),
+    # (the GPU's blocks for issue #6's layers, at a small batch: 16 outputs a thread, one warp)
+    ("large_fma, float32 k31 (the CUDA-core large kernel)", forward, ((1, 2, 56, 56), (31, 31), f32,
+                                                                     ForwardConfig("large_fma", 8, 64, 1, 16)),
+     dict(padding=15)),
+    ("large_fma, flipped taps, odd rows (grad_input)", flipped_forward, ((1, 2, 13, 29), (13, 13), f32,
+                                                                       ForwardConfig("large_fma", 16, 32, 1, 8)),
+     dict(padding=6)),
     ("fused backward, float32", fused_backward, ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("rows", 128, 512, 2, 4)), {}),
     ("fused backward, bfloat16", fused_backward, ((1, 2, 18, 512), (3, 3), bf16, ForwardConfig("rows", 128, 128, 1, 4)), {}),
     ("fused backward nchw pixels, float32 (#84's grad_input rows)", fused_backward,

@@ -1,12 +1,13 @@
-"""Large kernels (issue #6): the Toeplitz tensor-core path, forward and every gradient, against
-float64 F.conv2d. Tiny images under the interpreter (CI), the same tests compiled on a GPU."""
+"""Large kernels (issue #6): the Toeplitz tensor-core path and the float32 CUDA-core kernel
+(large_fma), forward and every gradient, against float64 F.conv2d. Tiny images under the
+interpreter (CI), the same tests compiled on a GPU."""
 
 import pytest
 import torch
 
 import dwconv
 from dwconv._geometry import conv_geometry
-from dwconv.ops import toeplitz
+from dwconv.ops import large_fma, toeplitz
 from dwconv.ops.backward import fused_backward_applies
 from dwconv.ops.forward import ForwardConfig, forward_config
 from helpers import DEVICE, DTYPES, assert_close, randn
@@ -74,6 +75,61 @@ def test_forward_block_shapes():
     weight = randn(2, 1, 11, 11)
     for block_m, block_w in [(16, 16), (32, 32), (64, 64)]:
         check(x, weight, randn(2), 1, 5, config=ForwardConfig("toeplitz", block_m, block_w, 4))
+
+
+# (shape, kernel, stride, padding, dilation, multiplier, blocks): the GPU's blocks for 13x13 'same'
+# on rows of 16 and 28; odd rows (scalar loads: no 4-element alignment), a row tile past the image,
+# 16 outputs a thread on a row of 9; stride and dilation across rows, a multiplier; 8 and 4 outputs
+# a thread; a window reaching past both row ends (padding 10 on 8 columns)
+FMA_CASES = [
+    ((1, 2, 16, 16), (13, 13), 1, 6, 1, 1, None),
+    ((1, 1, 28, 28), (13, 13), 1, 6, 1, 1, None),
+    ((2, 2, 13, 9), (11, 11), 1, 5, 1, 1, (4, 16, 1, 16)),
+    ((1, 2, 19, 20), (9, 12), (3, 1), (3, 5), (2, 1), 2, (8, 32, 1, 8)),
+    ((1, 1, 9, 8), (11, 11), 1, 10, 1, 1, (8, 16, 1, 4)),
+]
+FMA_IDS = ["k13-16", "k13-28", "k11-odd-rows", "k9x12-stride-dil-mult", "k11-pad10"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier,blocks", FMA_CASES, ids=FMA_IDS)
+def test_large_fma_forward(shape, kernel, stride, padding, dilation, multiplier, blocks, layout):
+    """The float32 CUDA-core kernel, with a bias, at the launcher's blocks or the given ones."""
+    x = randn(*shape).contiguous(memory_format=LAYOUTS[layout])
+    weight = randn(shape[1] * multiplier, 1, *kernel)
+    geom = conv_geometry(x, weight, None, stride, padding, dilation)
+    block_h, block_w, warps, out_vec = blocks or large_fma.large_fma_blocks(geom)
+    check(x, weight, randn(shape[1] * multiplier), stride, padding, dilation,
+          config=ForwardConfig("large_fma", block_h, block_w, warps, out_vec))
+
+
+def test_large_fma_blocks():
+    """One output row of OUT_VEC columns a thread, every thread a row of a group; issue #6's layers."""
+    for shape, kernel, padding, blocks in [((32, 128, 56, 56), 31, 15, (8, 64, 1, 16)),
+                                           ((32, 256, 28, 28), 13, 6, (32, 32, 2, 16)),
+                                           ((1, 2, 9, 6), 3, 1, (32, 8, 1, 8)), ((1, 2, 9, 4), 3, 1, (32, 4, 1, 4))]:
+        x = torch.empty(shape, device="meta")
+        geom = conv_geometry(x, torch.empty(shape[1], 1, kernel, kernel, device="meta"), None, 1, padding, 1)
+        got = large_fma.large_fma_blocks(geom)
+        assert got == blocks, (shape, got)
+        assert got[0] * got[1] // got[3] == 32 * got[2]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_large_fma_switch(monkeypatch, layout):
+    """large_fma.LARGE_FMA_FLOAT32: float32 large kernels' forward and stride-1 grad_input on the
+    CUDA-core kernel (the weight gradient stays on the Toeplitz products); half precision keeps
+    the Toeplitz path."""
+    calls = []
+    launch = large_fma.launch
+    monkeypatch.setattr(large_fma, "LARGE_FMA_FLOAT32", True)
+    monkeypatch.setattr(large_fma, "launch", lambda *a: calls.append(a[0]) or launch(*a))
+    x = randn(1, 2, 16, 16).contiguous(memory_format=LAYOUTS[layout])
+    check_grads(x, randn(2, 1, 13, 13), randn(2), 1, 6)
+    assert len(calls) == 2, "forward and grad_input on large_fma"
+    calls.clear()
+    check(randn(1, 2, 16, 16, dtype=torch.bfloat16), randn(2, 1, 13, 13, dtype=torch.bfloat16), None, 1, 6)
+    assert not calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -26,6 +26,9 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
+from . import large_fma
+from ._lanes import _lane, _pack4
+from .large_fma import large_fma_applies, large_fma_forward
 from .toeplitz import toeplitz_applies, toeplitz_block_m, toeplitz_block_w, toeplitz_forward
 
 
@@ -340,27 +343,6 @@ def depthwise_fwd_tile_kernel(
 
 
 @triton.jit
-def _lane(v, i: tl.constexpr, VEC: tl.constexpr):
-    """Lane i of each thread's vector: v [R, G, VEC] -> [R, G], VEC 4 or 8 (register moves only)."""
-    if VEC == 8:  # lane k = 2q + c: keep the half with c = i % 2, then lane q = i // 2 of it
-        even, odd = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], 4, 2]))
-        v = even
-        if i % 2 == 1:
-            v = odd
-        i = i // 2
-    # 4 lanes: lane k = 2a + b
-    even, odd = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], 2, 2]))
-    pair = even
-    if i % 2 == 1:
-        pair = odd
-    low, high = tl.split(pair)
-    lane = low
-    if i >= 2:
-        lane = high
-    return lane
-
-
-@triton.jit
 def _window_lane(w0, w1, w2, w3, i: tl.constexpr, VEC: tl.constexpr):
     """Lane i of the window w0|w1|w2|w3 (consecutive VEC-vectors a thread holds)."""
     v = w0
@@ -371,12 +353,6 @@ def _window_lane(w0, w1, w2, w3, i: tl.constexpr, VEC: tl.constexpr):
     if i // VEC == 3:
         v = w3
     return _lane(v, i % VEC, VEC)
-
-
-@triton.jit
-def _pack4(a, b, c, d):
-    """Four [R, G] lanes -> one [R, G, 4] vector (a, b, c, d)."""
-    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), [a.shape[0], a.shape[1], 4])
 
 
 @triton.jit
@@ -823,11 +799,11 @@ def depthwise_fwd_nchw_pixels_kernel(
 
 @dataclass(frozen=True)
 class ForwardConfig:
-    kernel: str  # "tile", "rows", "nchw_pixels", "nhwc", "nhwc_pixels" or "toeplitz" (block_h: its tile rows)
+    kernel: str  # "tile", "rows", "nchw_pixels", "nhwc", "nhwc_pixels", "toeplitz" or "large_fma" (block_h: its tile rows)
     block_h: int  # tile rows ("tile", "nhwc") or output rows per program ("rows")
     block_w: int
     num_warps: int
-    vec: int = 1  # "rows": output columns a thread owns (4 or 8: window loads, stride_w 1 only)
+    vec: int = 1  # "rows", "large_fma": output columns a thread owns (4 or 8: window loads, stride_w 1 only)
     stream: bool = False  # "rows": streaming cache hints (evict_first loads, .cs stores); not yet timed
     block_c: int = 1  # "nhwc" (the tile kernel on channels_last tensors): channels a program covers
 
@@ -1065,11 +1041,16 @@ def launch_forward(
     if out.numel() == 0:
         return out, None
     fused = weight_grad_from is not None
-    if config is None and toeplitz_applies(geom, x.dtype) and not fused:  # (blocks chosen in its cached plan)
+    if config is None and toeplitz_applies(geom, x.dtype) and not fused:  # (blocks chosen in their cached plans)
+        if large_fma.LARGE_FMA_FLOAT32 and large_fma_applies(geom, x):
+            return large_fma_forward(x, weight, bias, geom, out, flip_weight), None
         return toeplitz_forward(x, weight, bias, geom, out, flip_weight=flip_weight), None
     if config is not None and config.kernel == "toeplitz":
         return toeplitz_forward(x, weight, bias, geom, out, config.block_h, config.block_w, config.num_warps,
                                 flip_weight=flip_weight), None
+    if config is not None and config.kernel == "large_fma":
+        return large_fma_forward(x, weight, bias, geom, out, flip_weight,
+                                 (config.block_h, config.block_w, config.num_warps, config.vec)), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
            layout_key(weight_grad_from) if fused else None, flip_weight, runs, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,

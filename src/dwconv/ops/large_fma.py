@@ -1,0 +1,159 @@
+"""Large kernels in float32 on the CUDA cores: every output one FMA chain, inputs reused from registers.
+
+The Toeplitz path (toeplitz.py) multiplies float32 as three TF32 products, twice the work of the
+convolution in zeros of the band, and on the H200 it is bound by moving each kernel row's input
+tile through L1 and shared memory (docs/notes.md, session 12: k31 float32 forward 1.02 ms, 24
+TFLOP/s of useful products, where the float32 FMA peak is 67). Here a thread owns OUT_VEC
+adjacent outputs of one output row. For each kernel row it loads the aligned 4-vectors covering
+the input columns those outputs read (OUT_VEC + kernel_w - 1 of them, a "window"), then for each
+tap of the row multiplies the tap's weight into each output from a lane of the window: KW * OUT_VEC
+FMAs for ~(OUT_VEC + KW) / 4 vector loads and KW scalar weight loads. k31 at 16 outputs a thread:
+496 FMAs, 12 loads of 16 bytes and 31 of the weight a kernel row, 78% of the loop's sm_90
+instructions (the issue rate is the bound), with no product spent on zeros.
+
+One program = BLOCK_H output rows x BLOCK_W columns of one (n, c) plane; stride_w and dilation_w 1,
+any stride_h / dilation_h / padding / multiplier. FLIP_TAPS: the weight's taps in reverse (the
+stride-1 grad_input, as the other forward kernels do).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._geometry import ConvGeometry, cdiv, next_power_of_2
+from ._lanes import _lane, _pack4
+from ._launch import LaunchPlan, cached_plan, launch, layout_key, plane_needs_int64
+
+# The float32 forward (and stride-1 grad_input) of kernels of TOEPLITZ_MIN_TAPS taps or more on
+# this kernel instead of the Toeplitz products. Off until timed on the GPU (benchmarks/probe_large.py
+# --fma); compiled and tested here (benchmarks/sass_stats.py --fma).
+LARGE_FMA_FLOAT32 = False
+
+
+@triton.jit
+def depthwise_fwd_large_fma_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    out_channels, in_h, in_w, out_h, out_w,
+    x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
+    stride_h, dilation_h, pad_top,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FLIP_TAPS: tl.constexpr, INDEX_64: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, OUT_VEC: tl.constexpr,
+    WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
+):
+    """x, y: NCHW with unit column steps; widths and strides in X_UNIT / Y_UNIT elements (so the
+    compiler can prove the window's 4-vectors aligned). A thread's outputs read window lanes
+    WINDOW_LANE0 + i + kw of the vectors loaded from column group_col - WINDOW_OFF on."""
+    in_w = in_w * X_UNIT
+    out_w = out_w * Y_UNIT
+    GROUPS: tl.constexpr = BLOCK_W // OUT_VEC
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    tiles = tl.cdiv(out_h, BLOCK_H) * tiles_w
+    plane = pid // tiles
+    tile = pid % tiles
+    n = plane // out_channels
+    out_c = plane % out_channels
+    x_base = x_ptr + (n.to(tl.int64) * x_stride_n + (out_c // MULTIPLIER).to(tl.int64) * x_stride_c) * X_UNIT
+    y_base = y_ptr + (n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c) * Y_UNIT
+    out_rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None, None]
+    group_cols = (tile % tiles_w) * BLOCK_W + OUT_VEC * tl.arange(0, GROUPS)[None, :, None]
+    lanes = tl.arange(0, 4)[None, None, :]
+    if INDEX_64:
+        out_rows = out_rows.to(tl.int64)
+    first_in_rows = out_rows * stride_h - pad_top
+    start = tl.zeros([BLOCK_H, GROUPS], dtype=tl.float32)
+    if HAS_BIAS:
+        start += tl.load(b_ptr + out_c).to(tl.float32)
+    accs = ()
+    for i in tl.static_range(OUT_VEC):
+        accs = accs + (start,)
+    w_plane = w_ptr + out_c.to(tl.int64) * (KH * KW)
+    for kh in range(KH):
+        in_rows = first_in_rows + kh * dilation_h
+        x_row = x_base + in_rows * (x_stride_h * X_UNIT)
+        row_ok = (in_rows >= 0) & (in_rows < in_h)
+        window = ()
+        for v in tl.static_range(WINDOW_VECS):
+            cols = group_cols - WINDOW_OFF + 4 * v + lanes
+            vector = tl.load(x_row + cols, mask=row_ok & (cols >= 0) & (cols < in_w), other=0.0)
+            for lane in tl.static_range(4):
+                window = window + (_lane(vector, lane, 4).to(tl.float32),)
+        w_row = w_plane + ((KH - 1 - kh) * KW if FLIP_TAPS else kh * KW)
+        for kw in tl.static_range(KW):
+            weight = tl.load(w_row + (KW - 1 - kw if FLIP_TAPS else kw)).to(tl.float32)
+            for i in tl.static_range(OUT_VEC):
+                accs = accs[:i] + (tl.fma(window[WINDOW_LANE0 + i + kw], weight, accs[i]),) + accs[i + 1:]
+    y_rows = y_base + out_rows * (y_stride_h * Y_UNIT)
+    rows_ok = out_rows < out_h
+    for q in tl.static_range(OUT_VEC // 4):
+        cols = group_cols + 4 * q + lanes
+        value = _pack4(accs[4 * q], accs[4 * q + 1], accs[4 * q + 2], accs[4 * q + 3])
+        tl.store(y_rows + cols, value.to(y_ptr.dtype.element_ty), mask=rows_ok & (cols < out_w))
+
+
+# ---- choosing and launching -------------------------------------------------------------------
+
+def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
+    """Float32, unit column steps in and out of the kernel (stride_w and dilation_w 1)."""
+    return x.dtype == torch.float32 and geom.stride_w == 1 and geom.dilation_w == 1
+
+
+def large_fma_blocks(geom: ConvGeometry):
+    """(block_h, block_w, num_warps, out_vec): 16 outputs a thread (8 or 4 on rows that narrow),
+    one output row of a group a thread, the fewest wasted rows (then the most warps) over 1, 2 or
+    4 warps. k31 / k51 on 56 x 56: 8 x 64 outputs on one warp (7 row tiles, 56 of 64 columns);
+    k13 on 28 x 28: 32 x 32 on 2 warps. sm_90 code of k31's kernel-row loop (Triton 3.9): 496
+    FFMA of 635 instructions at 16 outputs a thread, 248 of 346 at 8; 72 registers, no stack."""
+    out_vec = 16 if geom.out_w > 8 else (8 if geom.out_w > 4 else 4)
+    groups = min(32, next_power_of_2(cdiv(geom.out_w, out_vec)))
+    options = [(32 * warps // groups, warps) for warps in (1, 2, 4) if 32 * warps >= groups]
+    block_h, warps = min(options, key=lambda o: (cdiv(geom.out_h, o[0]) * o[0], -o[1]))
+    return block_h, groups * out_vec, warps, out_vec
+
+
+def _unit(t: torch.Tensor, width: int) -> int:
+    """4 where the width and the row, channel and batch strides are multiples of 4 (16-byte rows
+    of float32: aligned window vectors), else 1."""
+    return 4 if width % 4 == 0 and all(s % 4 == 0 for s in t.stride()[:3]) else 1
+
+
+def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
+                      out: torch.Tensor, flip_weight: bool = False, blocks=None) -> torch.Tensor:
+    """Writes the convolution into out (any layout) and returns it; channels_last x is read from an
+    NCHW copy, as the Toeplitz path does. blocks: (block_h, block_w, num_warps, out_vec)."""
+    x = x if x.stride(3) == 1 else x.contiguous()
+    dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
+    plan = cached_plan(_PLANS, (geom, layout_key(x), layout_key(dst), bias is not None, flip_weight, blocks),
+                       lambda: _plan(geom, x, dst, bias is not None, flip_weight, blocks or large_fma_blocks(geom)))
+    weight = weight.contiguous()
+    launch(depthwise_fwd_large_fma_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, dst)
+    if dst is not out:
+        out.copy_(dst)
+    return out
+
+
+_PLANS: dict = {}
+
+
+def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, flip: bool, blocks) -> LaunchPlan:
+    assert large_fma_applies(geom, x), "large_fma: float32, stride_w and dilation_w 1"
+    block_h, block_w, num_warps, out_vec = blocks
+    x_unit, y_unit = _unit(x, geom.in_w), _unit(out, geom.out_w)
+    window_off = cdiv(geom.pad_left, 4) * 4  # (group columns are multiples of 4: aligned windows)
+    window_lane0 = window_off - geom.pad_left
+    window_vecs = cdiv(window_lane0 + out_vec + geom.kernel_w - 1, 4)
+    scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // y_unit,
+               *[s // x_unit for s in x.stride()[:3]], *[s // y_unit for s in out.stride()[:3]],
+               geom.stride_h, geom.dilation_h, geom.pad_top)
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=has_bias,
+                     FLIP_TAPS=flip, INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
+                     or plane_needs_int64(out, (geom.out_h, geom.out_w)),
+                     X_UNIT=x_unit, Y_UNIT=y_unit, BLOCK_H=block_h, BLOCK_W=block_w, OUT_VEC=out_vec,
+                     WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, num_warps=num_warps)
+    grid = (geom.batch * geom.out_channels * cdiv(geom.out_h, block_h) * cdiv(geom.out_w, block_w),)
+    return LaunchPlan("large_fma", grid, scalars, constants)
