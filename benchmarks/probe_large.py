@@ -157,7 +157,7 @@ def fma(layers):
         ref = F.conv2d(x.double(), w.double(), None, 1, pad, 1, groups=shape[1])
         out = torch.empty_like(x)
         default = large_fma.large_fma_blocks(geom)
-        eight = (default[0] * 2, default[1] // 2 if default[3] == 16 else default[1], default[2], 8)
+        eight = (32 * default[2] * 8 // default[1], default[1], default[2], 8)  # (one output row of a group a thread)
         runs = {"toeplitz": lambda: toeplitz.toeplitz_forward(x, w, None, geom, out)}
         for blocks in (default, eight):
             runs[f"fma {blocks}"] = lambda blocks=blocks: large_fma.large_fma_forward(x, w, None, geom, out,
