@@ -143,9 +143,9 @@ def crossover(dtypes):
 
 
 def fma(layers):
-    """float32: the CUDA-core kernel (large_fma) against the Toeplitz products: the forward at the
-    launcher's blocks and at 8 outputs a thread, the errors against float64, then forward+backward
-    through dwconv with the switch (large_fma.LARGE_FMA_FLOAT32) off and on."""
+    """float32: the CUDA-core kernels (large_fma) against the Toeplitz products: the forward at the
+    launcher's blocks and at 8 outputs a thread (errors against float64), the weight gradient, then
+    forward+backward through dwconv with the switch (large_fma.LARGE_FMA_FLOAT32) off and on."""
     from dwconv.ops import large_fma
     from dwconv.ops.backward import conv_grad_input
 
@@ -168,6 +168,13 @@ def fma(layers):
             ms = events_ms(fn, 10)
             print(f"fma fwd float32 {str(shape):18s} k{k} {name:28s}: {ms:.3f} ms ({flops(shape, k) / ms / 1e9:.1f} "
                   f"TFLOP/s), err {rel_err(out, ref):.1e}", flush=True)
+        weight_grads = []
+        for name, fn in (("toeplitz", lambda: toeplitz.toeplitz_grad_weight(g, x, geom, torch.float32, False)),
+                         ("fma", lambda: large_fma.large_fma_grad_weight(g, x, geom, torch.float32, False))):
+            weight_grads.append(fn()[0])
+            print(f"fma gw  float32 {str(shape):18s} k{k} {name:28s}: {events_ms(fn, 5):.3f} ms", flush=True)
+        print(f"fma grad_weight fma / toeplitz: relative difference "
+              f"{rel_err(weight_grads[1], weight_grads[0].double()):.1e}", flush=True)
         xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
         grad_inputs = []
         for switch in (False, True):

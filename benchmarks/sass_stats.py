@@ -78,20 +78,25 @@ def fma_stats(names):
     """The float32 CUDA-core kernel (large_fma.py) at its default blocks: registers, stack, and its
     kernel-row loop (FFMA against everything else)."""
     from dwconv.ops.forward import ForwardConfig
-    from dwconv.ops.large_fma import large_fma_blocks
+    from dwconv.ops.large_fma import large_fma_blocks, large_fma_grad_weight
 
     for name in names:
         shape, k, pad = LAYERS[name]
-        geom = compile_check.tensors(shape, (k, k), torch.float32, padding=pad)[2]
+        x, _, geom, grad_out = compile_check.tensors(shape, (k, k), torch.float32, padding=pad)
         blocks = large_fma_blocks(geom)
-        before = len(compile_check.COMPILED)
-        compile_check.forward(shape, (k, k), torch.float32, ForwardConfig("large_fma", *blocks[:3], vec=blocks[3]),
-                              padding=pad)
-        for kernel, compiled in compile_check.COMPILED[before:]:
-            s = stats(compiled, "FFMA")
-            other = " ".join(f"{op} {n}" for op, n in sorted(s["loop"].items()) if op not in ("total", "FFMA"))
-            print(f"{name} float32 large_fma blocks {blocks}: {s['registers']} registers, stack {s['stack']} B; "
-                  f"kernel-row loop {s['loop']['total']} instructions, FFMA {s['loop']['FFMA']} ({other})", flush=True)
+        for what in ("forward", "grad_weight"):
+            before = len(compile_check.COMPILED)
+            if what == "forward":
+                compile_check.forward(shape, (k, k), torch.float32,
+                                      ForwardConfig("large_fma", *blocks[:3], vec=blocks[3]), padding=pad)
+            else:
+                large_fma_grad_weight(grad_out, x, geom, torch.float32, True)
+            for kernel, compiled in compile_check.COMPILED[before:]:
+                s = stats(compiled, "FFMA")
+                other = " ".join(f"{op} {n}" for op, n in sorted(s["loop"].items()) if op not in ("total", "FFMA"))
+                print(f"{name} float32 large_fma {what:11s} blocks {blocks}: {s['registers']} registers, stack "
+                      f"{s['stack']} B; inner loop {s['loop']['total']} instructions, FFMA {s['loop']['FFMA']} ({other})",
+                      flush=True)
 
 
 def main():

@@ -88,6 +88,13 @@ def grad_weight(shape, kernel, dtype, config, **conv):
     conv_grad_weight(grad_out, x, geom, dtype, True, config)
 
 
+def large_fma_grad_weight(shape, kernel, dtype, config, **conv):
+    from dwconv.ops.large_fma import large_fma_grad_weight as grad_weight_fma
+
+    x, weight, geom, grad_out = tensors(shape, kernel, dtype, **conv)
+    grad_weight_fma(grad_out, x, geom, dtype, True)
+
+
 def flipped_forward(shape, kernel, dtype, config, **conv):
     x, weight, geom, _ = tensors(shape, kernel, dtype, **conv)
     launch_forward(x, weight, None, geom, config, flip_weight=True)
@@ -141,6 +148,8 @@ CASES = [
     ("large_fma, flipped taps, odd rows (grad_input)", flipped_forward, ((1, 2, 13, 29), (13, 13), f32,
                                                                        ForwardConfig("large_fma", 16, 32, 1, 8)),
      dict(padding=6)),
+    ("large_fma grad_weight, float32 k31", large_fma_grad_weight, ((1, 2, 56, 56), (31, 31), f32, None),
+     dict(padding=15)),
     ("fused backward, float32", fused_backward, ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("rows", 128, 512, 2, 4)), {}),
     ("fused backward, bfloat16", fused_backward, ((1, 2, 18, 512), (3, 3), bf16, ForwardConfig("rows", 128, 128, 1, 4)), {}),
     ("fused backward nchw pixels, float32 (#84's grad_input rows)", fused_backward,

@@ -11,7 +11,7 @@ from dwconv.ops import large_fma, toeplitz
 from dwconv.ops.backward import fused_backward_applies
 from dwconv.ops.forward import ForwardConfig, forward_config
 from helpers import DEVICE, DTYPES, assert_close, randn
-from test_backward import check_grads
+from test_backward import assert_close_sum, check_grads, reference_grads
 from test_forward import check
 
 LAYOUTS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
@@ -116,17 +116,36 @@ def test_large_fma_blocks():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier,blocks", FMA_CASES, ids=FMA_IDS)
+def test_large_fma_grad_weight(shape, kernel, stride, padding, dilation, multiplier, blocks, layout):
+    """The float32 CUDA-core weight gradient (and bias gradient), one row block a program and all
+    rows in one, bitwise the same when run again."""
+    x = randn(*shape).contiguous(memory_format=LAYOUTS[layout])
+    weight = randn(shape[1] * multiplier, 1, *kernel)
+    geom = conv_geometry(x, weight, None, stride, padding, dilation)
+    grad_out = randn(*geom.output_shape).contiguous(memory_format=LAYOUTS[layout])
+    ref = reference_grads(x, weight, torch.zeros(weight.shape[0]), grad_out, stride, padding, dilation)
+    blocks = blocks or large_fma.large_fma_blocks(geom)
+    for rows in (blocks[0], None):
+        grad_w, grad_b = large_fma.large_fma_grad_weight(grad_out, x, geom, torch.float32, True, blocks, rows)
+        assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight")
+        assert_close_sum(grad_b, ref[2], torch.ones(()), grad_out, "grad_bias")
+        again = large_fma.large_fma_grad_weight(grad_out, x, geom, torch.float32, True, blocks, rows)
+        assert torch.equal(again[0], grad_w) and torch.equal(again[1], grad_b), "not deterministic"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_large_fma_switch(monkeypatch, layout):
-    """large_fma.LARGE_FMA_FLOAT32: float32 large kernels' forward and stride-1 grad_input on the
-    CUDA-core kernel (the weight gradient stays on the Toeplitz products); half precision keeps
-    the Toeplitz path."""
+    """large_fma.LARGE_FMA_FLOAT32: float32 large kernels' forward, stride-1 grad_input and weight
+    gradient on the CUDA-core kernels; half precision keeps the Toeplitz path."""
     calls = []
     launch = large_fma.launch
     monkeypatch.setattr(large_fma, "LARGE_FMA_FLOAT32", True)
     monkeypatch.setattr(large_fma, "launch", lambda *a: calls.append(a[0]) or launch(*a))
     x = randn(1, 2, 16, 16).contiguous(memory_format=LAYOUTS[layout])
     check_grads(x, randn(2, 1, 13, 13), randn(2), 1, 6)
-    assert len(calls) == 2, "forward and grad_input on large_fma"
+    assert calls == [large_fma.depthwise_fwd_large_fma_kernel, large_fma.depthwise_grad_weight_large_fma_kernel,
+                     large_fma.depthwise_fwd_large_fma_kernel], "forward, grad_weight and grad_input on large_fma"
     calls.clear()
     check(randn(1, 2, 16, 16, dtype=torch.bfloat16), randn(2, 1, 13, 13, dtype=torch.bfloat16), None, 1, 6)
     assert not calls

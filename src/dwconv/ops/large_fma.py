@@ -13,7 +13,9 @@ instructions (the issue rate is the bound), with no product spent on zeros.
 
 One program = BLOCK_H output rows x BLOCK_W columns of one (n, c) plane; stride_w and dilation_w 1,
 any stride_h / dilation_h / padding / multiplier. FLIP_TAPS: the weight's taps in reverse (the
-stride-1 grad_input, as the other forward kernels do).
+stride-1 grad_input, as the other forward kernels do). The weight gradient takes the same tiles
+with grad_out's values in place of the weights: KW sums a thread, each an FMA chain over its
+outputs, reduced over the program at the end of each kernel row (deterministic partial sums).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._lanes import _lane, _pack4
-from ._launch import LaunchPlan, cached_plan, launch, layout_key, plane_needs_int64
+from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
 
-# The float32 forward (and stride-1 grad_input) of kernels of TOEPLITZ_MIN_TAPS taps or more on
-# this kernel instead of the Toeplitz products. Off until timed on the GPU (benchmarks/probe_large.py
+# The float32 forward, stride-1 grad_input and weight gradient of kernels of TOEPLITZ_MIN_TAPS taps
+# or more on these kernels instead of the Toeplitz products. Off until timed on the GPU (benchmarks/probe_large.py
 # --fma); compiled and tested here (benchmarks/sass_stats.py --fma).
 LARGE_FMA_FLOAT32 = False
 
@@ -96,6 +98,78 @@ def depthwise_fwd_large_fma_kernel(
         tl.store(y_rows + cols, value.to(y_ptr.dtype.element_ty), mask=rows_ok & (cols < out_w))
 
 
+@triton.jit
+def depthwise_grad_weight_large_fma_kernel(
+    g_ptr, x_ptr, partial_ptr,
+    out_channels, in_h, in_w, out_h, out_w, total_rows, rows_per_split, splits,
+    x_stride_n, x_stride_c, x_stride_h, g_stride_n, g_stride_c, g_stride_h,
+    stride_h, dilation_h, pad_top,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    X_UNIT: tl.constexpr, G_UNIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, OUT_VEC: tl.constexpr,
+    WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
+):
+    """The weight gradient with the forward's tiles: a thread holds OUT_VEC grad_out values of a
+    row and, for each kernel row, the input window under them, and adds their products into one
+    float32 sum a tap (KW FMA chains, each OUT_VEC long). One program = one output channel, BLOCK_W
+    columns, rows_per_split rows (numbered over batch x out_h): it sums its rows for one kernel row
+    at a time, then reduces each tap over its threads and writes partial[out_c, split x column
+    tile, tap] (the bias after the taps), summed in a fixed order by the launcher."""
+    in_w = in_w * X_UNIT
+    out_w = out_w * G_UNIT
+    GROUPS: tl.constexpr = BLOCK_W // OUT_VEC
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    out_c = pid // (splits * tiles_w)
+    part = pid % (splits * tiles_w)
+    group_cols = (part % tiles_w) * BLOCK_W + OUT_VEC * tl.arange(0, GROUPS)[None, :, None]
+    lanes = tl.arange(0, 4)[None, None, :]
+    first_row = (part // tiles_w) * rows_per_split
+    last_row = tl.minimum(first_row + rows_per_split, total_rows)
+    x_channel = x_ptr + (out_c // MULTIPLIER).to(tl.int64) * (x_stride_c * X_UNIT)
+    g_channel = g_ptr + out_c.to(tl.int64) * (g_stride_c * G_UNIT)
+    partial_row = partial_ptr + (out_c.to(tl.int64) * (splits * tiles_w) + part) * (KH * KW + BIAS_GRAD)
+    bias_sum = tl.zeros([BLOCK_H, GROUPS], dtype=tl.float32)
+    for kh in range(KH):
+        sums = ()
+        for kw in tl.static_range(KW):
+            sums = sums + (tl.zeros([BLOCK_H, GROUPS], dtype=tl.float32),)
+        for m in range(first_row, last_row, BLOCK_H):
+            rows = m + tl.arange(0, BLOCK_H)[:, None, None]
+            row_ok = rows < last_row
+            n = (rows // out_h).to(tl.int64)
+            out_rows = (rows % out_h).to(tl.int64)  # (64-bit: row offsets inside a plane too)
+            g_row = g_channel + (n * g_stride_n + out_rows * g_stride_h) * G_UNIT
+            grads = ()
+            for q in tl.static_range(OUT_VEC // 4):
+                cols = group_cols + 4 * q + lanes
+                vector = tl.load(g_row + cols, mask=row_ok & (cols < out_w), other=0.0)
+                for lane in tl.static_range(4):
+                    grads = grads + (_lane(vector, lane, 4).to(tl.float32),)
+            if BIAS_GRAD:
+                if kh == 0:
+                    for i in tl.static_range(OUT_VEC):
+                        bias_sum += grads[i]
+            in_rows = out_rows * stride_h - pad_top + kh * dilation_h
+            x_row = x_channel + (n * x_stride_n + in_rows * x_stride_h) * X_UNIT
+            in_ok = row_ok & (in_rows >= 0) & (in_rows < in_h)
+            window = ()
+            for v in tl.static_range(WINDOW_VECS):
+                cols = group_cols - WINDOW_OFF + 4 * v + lanes
+                vector = tl.load(x_row + cols, mask=in_ok & (cols >= 0) & (cols < in_w), other=0.0)
+                for lane in tl.static_range(4):
+                    window = window + (_lane(vector, lane, 4).to(tl.float32),)
+            for kw in tl.static_range(KW):
+                total = sums[kw]
+                for i in tl.static_range(OUT_VEC):
+                    total = tl.fma(window[WINDOW_LANE0 + i + kw], grads[i], total)
+                sums = sums[:kw] + (total,) + sums[kw + 1:]
+        for kw in tl.static_range(KW):
+            tl.store(partial_row + kh * KW + kw, tl.sum(tl.sum(sums[kw], axis=1), axis=0))
+    if BIAS_GRAD:
+        tl.store(partial_row + KH * KW, tl.sum(tl.sum(bias_sum, axis=1), axis=0))
+
+
 # ---- choosing and launching -------------------------------------------------------------------
 
 def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
@@ -140,13 +214,44 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 _PLANS: dict = {}
 
 
+def large_fma_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
+                          bias_grad: bool, blocks=None, rows_per_split: Optional[int] = None):
+    """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
+    rows_per_split: rows a program sums (default: grad_weight_rows)."""
+    grad_out = grad_out if grad_out.stride(3) == 1 else grad_out.contiguous()
+    x = x if x.stride(3) == 1 else x.contiguous()
+    blocks = blocks or large_fma_blocks(geom)
+    plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, blocks,
+                                rows_per_split),
+                       lambda: _grad_weight_plan(geom, grad_out, x, bias_grad, blocks, rows_per_split))
+    partial = new_partial(plan, x.device)
+    launch(depthwise_grad_weight_large_fma_kernel, plan, grad_out, x, partial)
+    taps = geom.kernel_h * geom.kernel_w
+    sums = partial.sum(dim=1)  # a fixed-order reduction over the programs of each channel
+    grad_w = sums[:, :taps].view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
+    return grad_w, (sums[:, taps].to(weight_dtype) if bias_grad else None)
+
+
+def grad_weight_rows(total_rows: int, strips: int, block_h: int) -> int:
+    """Rows a weight-gradient program sums: about 4096 programs in all, and at least four row
+    blocks (each kernel row ends in a reduction of every tap over the program's threads)."""
+    return max(4 * block_h, cdiv(total_rows, max(1, 4096 // strips)))
+
+
+def _window(geom: ConvGeometry, out_vec: int):
+    """(WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS): a thread's window starts WINDOW_OFF columns left of
+    its first output's column (a multiple of 4, as group columns are: aligned 4-vectors) and holds
+    the input of output i through tap kw in lane WINDOW_LANE0 + i + kw of its WINDOW_VECS vectors."""
+    window_off = cdiv(geom.pad_left, 4) * 4
+    window_lane0 = window_off - geom.pad_left
+    return window_off, window_lane0, cdiv(window_lane0 + out_vec + geom.kernel_w - 1, 4)
+
+
 def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, flip: bool, blocks) -> LaunchPlan:
     assert large_fma_applies(geom, x), "large_fma: float32, stride_w and dilation_w 1"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, y_unit = _unit(x, geom.in_w), _unit(out, geom.out_w)
-    window_off = cdiv(geom.pad_left, 4) * 4  # (group columns are multiples of 4: aligned windows)
-    window_lane0 = window_off - geom.pad_left
-    window_vecs = cdiv(window_lane0 + out_vec + geom.kernel_w - 1, 4)
+    window_off, window_lane0, window_vecs = _window(geom, out_vec)
     scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // y_unit,
                *[s // x_unit for s in x.stride()[:3]], *[s // y_unit for s in out.stride()[:3]],
                geom.stride_h, geom.dilation_h, geom.pad_top)
@@ -157,3 +262,26 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
                      WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, num_warps=num_warps)
     grid = (geom.batch * geom.out_channels * cdiv(geom.out_h, block_h) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("large_fma", grid, scalars, constants)
+
+
+def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, blocks,
+                      rows_per_split: Optional[int]) -> LaunchPlan:
+    assert large_fma_applies(geom, x), "large_fma: float32, stride_w and dilation_w 1"
+    block_h, block_w, num_warps, out_vec = blocks
+    x_unit, g_unit = _unit(x, geom.in_w), _unit(grad_out, geom.out_w)
+    window_off, window_lane0, window_vecs = _window(geom, out_vec)
+    total_rows = geom.batch * geom.out_h
+    tiles_w = cdiv(geom.out_w, block_w)
+    if rows_per_split is None:
+        rows_per_split = grad_weight_rows(total_rows, geom.out_channels * tiles_w, block_h) if x.is_cuda else total_rows
+    rows_per_split = cdiv(rows_per_split, block_h) * block_h
+    splits = cdiv(total_rows, rows_per_split)
+    scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // g_unit, total_rows,
+               rows_per_split, splits, *[s // x_unit for s in x.stride()[:3]],
+               *[s // g_unit for s in grad_out.stride()[:3]], geom.stride_h, geom.dilation_h, geom.pad_top)
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, BIAS_GRAD=bias_grad,
+                     X_UNIT=x_unit, G_UNIT=g_unit, BLOCK_H=block_h, BLOCK_W=block_w, OUT_VEC=out_vec,
+                     WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, num_warps=num_warps)
+    grid = (geom.out_channels * splits * tiles_w,)
+    return LaunchPlan("grad_weight_large_fma", grid, scalars, constants,
+                      (geom.out_channels, splits * tiles_w, geom.kernel_h * geom.kernel_w + int(bias_grad)))
