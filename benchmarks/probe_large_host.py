@@ -6,41 +6,26 @@ replayed from a CUDA graph (the GPU's time alone), and the kernels one call runs
     PYTHONPATH=src python benchmarks/probe_large_host.py
 """
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 import dwconv
 from dwconv._geometry import conv_geometry
+from dwconv.bench import graphed
 from dwconv.ops.forward import conv_forward
 from dwconv.ops.toeplitz import toeplitz_forward
+from host_overhead_gpu import per_call_us  # (benchmarks/ is on the path when run as a script)
 from profile_model import events_ms
 
 LAYERS = [((32, 256, 28, 28), 13, 6), ((32, 128, 56, 56), 31, 15)]
 
 
 def host_us(fn, calls=50):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return per_call_us(fn, calls)[0]
 
 
 def graph_ms(fn, iters=20):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return events_ms(graph.replay, iters)
+    return events_ms(graphed(fn), iters)
 
 
 def backward_host(shape, k, pad, dtype):

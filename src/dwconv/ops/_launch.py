@@ -69,6 +69,15 @@ def new_partial(plan: LaunchPlan, device: torch.device) -> torch.Tensor:
     return torch.empty(plan.partial_shape, device=device, dtype=plan.partial_dtype)
 
 
+def sum_partials(partial: torch.Tensor, geom, weight_dtype: torch.dtype, bias_grad: bool):
+    """(grad_weight, grad_bias or None) from partial[out_c, program, tap] (the bias after the taps):
+    a fixed-order sum over each channel's programs (deterministic), cast to the weight's dtype."""
+    taps = geom.kernel_h * geom.kernel_w
+    sums = partial.sum(dim=1)
+    grad_w = sums[:, :taps].view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
+    return grad_w, (sums[:, taps].to(weight_dtype) if bias_grad else None)
+
+
 # On since session 10 (GPU tests passed with it; the launchers' host time halved on two of four
 # small layers, docs/notes.md); DWCONV_FAST_LAUNCH=0 turns it off (Triton's launch hooks, say).
 FAST_LAUNCH = os.environ.get("DWCONV_FAST_LAUNCH", "1") == "1"

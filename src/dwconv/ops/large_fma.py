@@ -28,12 +28,25 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._lanes import _lane, _pack4
-from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
+from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64, sum_partials
 
 # The float32 forward, stride-1 grad_input and weight gradient of kernels of TOEPLITZ_MIN_TAPS taps
 # or more on these kernels instead of the Toeplitz products. Off until timed on the GPU (benchmarks/probe_large.py
 # --fma); compiled and tested here (benchmarks/sass_stats.py --fma).
 LARGE_FMA_FLOAT32 = False
+
+
+@triton.jit
+def _load_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF: tl.constexpr, WINDOW_VECS: tl.constexpr):
+    """The lanes (a tuple of [R, G] float32) of the aligned 4-vectors of an input row from column
+    group_cols - WINDOW_OFF on, zero outside the row and where row_ok is False."""
+    window = ()
+    for v in tl.static_range(WINDOW_VECS):
+        cols = group_cols - WINDOW_OFF + 4 * v + lanes
+        vector = tl.load(x_row + cols, mask=row_ok & (cols >= 0) & (cols < in_w), other=0.0)
+        for lane in tl.static_range(4):
+            window = window + (_lane(vector, lane, 4).to(tl.float32),)
+    return window
 
 
 @triton.jit
@@ -79,12 +92,7 @@ def depthwise_fwd_large_fma_kernel(
         in_rows = first_in_rows + kh * dilation_h
         x_row = x_base + in_rows * (x_stride_h * X_UNIT)
         row_ok = (in_rows >= 0) & (in_rows < in_h)
-        window = ()
-        for v in tl.static_range(WINDOW_VECS):
-            cols = group_cols - WINDOW_OFF + 4 * v + lanes
-            vector = tl.load(x_row + cols, mask=row_ok & (cols >= 0) & (cols < in_w), other=0.0)
-            for lane in tl.static_range(4):
-                window = window + (_lane(vector, lane, 4).to(tl.float32),)
+        window = _load_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS)
         w_row = w_plane + ((KH - 1 - kh) * KW if FLIP_TAPS else kh * KW)
         for kw in tl.static_range(KW):
             weight = tl.load(w_row + (KW - 1 - kw if FLIP_TAPS else kw)).to(tl.float32)
@@ -153,12 +161,7 @@ def depthwise_grad_weight_large_fma_kernel(
             in_rows = out_rows * stride_h - pad_top + kh * dilation_h
             x_row = x_channel + (n * x_stride_n + in_rows * x_stride_h) * X_UNIT
             in_ok = row_ok & (in_rows >= 0) & (in_rows < in_h)
-            window = ()
-            for v in tl.static_range(WINDOW_VECS):
-                cols = group_cols - WINDOW_OFF + 4 * v + lanes
-                vector = tl.load(x_row + cols, mask=in_ok & (cols >= 0) & (cols < in_w), other=0.0)
-                for lane in tl.static_range(4):
-                    window = window + (_lane(vector, lane, 4).to(tl.float32),)
+            window = _load_window(x_row, group_cols, lanes, in_ok, in_w, WINDOW_OFF, WINDOW_VECS)
             for kw in tl.static_range(KW):
                 total = sums[kw]
                 for i in tl.static_range(OUT_VEC):
@@ -226,10 +229,7 @@ def large_fma_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeo
                        lambda: _grad_weight_plan(geom, grad_out, x, bias_grad, blocks, rows_per_split))
     partial = new_partial(plan, x.device)
     launch(depthwise_grad_weight_large_fma_kernel, plan, grad_out, x, partial)
-    taps = geom.kernel_h * geom.kernel_w
-    sums = partial.sum(dim=1)  # a fixed-order reduction over the programs of each channel
-    grad_w = sums[:, :taps].view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
-    return grad_w, (sums[:, taps].to(weight_dtype) if bias_grad else None)
+    return sum_partials(partial, geom, weight_dtype, bias_grad)
 
 
 def grad_weight_rows(total_rows: int, strips: int, block_h: int) -> int:

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..functional import triton_interpreter_enabled
-from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
+from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64, sum_partials
 
 # Kernels with at least this many taps take the Toeplitz path. H200, (32,128,56,56), forward against
 # the CUDA-core tile kernel: bfloat16 9x9 0.49 / 0.32 ms, 11x11 0.22 / 0.70; float32 9x9 0.336 / 0.288,
@@ -408,10 +408,7 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
                                                  num_warps, num_stages))
     partial = new_partial(plan, x.device)
     launch(depthwise_grad_weight_toeplitz_kernel, plan, grad_out, x, partial)
-    taps = geom.kernel_h * geom.kernel_w
-    sums = partial.sum(dim=1)  # a fixed-order reduction over the programs of each channel
-    grad_w = sums[:, :taps].view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
-    return grad_w, (sums[:, taps].to(weight_dtype) if bias_grad else None)
+    return sum_partials(partial, geom, weight_dtype, bias_grad)
 
 
 def grad_weight_rows(total_rows: int, strips: int) -> int:
