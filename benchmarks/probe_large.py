@@ -147,7 +147,7 @@ def fma(layers):
     launcher's blocks and at 8 outputs a thread (errors against float64), the weight gradient, then
     forward+backward through dwconv with the switch (large_fma.LARGE_FMA_FLOAT32) off and on."""
     from dwconv.ops import large_fma
-    from dwconv.ops.backward import conv_grad_input
+    from dwconv.ops.backward import conv_grad_input, conv_grad_weight
 
     for shape, k, pad in layers:
         x = torch.randn(shape, device="cuda")
@@ -185,6 +185,21 @@ def fma(layers):
                   f"grad_input alone {events_ms(lambda: conv_grad_input(g, w, geom, x), 10):.3f} ms", flush=True)
         print(f"fma grad_input on / off: relative difference {rel_err(grad_inputs[1], grad_inputs[0].double()):.1e}")
         large_fma.LARGE_FMA_FLOAT32 = False
+    # below the Toeplitz threshold: the CUDA-core kernel against the default's forward and weight gradient
+    shape = (32, 128, 56, 56)
+    for k in (5, 7, 9):
+        x = torch.randn(shape, device="cuda")
+        w = torch.randn(shape[1], 1, k, k, device="cuda") / k
+        g = torch.randn(shape, device="cuda")
+        geom = conv_geometry(x, w, None, 1, k // 2, 1)
+        blocks = large_fma.large_fma_blocks(geom)
+        fma_config = ForwardConfig("large_fma", *blocks[:3], vec=blocks[3])
+        times = dict(default=events_ms(lambda: conv_forward(x, w, None, geom), 10),
+                     fma=events_ms(lambda: conv_forward(x, w, None, geom, fma_config), 10),
+                     gw_default=events_ms(lambda: conv_grad_weight(g, x, geom, torch.float32, False), 5),
+                     gw_fma=events_ms(lambda: large_fma.large_fma_grad_weight(g, x, geom, torch.float32, False), 5))
+        print(f"fma crossover float32 {shape} k{k}: " + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()),
+              flush=True)
 
 
 def main():
