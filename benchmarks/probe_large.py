@@ -144,7 +144,7 @@ def crossover(dtypes):
 
 def fma(layers):
     """float32: the CUDA-core kernels (large_fma) against the Toeplitz products: the forward at the
-    launcher's blocks and at 8 outputs a thread (errors against float64), the weight gradient, then
+    launcher's blocks and others (8, 16, 32 outputs a thread; errors against float64), the weight gradient, then
     forward+backward through dwconv with the switch (large_fma.LARGE_FMA_FLOAT32) off and on."""
     from dwconv.ops import large_fma
     from dwconv.ops.backward import conv_grad_input, conv_grad_weight
@@ -157,9 +157,10 @@ def fma(layers):
         ref = F.conv2d(x.double(), w.double(), None, 1, pad, 1, groups=shape[1])
         out = torch.empty_like(x)
         default = large_fma.large_fma_blocks(geom)
-        eight = (32 * default[2] * 8 // default[1], default[1], default[2], 8)  # (one output row of a group a thread)
+        # (one output row of a group a thread: rows x columns / outputs = 32 x warps)
+        others = [(32 * warps * vec // default[1], default[1], warps, vec) for vec, warps in ((8, 1), (16, 2), (32, 1))]
         runs = {"toeplitz": lambda: toeplitz.toeplitz_forward(x, w, None, geom, out)}
-        for blocks in (default, eight):
+        for blocks in [default] + [b for b in others if b != default and b[0] >= 1]:
             runs[f"fma {blocks}"] = lambda blocks=blocks: large_fma.large_fma_forward(x, w, None, geom, out,
                                                                                       blocks=blocks)
         for name, fn in runs.items():
