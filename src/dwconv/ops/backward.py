@@ -363,7 +363,8 @@ def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> Forw
     if grad_out.is_cuda and FUSED_NCHW_PIXELS and grad_out.stride(3) == 1 \
             and gi_geom.kernel_h == gi_geom.kernel_w == 3 and gi_geom.dilation_h == gi_geom.dilation_w == 1:
         # (#84's rows of 510: 4 x 256 on two warps, 2% faster in float32; 56-wide rows lost 40% there)
-        return ForwardConfig("nchw_pixels", 4, 256, 2) if gi_geom.out_w > 256 else ForwardConfig("nchw_pixels", 4, 128, 1)
+        wide = gi_geom.out_w > 256
+        return ForwardConfig("nchw_pixels", 4, 256 if wide else 128, 2 if wide else 1)
     if grad_out.is_cuda:
         config = nchw_config(gi_geom, grad_out)  # (a channels_last grad_out too: the rows kernel takes strides)
         # Session-3 sweep, #84: float32 best at two 4-vectors a thread (3.41 ms), half precision at

@@ -799,11 +799,12 @@ def depthwise_fwd_nchw_pixels_kernel(
 
 @dataclass(frozen=True)
 class ForwardConfig:
-    kernel: str  # "tile", "rows", "nchw_pixels", "nhwc", "nhwc_pixels", "toeplitz" or "large_fma" (block_h: its tile rows)
+    # "tile", "rows", "nchw_pixels", "nhwc", "nhwc_pixels", "toeplitz" or "large_fma" (block_h: its tile rows)
+    kernel: str
     block_h: int  # tile rows ("tile", "nhwc") or output rows per program ("rows")
     block_w: int
     num_warps: int
-    vec: int = 1  # "rows", "large_fma": output columns a thread owns (4 or 8: window loads, stride_w 1 only)
+    vec: int = 1  # output columns a thread owns: "rows" 4 or 8 (window loads, stride_w 1 only), "large_fma" 4-32
     stream: bool = False  # "rows": streaming cache hints (evict_first loads, .cs stores); not yet timed
     block_c: int = 1  # "nhwc" (the tile kernel on channels_last tensors): channels a program covers
 

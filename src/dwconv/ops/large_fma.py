@@ -31,8 +31,8 @@ from ._lanes import _lane, _pack4
 from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64, sum_partials
 
 # The float32 forward, stride-1 grad_input and weight gradient of kernels of TOEPLITZ_MIN_TAPS taps
-# or more on these kernels instead of the Toeplitz products. Off until timed on the GPU (benchmarks/probe_large.py
-# --fma); compiled and tested here (benchmarks/sass_stats.py --fma).
+# or more on these kernels instead of the Toeplitz products. Off until timed on the GPU
+# (`benchmarks/probe_large.py --fma`); compiled and tested here (`benchmarks/sass_stats.py --fma`).
 LARGE_FMA_FLOAT32 = False
 
 

@@ -337,12 +337,13 @@ _PLANS: dict = {}
 
 def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, block_k: int, unit: int,
                        vector: int, flip: bool = False) -> torch.Tensor:
-    """[C*m, kH * vector * row_len] (flat [kH, vector, row_len] a channel): each kernel row from unit - 1 + (block_w - 1) * stride_w on, its
-    taps dilation_w apart, zeros around, in `vector` copies, copy r shifted r elements to the left
-    (row_len >= unit - 1 + (block_w - 1) * stride_w + block_k, a multiple of 16; k31 bfloat16: 6.6
-    MB). The kernel reads every band from it unmasked, each band column in whole vectors. flip: of
-    weight.flip(2, 3) (grad_input). Two small ops: a zero appended to each channel's taps, then one
-    gather by a cached index (index_select: ~7 us of host time where taps[:, index] took ~16)."""
+    """[C*m, kH * vector * row_len] (a channel's [kH, vector, row_len], flat): each kernel row from
+    unit - 1 + (block_w - 1) * stride_w on, its taps dilation_w apart, zeros around, in `vector`
+    copies, copy r shifted r elements to the left (row_len >= unit - 1 + (block_w - 1) * stride_w +
+    block_k, a multiple of 16; k31 bfloat16: 6.6 MB). The kernel reads every band from it unmasked,
+    each band column in whole vectors. flip: of weight.flip(2, 3) (grad_input). Two small ops: a
+    zero appended to each channel's taps, then one gather by a cached index (index_select: ~7 us
+    of host time on the CPU machine where taps[:, index] took ~16)."""
     start, row_len = _band_row(geom, block_w, block_k, unit)
     index = _band_index(geom.kernel_h, geom.kernel_w, geom.dilation_w, start, row_len, vector, flip, weight.device)
     taps = F.pad(weight.reshape(geom.out_channels, geom.kernel_h * geom.kernel_w), (0, 1))
