@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|nchw84|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -58,6 +58,12 @@ for step in $steps; do
         for i in 1 2; do for tree in $trees; do
           echo "$tree"; (cd benchmarks && PYTHONPATH=../$tree $probe)
         done; done 2>&1 | tee -a "$OUT/ab.log" ;;
+    # session 12's float32 CUDA-core large kernels against the Toeplitz products (compiles first, then timed)
+    fma) (cd benchmarks && timeout 300 python3 probe_large.py --fma >/dev/null 2>&1; python3 probe_large.py --fma) 2>&1 \
+           | tee "$OUT/probe_large_fma.log" ;;
+    # issue #2's last percents on #84: whole-row nchw_pixels tiles by height and warps, both dtypes
+    nchw84) (cd benchmarks && python3 probe_nchw_pixels.py --layers 0 --dtype float32 bfloat16 --blocks 8 512 4 \
+               --blocks 16 512 4 --blocks 8 512 8 --blocks 4 512 2 --blocks 16 512 8) 2>&1 | tee "$OUT/probe_nchw84.log" ;;
     # session 11's Toeplitz blocks and switches: one process a layer compiles in parallel, then the timed run
     blocks) (cd benchmarks && for i in 0 1 2 3 4 5; do timeout 400 python3 probe_large_blocks.py --runs $i >/dev/null 2>&1 & done; wait
              python3 probe_large_blocks.py) 2>&1 | tee "$OUT/probe_large_blocks.log" ;;
