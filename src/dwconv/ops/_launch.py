@@ -117,3 +117,10 @@ def launch(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
     if compiled is not None and all(name in plan.constants for name in names):
         grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
         plan.compiled[key] = (pointers, compiled, grid, plan.scalars + tuple(plan.constants[n] for n in names))
+
+
+def channels_last_kernel_applies(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
+    """Whether the input (and the output, when given) have unit channel strides and are not also
+    NCHW-contiguous (one channel, or 1 x 1 images, are both): the NHWC kernel's layout."""
+    return (x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1 and not x.is_contiguous()
+            and (out is None or (out.stride(1) == 1 and out.shape[1] > 1)))

@@ -25,7 +25,6 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
-from . import large_fma
 from .large_fma import large_fma_applies, large_fma_grad_weight
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
 from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
@@ -348,7 +347,7 @@ def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
         return (FUSED_NHWC_BACKWARD and geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1
                 and geom.kernel_h * geom.kernel_w <= FUSED_NHWC_TAPS)
     if not (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and x.stride(3) == 1) \
-            or toeplitz_applies(geom, x.dtype):  # large kernels: products on the tensor cores
+            or toeplitz_applies(geom, x.dtype) or large_fma_applies(geom, x):  # their own two kernels
         return False
     gi_geom = input_grad_geometry(geom)  # (cached: dataclasses.replace costs ~6 us a backward)
     if min(gi_geom.pad_top, gi_geom.pad_bottom, gi_geom.pad_left, gi_geom.pad_right) < 0:
@@ -578,9 +577,9 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
     if grad_out.numel() == 0:
         grad_w = torch.zeros((geom.out_channels, 1, geom.kernel_h, geom.kernel_w), device=x.device, dtype=weight_dtype)
         return grad_w, (torch.zeros(geom.out_channels, device=x.device, dtype=weight_dtype) if bias_grad else None)
+    if config is None and large_fma_applies(geom, x):
+        return large_fma_grad_weight(grad_out, x, geom, weight_dtype, bool(bias_grad))
     if config is None and toeplitz_applies(geom, x.dtype):
-        if large_fma.LARGE_FMA_FLOAT32 and large_fma_applies(geom, x):
-            return large_fma_grad_weight(grad_out, x, geom, weight_dtype, bool(bias_grad))
         return toeplitz_grad_weight(grad_out, x, geom, weight_dtype, bool(bias_grad))
     if isinstance(config, ForwardConfig) or (config is None and grad_weight_pixels_applies(geom, x, grad_out)):
         sums = _launch_nhwc_pixels_grad(geom, grad_out, x, None, None, config, None, bool(bias_grad))

@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
-from . import large_fma
+from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, launch, layout_key, new_partial,
+                      plane_needs_int64)
 from ._lanes import _lane, _pack4
-from .large_fma import large_fma_applies, large_fma_forward
+from .large_fma import large_fma_applies, large_fma_blocks, large_fma_forward
 from .toeplitz import toeplitz_applies, toeplitz_block_m, toeplitz_block_w, toeplitz_forward
 
 
@@ -825,13 +825,6 @@ def rows_kernel_fits(geom: ConvGeometry) -> bool:
     return geom.stride_h == 1 and ring_fits and geom.out_w >= 32
 
 
-def channels_last_kernel_applies(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
-    """Whether the input (and the output, when given) have unit channel strides and are not also
-    NCHW-contiguous (one channel, or 1 x 1 images, are both): the NHWC kernel's layout."""
-    return (x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1 and not x.is_contiguous()
-            and (out is None or (out.stride(1) == 1 and out.shape[1] > 1)))
-
-
 # Output rows a tile program computes at most times kernel taps: the unrolled band's code size on
 # the GPU. Larger kernels take one row a program and loop over the kernel rows. The interpreter
 # (CI) pays per tensor operation, not per instruction: there a band is as long as the image.
@@ -903,8 +896,11 @@ def nhwc_pixels_config(geom: ConvGeometry) -> ForwardConfig:
 
 def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> ForwardConfig:
     """Picks the kernel and block sizes for a geometry, input and output (measured choices:
-    docs/notes.md): Toeplitz products on the tensor cores for large kernels, the NHWC kernel for
-    channels_last tensors, else by the geometry."""
+    docs/notes.md): the CUDA-core large_fma kernel (float32) or Toeplitz products on the tensor
+    cores for large kernels, the NHWC kernel for channels_last tensors, else by the geometry."""
+    if large_fma_applies(geom, x):  # (the launcher takes its blocks: large_fma_blocks)
+        block_h, block_w, num_warps, out_vec = large_fma_blocks(geom)
+        return ForwardConfig("large_fma", block_h, block_w, num_warps, out_vec)
     if toeplitz_applies(geom, x.dtype):
         return ForwardConfig("toeplitz", toeplitz_block_m(x), toeplitz_block_w(geom, x), 4)
     if channels_last_kernel_applies(x, out):
@@ -1042,10 +1038,11 @@ def launch_forward(
     if out.numel() == 0:
         return out, None
     fused = weight_grad_from is not None
-    if config is None and toeplitz_applies(geom, x.dtype) and not fused:  # (blocks chosen in their cached plans)
-        if large_fma.LARGE_FMA_FLOAT32 and large_fma_applies(geom, x):
+    if config is None and not fused:  # (large kernels' blocks are chosen in their cached plans)
+        if large_fma_applies(geom, x):
             return large_fma_forward(x, weight, bias, geom, out, flip_weight), None
-        return toeplitz_forward(x, weight, bias, geom, out, flip_weight=flip_weight), None
+        if toeplitz_applies(geom, x.dtype):
+            return toeplitz_forward(x, weight, bias, geom, out, flip_weight=flip_weight), None
     if config is not None and config.kernel == "toeplitz":
         return toeplitz_forward(x, weight, bias, geom, out, config.block_h, config.block_w, config.num_warps,
                                 flip_weight=flip_weight), None

@@ -28,12 +28,19 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._lanes import _lane, _pack4
-from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64, sum_partials
+from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, launch, layout_key, new_partial,
+                      plane_needs_int64, sum_partials)
+from .toeplitz import TOEPLITZ_MIN_TAPS
 
-# The float32 forward, stride-1 grad_input and weight gradient of kernels of TOEPLITZ_MIN_TAPS taps
-# or more on these kernels instead of the Toeplitz products. Off until timed on the GPU
-# (`benchmarks/probe_large.py --fma`); compiled and tested here (`benchmarks/sass_stats.py --fma`).
-LARGE_FMA_FLOAT32 = False
+# The float32 forward, stride-1 grad_input and weight gradient of kernels of LARGE_FMA_MIN_TAPS taps
+# or more run here, instead of the Toeplitz products (any layout: channels_last is copied, as there)
+# and, below TOEPLITZ_MIN_TAPS, of the CUDA-core kernels of forward.py / backward.py (NCHW only:
+# channels_last keeps its native kernels). H200, session 13 (`benchmarks/probe_large.py --fma`):
+# k31 forward 1.019 -> 0.654 ms, weight gradient 1.998 -> 0.888, forward+backward 4.009 -> 2.194;
+# k51 forward 3.184 -> 1.706, forward+backward 12.72 -> 5.77; k13 forward 0.200 -> 0.082.
+LARGE_FMA_MIN_TAPS = 100
+# dtypes taken (a probe may add the half types: the kernels load any float dtype, sum in float32)
+LARGE_FMA_DTYPES = (torch.float32,)
 
 
 @triton.jit
@@ -175,9 +182,19 @@ def depthwise_grad_weight_large_fma_kernel(
 
 # ---- choosing and launching -------------------------------------------------------------------
 
+def large_fma_fits(geom: ConvGeometry, x: torch.Tensor) -> bool:
+    """What the kernels take: float32 (or LARGE_FMA_DTYPES), unit column steps in and out of the
+    kernel (stride_w and dilation_w 1)."""
+    return x.dtype in LARGE_FMA_DTYPES and geom.stride_w == 1 and geom.dilation_w == 1
+
+
 def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
-    """Float32, unit column steps in and out of the kernel (stride_w and dilation_w 1)."""
-    return x.dtype == torch.float32 and geom.stride_w == 1 and geom.dilation_w == 1
+    """Whether the dispatcher takes these kernels (see LARGE_FMA_MIN_TAPS). Shapes and strides only
+    (the fake tensors of torch.compile's tracing answer the same)."""
+    taps = geom.kernel_h * geom.kernel_w
+    if taps < LARGE_FMA_MIN_TAPS or not large_fma_fits(geom, x):
+        return False
+    return taps >= TOEPLITZ_MIN_TAPS or not channels_last_kernel_applies(x)
 
 
 def large_fma_blocks(geom: ConvGeometry):
@@ -248,7 +265,7 @@ def _window(geom: ConvGeometry, out_vec: int):
 
 
 def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, flip: bool, blocks) -> LaunchPlan:
-    assert large_fma_applies(geom, x), "large_fma: float32, stride_w and dilation_w 1"
+    assert large_fma_fits(geom, x), "large_fma: float32, stride_w and dilation_w 1"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, y_unit = _unit(x, geom.in_w), _unit(out, geom.out_w)
     window_off, window_lane0, window_vecs = _window(geom, out_vec)
@@ -266,7 +283,7 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, blocks,
                       rows_per_split: Optional[int]) -> LaunchPlan:
-    assert large_fma_applies(geom, x), "large_fma: float32, stride_w and dilation_w 1"
+    assert large_fma_fits(geom, x), "large_fma: float32, stride_w and dilation_w 1"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, g_unit = _unit(x, geom.in_w), _unit(grad_out, geom.out_w)
     window_off, window_lane0, window_vecs = _window(geom, out_vec)
