@@ -1,7 +1,7 @@
 """Developer probe (GPU): where the CUDA-core large_fma kernels beat the default kernels, by kernel
 size, dtype and layer (issue #6's crossover, and the suite's mid-sized kernels). For each layer and
 dtype: forward and forward+backward through dwconv with large_fma off (LARGE_FMA_MIN_TAPS beyond any
-kernel) and on (every kernel size; the half types added to LARGE_FMA_DTYPES), each as CUDA-graph
+kernel) and on (every kernel size, every dtype), each as CUDA-graph
 replays (the GPU's time) and as plain calls (CUDA events, host included), beside PyTorch eager.
 
     PYTHONPATH=src python benchmarks/probe_fma_crossover.py [--dtype float32 bfloat16]
@@ -20,17 +20,17 @@ from profile_model import events_ms  # (benchmarks/ is on the path when run as a
 # (N, C, H, W, kernel, padding): one image size by kernel size, then the suite's layers
 LAYERS = [(32, 128, 56, 56, k, k // 2) for k in (3, 5, 7, 9, 11)] + [
     (64, 240, 28, 28, 5, 2), (64, 96, 56, 56, 7, 3), (64, 384, 14, 14, 7, 3), (64, 144, 56, 56, 3, 1),
-    (32, 256, 28, 28, 13, 6)]
+    (32, 256, 28, 28, 13, 6), (64, 128, 256, 512, 3, 0)]
 
 
-def switch(on: bool, dtype: torch.dtype):
+def switch(on: bool):
     large_fma.LARGE_FMA_MIN_TAPS = 1 if on else 10**9
-    large_fma.LARGE_FMA_DTYPES = (torch.float32, dtype) if on else (torch.float32,)
+    large_fma.LARGE_FMA_HALF_MAX_TAPS = 10**9
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "float16"])
     p.add_argument("--layers", type=int, nargs="+", help="indices into LAYERS")
     args = p.parse_args()
     for i in args.layers if args.layers is not None else range(len(LAYERS)):
@@ -44,14 +44,14 @@ def main():
             eager_fb = events_ms(forward_backward(lambda a, b: F.conv2d(a, b, None, 1, pad, 1, c), (x, weight), g), 5)
             cells = []
             for on in (False, True):
-                switch(on, dtype)
+                switch(on)
                 fwd = lambda: dwconv.depthwise_conv2d(x, weight, None, 1, pad)
                 err = ((fwd().double() - ref).abs().max() / ref.abs().max()).item()
                 fb = forward_backward(lambda a, b: dwconv.depthwise_conv2d(a, b, None, 1, pad), (x, weight), g)
                 cells.append(f"{'fma' if on else 'default'}: fwd {events_ms(graphed(fwd), 20):.3f} graph "
                              f"{events_ms(fwd, 20):.3f} events, f+b {events_ms(graphed(fb), 10):.3f} graph "
                              f"{events_ms(fb, 10):.3f} events, err {err:.1e}")
-            switch(False, dtype)
+            switch(False)
             print(f"{str(dtype)[6:]:8s} {(n, c, h, w)} k{k}: eager fwd {eager_fwd:.3f} f+b {eager_fb:.3f}; "
                   + "; ".join(cells), flush=True)
 

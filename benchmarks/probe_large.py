@@ -145,7 +145,7 @@ def crossover(dtypes):
 def fma(layers):
     """float32: the CUDA-core kernels (large_fma) against the Toeplitz products: the forward at the
     launcher's blocks and others (8, 16, 32 outputs a thread; errors against float64), the weight gradient, then
-    forward+backward through dwconv with the switch (large_fma.LARGE_FMA_FLOAT32) off and on."""
+    forward+backward through dwconv with large_fma off (large_fma.LARGE_FMA_MIN_TAPS beyond any kernel) and on."""
     from dwconv.ops import large_fma
     from dwconv.ops.backward import conv_grad_input, conv_grad_weight
 
@@ -178,14 +178,15 @@ def fma(layers):
               f"{rel_err(weight_grads[1], weight_grads[0].double()):.1e}", flush=True)
         xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
         grad_inputs = []
+        min_taps = large_fma.LARGE_FMA_MIN_TAPS
         for switch in (False, True):
-            large_fma.LARGE_FMA_FLOAT32 = switch
+            large_fma.LARGE_FMA_MIN_TAPS = min_taps if switch else 10**9
             ms = events_ms(lambda: torch.autograd.grad(dwconv.depthwise_conv2d(xl, wl, None, 1, pad), (xl, wl), g), 5)
             grad_inputs.append(torch.autograd.grad(dwconv.depthwise_conv2d(xl, wl, None, 1, pad), xl, g)[0])
             print(f"fma f+b float32 {str(shape):18s} k{k} large_fma {'on ' if switch else 'off'}: {ms:.3f} ms, "
                   f"grad_input alone {events_ms(lambda: conv_grad_input(g, w, geom, x), 10):.3f} ms", flush=True)
         print(f"fma grad_input on / off: relative difference {rel_err(grad_inputs[1], grad_inputs[0].double()):.1e}")
-        large_fma.LARGE_FMA_FLOAT32 = False
+        large_fma.LARGE_FMA_MIN_TAPS = min_taps
     # below the Toeplitz threshold: the CUDA-core kernel against the default's forward and weight gradient
     shape = (32, 128, 56, 56)
     for k in (5, 7, 9):

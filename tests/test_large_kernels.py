@@ -34,25 +34,41 @@ IDS = ["k13-same", "k11-same-mult2", "k4x31-wide", "k9x12-stride", "k11-dil2", "
        "k5x31-full-window", "k4x26-shift7"]
 
 
+def take_path(path, geom, x, monkeypatch):
+    """The dispatcher's large-kernel path ("default": large_fma where it applies, else Toeplitz), or
+    "toeplitz" forced where the default is large_fma (NCHW: channels_last only adds a copy)."""
+    fma = large_fma.large_fma_applies(geom, x)
+    if path == "toeplitz":
+        if not fma or x.is_contiguous(memory_format=torch.channels_last):
+            pytest.skip("the default path is the Toeplitz one")
+        monkeypatch.setattr(large_fma, "LARGE_FMA_MIN_TAPS", 10**9)
+        fma = False
+    assert forward_config(geom, x).kernel == ("large_fma" if fma else "toeplitz")
+
+
+@pytest.mark.parametrize("path", ["default", "toeplitz"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES, ids=IDS)
-def test_forward(shape, kernel, stride, padding, dilation, multiplier, dtype, layout):
+def test_forward(shape, kernel, stride, padding, dilation, multiplier, dtype, layout, path, monkeypatch):
     x = randn(*shape, dtype=dtype).contiguous(memory_format=LAYOUTS[layout])
     weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
     bias = randn(shape[1] * multiplier, dtype=dtype)
-    assert forward_config(conv_geometry(x, weight, bias, stride, padding, dilation), x).kernel == "toeplitz"
+    take_path(path, conv_geometry(x, weight, bias, stride, padding, dilation), x, monkeypatch)
     check(x, weight, bias, stride, padding, dilation)
 
 
+@pytest.mark.parametrize("path", ["default", "toeplitz"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES[:1] + CASES[2:3] + CASES[4:5] + CASES[7:],
                          ids=IDS[:1] + IDS[2:3] + IDS[4:5] + IDS[7:])
-def test_gradients(shape, kernel, stride, padding, dilation, multiplier, dtype, layout):
+def test_gradients(shape, kernel, stride, padding, dilation, multiplier, dtype, layout, path, monkeypatch):
     x = randn(*shape, dtype=dtype).contiguous(memory_format=LAYOUTS[layout])
     weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
-    assert not fused_backward_applies(conv_geometry(x, weight, None, stride, padding, dilation), x)
+    geom = conv_geometry(x, weight, None, stride, padding, dilation)
+    take_path(path, geom, x, monkeypatch)
+    assert not fused_backward_applies(geom, x)
     check_grads(x, weight, randn(shape[1] * multiplier, dtype=dtype), stride, padding, dilation)
 
 
@@ -135,17 +151,20 @@ def test_large_fma_grad_weight(shape, kernel, stride, padding, dilation, multipl
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_large_fma_switch(monkeypatch, layout):
-    """large_fma.LARGE_FMA_FLOAT32: float32 large kernels' forward, stride-1 grad_input and weight
-    gradient on the CUDA-core kernels; half precision keeps the Toeplitz path."""
+def test_large_fma_dispatch(monkeypatch, layout):
+    """Forward, stride-1 grad_input and weight gradient on large_fma: float32 13x13 (any layout), half
+    precision 7x7 in NCHW; not half precision 13x13 (Toeplitz) nor 7x7 in channels_last (NHWC kernels)."""
     calls = []
     launch = large_fma.launch
-    monkeypatch.setattr(large_fma, "LARGE_FMA_FLOAT32", True)
     monkeypatch.setattr(large_fma, "launch", lambda *a: calls.append(a[0]) or launch(*a))
+    on_large_fma = [large_fma.depthwise_fwd_large_fma_kernel, large_fma.depthwise_grad_weight_large_fma_kernel,
+                    large_fma.depthwise_fwd_large_fma_kernel]
     x = randn(1, 2, 16, 16).contiguous(memory_format=LAYOUTS[layout])
     check_grads(x, randn(2, 1, 13, 13), randn(2), 1, 6)
-    assert calls == [large_fma.depthwise_fwd_large_fma_kernel, large_fma.depthwise_grad_weight_large_fma_kernel,
-                     large_fma.depthwise_fwd_large_fma_kernel], "forward, grad_weight and grad_input on large_fma"
+    assert calls == on_large_fma, "forward, grad_weight and grad_input on large_fma"
+    calls.clear()
+    check_grads(x.bfloat16(), randn(2, 1, 7, 7, dtype=torch.bfloat16), None, 1, 3)
+    assert calls == (on_large_fma if layout == "nchw" else []), calls
     calls.clear()
     check(randn(1, 2, 16, 16, dtype=torch.bfloat16), randn(2, 1, 13, 13, dtype=torch.bfloat16), None, 1, 6)
     assert not calls
@@ -213,13 +232,23 @@ def test_grad_weight_rows():
 
 
 def test_dispatch_by_taps():
-    """Toeplitz from TOEPLITZ_MIN_TAPS taps on, in float32 / float16 / bfloat16; float64 and small kernels not."""
+    """large_fma from LARGE_FMA_MIN_TAPS taps on (half precision below LARGE_FMA_HALF_MAX_TAPS, NCHW
+    below TOEPLITZ_MIN_TAPS), Toeplitz from TOEPLITZ_MIN_TAPS on where large_fma does not apply
+    (column strides); float64 and small kernels on neither."""
     x = randn(1, 2, 16, 16)
-    small = randn(2, 1, 7, 7)
-    large = randn(2, 1, 10, 11)
-    assert 9 * 9 < toeplitz.TOEPLITZ_MIN_TAPS <= 10 * 11
-    assert forward_config(conv_geometry(x, small, None, 1, 3, 1), x).kernel != "toeplitz"
-    assert forward_config(conv_geometry(x, large, None, 1, 4, 1), x).kernel == "toeplitz"
+    small, mid, large = randn(2, 1, 3, 3), randn(2, 1, 7, 7), randn(2, 1, 10, 11)
+    assert 3 * 3 < large_fma.LARGE_FMA_MIN_TAPS <= 5 * 5 and 9 * 9 < toeplitz.TOEPLITZ_MIN_TAPS <= 10 * 11
+    assert 11 * 11 < large_fma.LARGE_FMA_HALF_MAX_TAPS <= 13 * 13
+    channels_last = x.contiguous(memory_format=torch.channels_last)
+
+    def kernel(x, weight, stride=1):
+        return forward_config(conv_geometry(x, weight, None, stride, weight.shape[-1] // 2, 1), x).kernel
+
+    assert kernel(x, small) not in ("large_fma", "toeplitz")
+    assert kernel(x, mid) == kernel(x.bfloat16(), mid.bfloat16()) == "large_fma"
+    assert kernel(channels_last, mid) not in ("large_fma", "toeplitz")
+    assert kernel(x, large) == kernel(channels_last, large) == kernel(x.half(), large.half()) == "large_fma"
+    assert kernel(x, large, (1, 2)) == kernel(x.bfloat16(), randn(2, 1, 13, 13, dtype=torch.bfloat16)) == "toeplitz"
     x64, large64 = x.double(), large.double()
     assert not toeplitz.toeplitz_applies(conv_geometry(x64, large64, None, 1, 4, 1), torch.float64)
     check(x64, large64, None, 1, 4)  # (the CUDA-core kernels)

@@ -32,15 +32,19 @@ from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, lau
                       plane_needs_int64, sum_partials)
 from .toeplitz import TOEPLITZ_MIN_TAPS
 
-# The float32 forward, stride-1 grad_input and weight gradient of kernels of LARGE_FMA_MIN_TAPS taps
-# or more run here, instead of the Toeplitz products (any layout: channels_last is copied, as there)
-# and, below TOEPLITZ_MIN_TAPS, of the CUDA-core kernels of forward.py / backward.py (NCHW only:
-# channels_last keeps its native kernels). H200, session 13 (`benchmarks/probe_large.py --fma`):
-# k31 forward 1.019 -> 0.654 ms, weight gradient 1.998 -> 0.888, forward+backward 4.009 -> 2.194;
-# k51 forward 3.184 -> 1.706, forward+backward 12.72 -> 5.77; k13 forward 0.200 -> 0.082.
-LARGE_FMA_MIN_TAPS = 100
-# dtypes taken (a probe may add the half types: the kernels load any float dtype, sum in float32)
-LARGE_FMA_DTYPES = (torch.float32,)
+# Kernels of LARGE_FMA_MIN_TAPS taps or more run here (forward, stride-1 grad_input, weight gradient):
+# float32 at any size, half types below LARGE_FMA_HALF_MAX_TAPS (the Toeplitz products win from k13
+# on); NCHW, and channels_last from TOEPLITZ_MIN_TAPS on (copied, as the Toeplitz path does; below,
+# channels_last keeps its native kernels). H200, session 13, GPU times (CUDA-graph replays) of
+# `benchmarks/probe_fma_crossover.py`, float32 / bfloat16 on 32x128x56x56, default -> large_fma:
+# k3 forward 0.031 -> 0.047 / 0.037 -> 0.024 ms (float32 stays on nchw_pixels); k5 0.140 -> 0.054 /
+# 0.144 -> 0.038, forward+backward 0.479 -> 0.243 / 0.535 -> 0.137; k9 0.268 -> 0.084 / 0.300 ->
+# 0.084; k11 0.315 -> 0.116 / 0.133 (Toeplitz) -> 0.120; k13 on 32x256x28x28 0.184 -> 0.078 /
+# 0.071 (Toeplitz) -> 0.088. k31 float32 (probe_large.py --fma): forward 1.019 -> 0.654 ms,
+# forward+backward 4.009 -> 2.194; k51 forward 3.184 -> 1.706, forward+backward 12.72 -> 5.77.
+LARGE_FMA_MIN_TAPS = 25
+LARGE_FMA_HALF_MAX_TAPS = 150
+LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -183,8 +187,8 @@ def depthwise_grad_weight_large_fma_kernel(
 # ---- choosing and launching -------------------------------------------------------------------
 
 def large_fma_fits(geom: ConvGeometry, x: torch.Tensor) -> bool:
-    """What the kernels take: float32 (or LARGE_FMA_DTYPES), unit column steps in and out of the
-    kernel (stride_w and dilation_w 1)."""
+    """What the kernels take: LARGE_FMA_DTYPES (summed in float32), unit column steps in and out of
+    the kernel (stride_w and dilation_w 1)."""
     return x.dtype in LARGE_FMA_DTYPES and geom.stride_w == 1 and geom.dilation_w == 1
 
 
@@ -193,6 +197,8 @@ def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     (the fake tensors of torch.compile's tracing answer the same)."""
     taps = geom.kernel_h * geom.kernel_w
     if taps < LARGE_FMA_MIN_TAPS or not large_fma_fits(geom, x):
+        return False
+    if x.dtype != torch.float32 and taps >= LARGE_FMA_HALF_MAX_TAPS:
         return False
     return taps >= TOEPLITZ_MIN_TAPS or not channels_last_kernel_applies(x)
 
