@@ -38,8 +38,8 @@ def main():
         for dtype in (getattr(torch, d) for d in args.dtype):
             x = torch.randn(n, c, h, w, device="cuda", dtype=dtype)
             weight = torch.randn(c, 1, k, k, device="cuda", dtype=dtype) / k
-            g = torch.randn(n, c, h, w, device="cuda", dtype=dtype)
             ref = F.conv2d(x.double(), weight.double(), None, 1, pad, 1, c)
+            g = torch.randn(ref.shape, device="cuda", dtype=dtype)
             eager_fwd = events_ms(lambda: F.conv2d(x, weight, None, 1, pad, 1, c), 10)
             eager_fb = events_ms(forward_backward(lambda a, b: F.conv2d(a, b, None, 1, pad, 1, c), (x, weight), g), 5)
             cells = []
