@@ -74,23 +74,24 @@ def stats(compiled, marker: str = "MMA"):
                 registers=int(registers.group(1)) if registers else None, stack=int(stack.group(1)) if stack else None)
 
 
-def fma_stats(names):
-    """The float32 CUDA-core kernel (large_fma.py) at its default blocks: registers, stack, and its
-    kernel-row loop (FFMA against everything else)."""
+def fma_stats(names, given=None):
+    """The float32 CUDA-core kernel (large_fma.py) at its default blocks (or the given ones: block_h,
+    block_w, warps, outputs a thread): registers, stack, and its kernel-row loop (FFMA against
+    everything else)."""
     from dwconv.ops.forward import ForwardConfig
     from dwconv.ops.large_fma import large_fma_blocks, large_fma_grad_weight
 
     for name in names:
         shape, k, pad = LAYERS[name]
         x, _, geom, grad_out = compile_check.tensors(shape, (k, k), torch.float32, padding=pad)
-        blocks = large_fma_blocks(geom)
+        blocks = tuple(given) if given else large_fma_blocks(geom)
         for what in ("forward", "grad_weight"):
             before = len(compile_check.COMPILED)
             if what == "forward":
                 compile_check.forward(shape, (k, k), torch.float32,
                                       ForwardConfig("large_fma", *blocks[:3], vec=blocks[3]), padding=pad)
             else:
-                large_fma_grad_weight(grad_out, x, geom, torch.float32, True)
+                large_fma_grad_weight(grad_out, x, geom, torch.float32, True, blocks)
             for kernel, compiled in compile_check.COMPILED[before:]:
                 s = stats(compiled, "FFMA")
                 other = " ".join(f"{op} {n}" for op, n in sorted(s["loop"].items()) if op not in ("total", "FFMA"))
@@ -105,10 +106,12 @@ def main():
     ap.add_argument("--layers", nargs="+", default=list(LAYERS))
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--fma", action="store_true", help="the float32 CUDA-core kernel (large_fma.py)")
+    ap.add_argument("--fma-blocks", type=int, nargs=4, metavar=("H", "W", "WARPS", "VEC"),
+                    help="--fma at these blocks instead of the launcher's")
     args = ap.parse_args()
-    if args.fma:
+    if args.fma or args.fma_blocks:
         print(f"triton {triton.__version__}, sm_90")
-        return fma_stats(args.layers)
+        return fma_stats(args.layers, args.fma_blocks)
     if args.worst_shift:
         toeplitz.window_shift = lambda geom, block_w, unit: unit - 1
     print(f"triton {triton.__version__}, sm_90{', worst-case shift' if args.worst_shift else ''}")

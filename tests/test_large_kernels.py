@@ -96,15 +96,17 @@ def test_forward_block_shapes():
 # (shape, kernel, stride, padding, dilation, multiplier, blocks): the GPU's blocks for 13x13 'same'
 # on rows of 16 and 28; odd rows (scalar loads: no 4-element alignment), a row tile past the image,
 # 16 outputs a thread on a row of 9; stride and dilation across rows, a multiplier; 8 and 4 outputs
-# a thread; a window reaching past both row ends (padding 10 on 8 columns)
+# a thread; a window reaching past both row ends (padding 10 on 8 columns); 28 outputs a thread
+# (a block width that is not a power of two: two groups on a 56-wide row)
 FMA_CASES = [
     ((1, 2, 16, 16), (13, 13), 1, 6, 1, 1, None),
     ((1, 1, 28, 28), (13, 13), 1, 6, 1, 1, None),
     ((2, 2, 13, 9), (11, 11), 1, 5, 1, 1, (4, 16, 1, 16)),
     ((1, 2, 19, 20), (9, 12), (3, 1), (3, 5), (2, 1), 2, (8, 32, 1, 8)),
     ((1, 1, 9, 8), (11, 11), 1, 10, 1, 1, (8, 16, 1, 4)),
+    ((1, 2, 10, 56), (5, 11), 1, (2, 5), 1, 1, (16, 56, 1, 28)),
 ]
-FMA_IDS = ["k13-16", "k13-28", "k11-odd-rows", "k9x12-stride-dil-mult", "k11-pad10"]
+FMA_IDS = ["k13-16", "k13-28", "k11-odd-rows", "k9x12-stride-dil-mult", "k11-pad10", "k5x11-28-a-thread"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
