@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import dwconv  # noqa: E402
 import dwconv.ops.backward as backward  # noqa: E402
 import dwconv.ops.forward as forward  # noqa: E402
+import dwconv.ops.large_fma as large_fma  # noqa: E402
 import dwconv.ops.toeplitz as toeplitz  # noqa: E402
 from dwconv._geometry import conv_geometry  # noqa: E402
 
@@ -53,24 +54,25 @@ def per_call_us(fn, calls):
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def rows(layout, calls):
+def rows(layout, calls, kernel=3):
+    pad = kernel // 2
     x = torch.randn(2, 144, 12, 12).contiguous(memory_format=layout)
-    weight = torch.randn(144, 1, 3, 3)
-    geom = conv_geometry(x, weight, None, 1, 1, 1)
+    weight = torch.randn(144, 1, kernel, kernel)
+    geom = conv_geometry(x, weight, None, 1, pad, 1)
     grad_out = torch.randn(geom.output_shape).contiguous(memory_format=layout)
     xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
     fused = backward.fused_backward_applies(geom, x)
 
     def forward_backward():
-        torch.autograd.grad(dwconv.depthwise_conv2d(xg, wg, None, 1, 1), (xg, wg), grad_out)
+        torch.autograd.grad(dwconv.depthwise_conv2d(xg, wg, None, 1, pad), (xg, wg), grad_out)
 
-    yield "conv_geometry", lambda: conv_geometry(x, weight, None, 1, 1, 1), calls
+    yield "conv_geometry", lambda: conv_geometry(x, weight, None, 1, pad, 1), calls
     yield "conv_forward", lambda: forward.conv_forward(x, weight, None, geom), calls
     yield "conv_grad_weight", lambda: backward.conv_grad_weight(grad_out, x, geom, weight.dtype, False), calls
     yield "conv_grad_input", lambda: backward.conv_grad_input(grad_out, weight, geom, x), calls
     if fused:
         yield "conv_grad_input_and_weight", lambda: backward.conv_grad_input_and_weight(grad_out, x, weight, geom), calls
-    yield "depthwise_conv2d (no grad)", lambda: dwconv.depthwise_conv2d(x, weight, None, 1, 1), calls
+    yield "depthwise_conv2d (no grad)", lambda: dwconv.depthwise_conv2d(x, weight, None, 1, pad), calls
     yield "forward+backward (autograd)", forward_backward, calls // 2
     yield "empty Function f+b (autograd)", lambda: torch.autograd.grad(PassThrough.apply(xg, wg), (xg, wg), grad_out[:, :, :12, :12]), calls // 2
 
@@ -79,12 +81,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--profile", action="store_true", help="cProfile the autograd forward+backward")
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--kernel", type=int, default=3, help="kernel size ('same' padding): 7 takes large_fma in NCHW")
     args = p.parse_args()
-    for module in (forward, backward, toeplitz):
+    for module in (forward, backward, toeplitz, large_fma):
         module.launch = _no_launch
     for layout, name in ((torch.contiguous_format, "NCHW"), (torch.channels_last, "channels_last")):
-        print(f"2x144x12x12 k3 p1 float32 {name}, CPU tensors, kernels not launched; microseconds per call:")
-        for label, fn, calls in rows(layout, args.calls):
+        print(f"2x144x12x12 k{args.kernel} p{args.kernel // 2} float32 {name}, CPU tensors, kernels not launched; "
+              "microseconds per call:")
+        for label, fn, calls in rows(layout, args.calls, args.kernel):
             print(f"  {label:30s} {per_call_us(fn, calls):7.1f}", flush=True)
             if args.profile and label.startswith("forward+backward"):
                 prof = cProfile.Profile()

@@ -181,6 +181,12 @@ def fma(layers):
                                                                                        False, whole_rows))):
             weight_grads.append(fn()[0])
             print(f"fma gw  float32 {str(shape):18s} k{k} {name:28s}: {events_ms(fn, 5):.3f} ms", flush=True)
+        # rows a program sums (default: grad_weight_rows, ~4096 programs: 56 rows on k31 / k51):
+        # more programs hide more latency, each adds a reduction of KW sums a kernel row
+        for rows in (16, 32, 112):
+            ms = events_ms(lambda: large_fma.large_fma_grad_weight(g, x, geom, torch.float32, False,
+                                                                   rows_per_split=rows), 5)
+            print(f"fma gw  float32 {str(shape):18s} k{k} {f'fma, {rows} rows a program':28s}: {ms:.3f} ms", flush=True)
         print(f"fma grad_weight fma / toeplitz: relative difference "
               f"{rel_err(weight_grads[1], weight_grads[0].double()):.1e}, whole rows "
               f"{rel_err(weight_grads[2], weight_grads[0].double()):.1e}", flush=True)
