@@ -234,8 +234,8 @@ def test_grad_weight_rows():
 
 
 def test_dispatch_by_taps():
-    """large_fma from LARGE_FMA_MIN_TAPS taps on (half precision below LARGE_FMA_HALF_MAX_TAPS, NCHW
-    below TOEPLITZ_MIN_TAPS), Toeplitz from TOEPLITZ_MIN_TAPS on where large_fma does not apply
+    """large_fma from LARGE_FMA_MIN_TAPS taps on (half precision below LARGE_FMA_HALF_MAX_TAPS; below
+    TOEPLITZ_MIN_TAPS NCHW only, and where its tiles are a third used or more), Toeplitz from TOEPLITZ_MIN_TAPS on where large_fma does not apply
     (column strides); float64 and small kernels on neither."""
     x = randn(1, 2, 16, 16)
     small, mid, large = randn(2, 1, 3, 3), randn(2, 1, 7, 7), randn(2, 1, 10, 11)
@@ -247,6 +247,7 @@ def test_dispatch_by_taps():
         return forward_config(conv_geometry(x, weight, None, stride, weight.shape[-1] // 2, 1), x).kernel
 
     assert kernel(x, small) not in ("large_fma", "toeplitz")
+    assert kernel(randn(1, 2, 7, 7), randn(2, 1, 5, 5)) not in ("large_fma", "toeplitz")  # (tiles 19% used)
     assert kernel(x, mid) == kernel(x.bfloat16(), mid.bfloat16()) == "large_fma"
     assert kernel(channels_last, mid) not in ("large_fma", "toeplitz")
     assert kernel(x, large) == kernel(channels_last, large) == kernel(x.half(), large.half()) == "large_fma"

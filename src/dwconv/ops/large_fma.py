@@ -20,6 +20,7 @@ outputs, reduced over the program at the end of each kernel row (deterministic p
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -44,6 +45,10 @@ from .toeplitz import TOEPLITZ_MIN_TAPS
 # forward+backward 4.009 -> 2.194; k51 forward 3.184 -> 1.706, forward+backward 12.72 -> 5.77.
 LARGE_FMA_MIN_TAPS = 25
 LARGE_FMA_HALF_MAX_TAPS = 150
+# Below TOEPLITZ_MIN_TAPS, only where the tiles use this share of the outputs they cover or more:
+# 64x384x14x14 k7 won at 38% (0.122 -> 0.084 ms float32), 7x7 planes (19%: 8 x 32 tiles for 7 x 7
+# outputs) were not timed and keep the default kernels.
+LARGE_FMA_MIN_TILE_USE = 1 / 3
 LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -200,7 +205,17 @@ def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
         return False
     if x.dtype != torch.float32 and taps >= LARGE_FMA_HALF_MAX_TAPS:
         return False
-    return taps >= TOEPLITZ_MIN_TAPS or not channels_last_kernel_applies(x)
+    if taps >= TOEPLITZ_MIN_TAPS:
+        return True
+    return not channels_last_kernel_applies(x) and tile_use(geom) >= LARGE_FMA_MIN_TILE_USE
+
+
+@functools.lru_cache(maxsize=1024)
+def tile_use(geom: ConvGeometry) -> float:
+    """The share of the outputs covered by large_fma_blocks' tiles that are in the image."""
+    block_h, block_w = large_fma_blocks(geom)[:2]
+    covered = cdiv(geom.out_h, block_h) * block_h * cdiv(geom.out_w, block_w) * block_w
+    return geom.out_h * geom.out_w / covered
 
 
 def large_fma_blocks(geom: ConvGeometry):
