@@ -97,7 +97,8 @@ def test_forward_block_shapes():
 # on rows of 16 and 28; odd rows (scalar loads: no 4-element alignment), a row tile past the image,
 # 16 outputs a thread on a row of 9; stride and dilation across rows, a multiplier; 8 and 4 outputs
 # a thread; a window reaching past both row ends (padding 10 on 8 columns); 28 outputs a thread
-# (a block width that is not a power of two: two groups on a 56-wide row)
+# (a block width that is not a power of two: two groups on a 56-wide row); row tiles across images
+# of 4 output rows (stride 2, a multiplier), the last tile past the last image
 FMA_CASES = [
     ((1, 2, 16, 16), (13, 13), 1, 6, 1, 1, None),
     ((1, 1, 28, 28), (13, 13), 1, 6, 1, 1, None),
@@ -105,8 +106,10 @@ FMA_CASES = [
     ((1, 2, 19, 20), (9, 12), (3, 1), (3, 5), (2, 1), 2, (8, 32, 1, 8)),
     ((1, 1, 9, 8), (11, 11), 1, 10, 1, 1, (8, 16, 1, 4)),
     ((1, 2, 10, 56), (5, 11), 1, (2, 5), 1, 1, (16, 56, 1, 28)),
+    ((3, 2, 7, 20), (5, 5), (2, 1), 2, 1, 2, (8, 32, 1, 8)),
 ]
-FMA_IDS = ["k13-16", "k13-28", "k11-odd-rows", "k9x12-stride-dil-mult", "k11-pad10", "k5x11-28-a-thread"]
+FMA_IDS = ["k13-16", "k13-28", "k11-odd-rows", "k9x12-stride-dil-mult", "k11-pad10", "k5x11-28-a-thread",
+           "k5-tiles-across-images"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -124,7 +127,7 @@ def test_large_fma_forward(shape, kernel, stride, padding, dilation, multiplier,
 def test_large_fma_blocks():
     """One output row of OUT_VEC columns a thread, every thread a row of a group; issue #6's layers."""
     for shape, kernel, padding, blocks in [((32, 128, 56, 56), 31, 15, (8, 64, 1, 16)),
-                                           ((32, 256, 28, 28), 13, 6, (32, 32, 2, 16)),
+                                           ((32, 256, 28, 28), 13, 6, (16, 32, 1, 16)),
                                            ((1, 2, 9, 6), 3, 1, (32, 8, 1, 8)), ((1, 2, 9, 4), 3, 1, (32, 4, 1, 4))]:
         x = torch.empty(shape, device="meta")
         geom = conv_geometry(x, torch.empty(shape[1], 1, kernel, kernel, device="meta"), None, 1, padding, 1)
@@ -235,7 +238,8 @@ def test_grad_weight_rows():
 
 def test_dispatch_by_taps():
     """large_fma from LARGE_FMA_MIN_TAPS taps on (half precision below LARGE_FMA_HALF_MAX_TAPS; below
-    TOEPLITZ_MIN_TAPS NCHW only, and where its tiles are a third used or more), Toeplitz from TOEPLITZ_MIN_TAPS on where large_fma does not apply
+    TOEPLITZ_MIN_TAPS NCHW only, on rows of LARGE_FMA_MIN_WIDTH or more), Toeplitz from
+    TOEPLITZ_MIN_TAPS on where large_fma does not apply
     (column strides); float64 and small kernels on neither."""
     x = randn(1, 2, 16, 16)
     small, mid, large = randn(2, 1, 3, 3), randn(2, 1, 7, 7), randn(2, 1, 10, 11)
@@ -247,7 +251,7 @@ def test_dispatch_by_taps():
         return forward_config(conv_geometry(x, weight, None, stride, weight.shape[-1] // 2, 1), x).kernel
 
     assert kernel(x, small) not in ("large_fma", "toeplitz")
-    assert kernel(randn(1, 2, 7, 7), randn(2, 1, 5, 5)) not in ("large_fma", "toeplitz")  # (tiles 19% used)
+    assert kernel(randn(1, 2, 7, 7), randn(2, 1, 5, 5)) not in ("large_fma", "toeplitz")  # (not timed)
     assert kernel(x, mid) == kernel(x.bfloat16(), mid.bfloat16()) == "large_fma"
     assert kernel(channels_last, mid) not in ("large_fma", "toeplitz")
     assert kernel(x, large) == kernel(channels_last, large) == kernel(x.half(), large.half()) == "large_fma"

@@ -11,8 +11,8 @@ FMAs for ~(OUT_VEC + KW) / 4 vector loads and KW scalar weight loads. k31 at 16 
 496 FMAs, 12 loads of 16 bytes and 31 of the weight a kernel row, 78% of the loop's sm_90
 instructions (the issue rate is the bound), with no product spent on zeros.
 
-One program = BLOCK_H output rows x BLOCK_W columns of one (n, c) plane; stride_w and dilation_w 1,
-any stride_h / dilation_h / padding / multiplier. FLIP_TAPS: the weight's taps in reverse (the
+One program = BLOCK_H output rows (numbered over batch x out_h: a tile may span images) x BLOCK_W
+columns of one channel; stride_w and dilation_w 1, any stride_h / dilation_h / padding / multiplier. FLIP_TAPS: the weight's taps in reverse (the
 stride-1 grad_input, as the other forward kernels do). The weight gradient takes the same tiles
 with grad_out's values in place of the weights: KW sums a thread, each an FMA chain over its
 outputs, reduced over the program at the end of each kernel row (deterministic partial sums).
@@ -20,7 +20,6 @@ outputs, reduced over the program at the end of each kernel row (deterministic p
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -45,10 +44,9 @@ from .toeplitz import TOEPLITZ_MIN_TAPS
 # forward+backward 4.009 -> 2.194; k51 forward 3.184 -> 1.706, forward+backward 12.72 -> 5.77.
 LARGE_FMA_MIN_TAPS = 25
 LARGE_FMA_HALF_MAX_TAPS = 150
-# Below TOEPLITZ_MIN_TAPS, only where the tiles use this share of the outputs they cover or more:
-# 64x384x14x14 k7 won at 38% (0.122 -> 0.084 ms float32), 7x7 planes (19%: 8 x 32 tiles for 7 x 7
-# outputs) were not timed and keep the default kernels.
-LARGE_FMA_MIN_TILE_USE = 1 / 3
+# Below TOEPLITZ_MIN_TAPS, only on rows this wide or wider: the narrowest timed (64x384x14x14 k7,
+# 0.122 -> 0.084 ms float32); 7-wide planes keep the default kernels until timed.
+LARGE_FMA_MIN_WIDTH = 14
 LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -68,7 +66,7 @@ def _load_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF: tl.constexp
 @triton.jit
 def depthwise_fwd_large_fma_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
-    out_channels, in_h, in_w, out_h, out_w,
+    out_channels, in_h, in_w, out_h, out_w, total_rows,
     x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
     stride_h, dilation_h, pad_top,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -78,20 +76,23 @@ def depthwise_fwd_large_fma_kernel(
 ):
     """x, y: NCHW with unit column steps; widths and strides in X_UNIT / Y_UNIT elements (so the
     compiler can prove the window's 4-vectors aligned). A thread's outputs read window lanes
-    WINDOW_LANE0 + i + kw of the vectors loaded from column group_col - WINDOW_OFF on."""
+    WINDOW_LANE0 + i + kw of the vectors loaded from column group_col - WINDOW_OFF on. Rows are
+    numbered over batch x out_h (total_rows) for one channel a program: a row tile may span images,
+    so planes shorter than BLOCK_H waste no rows, and the weight stays one value a tap."""
     in_w = in_w * X_UNIT
     out_w = out_w * Y_UNIT
     GROUPS: tl.constexpr = BLOCK_W // OUT_VEC
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
-    tiles = tl.cdiv(out_h, BLOCK_H) * tiles_w
-    plane = pid // tiles
+    tiles = tl.cdiv(total_rows, BLOCK_H) * tiles_w
+    out_c = pid // tiles
     tile = pid % tiles
-    n = plane // out_channels
-    out_c = plane % out_channels
-    x_base = x_ptr + (n.to(tl.int64) * x_stride_n + (out_c // MULTIPLIER).to(tl.int64) * x_stride_c) * X_UNIT
-    y_base = y_ptr + (n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c) * Y_UNIT
-    out_rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None, None]
+    rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None, None]
+    live = rows < total_rows  # (past the last image: no loads, no stores)
+    n = (rows // out_h).to(tl.int64)
+    out_rows = rows % out_h
+    x_base = x_ptr + (n * x_stride_n + (out_c // MULTIPLIER).to(tl.int64) * x_stride_c) * X_UNIT
+    y_base = y_ptr + (n * y_stride_n + out_c.to(tl.int64) * y_stride_c) * Y_UNIT
     group_cols = (tile % tiles_w) * BLOCK_W + OUT_VEC * tl.arange(0, GROUPS)[None, :, None]
     lanes = tl.arange(0, 4)[None, None, :]
     if INDEX_64:
@@ -107,7 +108,7 @@ def depthwise_fwd_large_fma_kernel(
     for kh in range(KH):
         in_rows = first_in_rows + kh * dilation_h
         x_row = x_base + in_rows * (x_stride_h * X_UNIT)
-        row_ok = (in_rows >= 0) & (in_rows < in_h)
+        row_ok = live & (in_rows >= 0) & (in_rows < in_h)
         window = _load_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS)
         w_row = w_plane + ((KH - 1 - kh) * KW if FLIP_TAPS else kh * KW)
         for kw in tl.static_range(KW):
@@ -115,11 +116,10 @@ def depthwise_fwd_large_fma_kernel(
             for i in tl.static_range(OUT_VEC):
                 accs = accs[:i] + (tl.fma(window[WINDOW_LANE0 + i + kw], weight, accs[i]),) + accs[i + 1:]
     y_rows = y_base + out_rows * (y_stride_h * Y_UNIT)
-    rows_ok = out_rows < out_h
     for q in tl.static_range(OUT_VEC // 4):
         cols = group_cols + 4 * q + lanes
         value = _pack4(accs[4 * q], accs[4 * q + 1], accs[4 * q + 2], accs[4 * q + 3])
-        tl.store(y_rows + cols, value.to(y_ptr.dtype.element_ty), mask=rows_ok & (cols < out_w))
+        tl.store(y_rows + cols, value.to(y_ptr.dtype.element_ty), mask=live & (cols < out_w))
 
 
 @triton.jit
@@ -207,27 +207,22 @@ def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
         return False
     if taps >= TOEPLITZ_MIN_TAPS:
         return True
-    return not channels_last_kernel_applies(x) and tile_use(geom) >= LARGE_FMA_MIN_TILE_USE
-
-
-@functools.lru_cache(maxsize=1024)
-def tile_use(geom: ConvGeometry) -> float:
-    """The share of the outputs covered by large_fma_blocks' tiles that are in the image."""
-    block_h, block_w = large_fma_blocks(geom)[:2]
-    covered = cdiv(geom.out_h, block_h) * block_h * cdiv(geom.out_w, block_w) * block_w
-    return geom.out_h * geom.out_w / covered
+    return geom.out_w >= LARGE_FMA_MIN_WIDTH and not channels_last_kernel_applies(x)
 
 
 def large_fma_blocks(geom: ConvGeometry):
     """(block_h, block_w, num_warps, out_vec): 16 outputs a thread (8 or 4 on rows that narrow),
-    one output row of a group a thread, the fewest wasted rows (then the most warps) over 1, 2 or
-    4 warps. k31 / k51 on 56 x 56: 8 x 64 outputs on one warp (7 row tiles, 56 of 64 columns);
-    k13 on 28 x 28: 32 x 32 on 2 warps. sm_90 code of k31's kernel-row loop (Triton 3.9): 496
-    FFMA of 635 instructions at 16 outputs a thread, 248 of 346 at 8; 72 registers, no stack."""
+    one output row of a group a thread, the fewest wasted rows over batch x out_h (then the fewest
+    warps) over 1, 2 or 4 warps. k31 / k51 on 56 x 56: 8 x 64 outputs on one warp (56 of 64
+    columns; H200: 0.654 ms against 0.752 at 16 x 64 on two warps, which wasted 8 of 64 rows a
+    plane before rows ran across images); k13 on 28 x 28: 16 x 32 on one warp. sm_90 code of k31's
+    kernel-row loop (Triton 3.9): 496 FFMA of 635 instructions at 16 outputs a thread, 248 of 346
+    at 8; 72 registers, no stack."""
     out_vec = 16 if geom.out_w > 8 else (8 if geom.out_w > 4 else 4)
     groups = min(32, next_power_of_2(cdiv(geom.out_w, out_vec)))
+    total_rows = geom.batch * geom.out_h
     options = [(32 * warps // groups, warps) for warps in (1, 2, 4) if 32 * warps >= groups]
-    block_h, warps = min(options, key=lambda o: (cdiv(geom.out_h, o[0]) * o[0], -o[1]))
+    block_h, warps = min(options, key=lambda o: (cdiv(total_rows, o[0]) * o[0], o[1]))
     return block_h, groups * out_vec, warps, out_vec
 
 
@@ -290,7 +285,8 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, y_unit = _unit(x, geom.in_w), _unit(out, geom.out_w)
     window_off, window_lane0, window_vecs = _window(geom, out_vec)
-    scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // y_unit,
+    total_rows = geom.batch * geom.out_h
+    scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // y_unit, total_rows,
                *[s // x_unit for s in x.stride()[:3]], *[s // y_unit for s in out.stride()[:3]],
                geom.stride_h, geom.dilation_h, geom.pad_top)
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=has_bias,
@@ -298,7 +294,7 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
                      or plane_needs_int64(out, (geom.out_h, geom.out_w)),
                      X_UNIT=x_unit, Y_UNIT=y_unit, BLOCK_H=block_h, BLOCK_W=block_w, OUT_VEC=out_vec,
                      WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, num_warps=num_warps)
-    grid = (geom.batch * geom.out_channels * cdiv(geom.out_h, block_h) * cdiv(geom.out_w, block_w),)
+    grid = (geom.out_channels * cdiv(total_rows, block_h) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("large_fma", grid, scalars, constants)
 
 
