@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|nchw84|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -61,6 +61,11 @@ for step in $steps; do
     # session 12's float32 CUDA-core large kernels against the Toeplitz products (compiles first, then timed)
     fma) (cd benchmarks && timeout 300 python3 probe_large.py --fma >/dev/null 2>&1; python3 probe_large.py --fma) 2>&1 \
            | tee "$OUT/probe_large_fma.log" ;;
+    # session 13's crossover of large_fma against the default kernels by layer (one process a layer
+    # compiles in parallel, then the timed run)
+    crossover) (cd benchmarks && n=$(python3 -c "from probe_fma_crossover import LAYERS; print(len(LAYERS))")
+                for i in $(seq 0 $((n - 1))); do timeout 300 python3 probe_fma_crossover.py --layers $i >/dev/null 2>&1 & done; wait
+                python3 probe_fma_crossover.py) 2>&1 | tee "$OUT/probe_fma_crossover.log" ;;
     # issue #2's last percents on #84: whole-row nchw_pixels tiles by height and warps, both dtypes
     nchw84) (cd benchmarks && python3 probe_nchw_pixels.py --layers 0 --dtype float32 bfloat16 --blocks 8 512 4 \
                --blocks 16 512 4 --blocks 8 512 8 --blocks 4 512 2 --blocks 16 512 8) 2>&1 | tee "$OUT/probe_nchw84.log" ;;
