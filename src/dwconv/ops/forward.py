@@ -899,7 +899,7 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
     docs/notes.md): the CUDA-core large_fma kernel (float32) or Toeplitz products on the tensor
     cores for large kernels, the NHWC kernel for channels_last tensors, else by the geometry."""
     if large_fma_applies(geom, x):  # (the launcher takes its blocks: large_fma_blocks)
-        block_h, block_w, num_warps, out_vec = large_fma_blocks(geom)
+        block_h, block_w, num_warps, out_vec = large_fma_blocks(geom, x.is_cuda)
         return ForwardConfig("large_fma", block_h, block_w, num_warps, out_vec)
     if toeplitz_applies(geom, x.dtype):
         return ForwardConfig("toeplitz", toeplitz_block_m(x), toeplitz_block_w(geom, x), 4)

@@ -210,19 +210,20 @@ def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     return geom.out_w >= LARGE_FMA_MIN_WIDTH and not channels_last_kernel_applies(x)
 
 
-def large_fma_blocks(geom: ConvGeometry):
+def large_fma_blocks(geom: ConvGeometry, on_gpu: bool = True):
     """(block_h, block_w, num_warps, out_vec): 16 outputs a thread (8 or 4 on rows that narrow),
     one output row of a group a thread, the fewest wasted rows over batch x out_h (then the fewest
     warps) over 1, 2 or 4 warps. k31 / k51 on 56 x 56: 8 x 64 outputs on one warp (56 of 64
     columns; H200: 0.654 ms against 0.752 at 16 x 64 on two warps, which wasted 8 of 64 rows a
     plane before rows ran across images); k13 on 28 x 28: 16 x 32 on one warp. sm_90 code of k31's
     kernel-row loop (Triton 3.9): 496 FFMA of 635 instructions at 16 outputs a thread, 248 of 346
-    at 8; 72 registers, no stack."""
+    at 8; 72 registers, no stack. Under the interpreter (on_gpu False: a program costs by its
+    tensor operations, not their size) the most warps on ties: fewer, larger programs."""
     out_vec = 16 if geom.out_w > 8 else (8 if geom.out_w > 4 else 4)
     groups = min(32, next_power_of_2(cdiv(geom.out_w, out_vec)))
     total_rows = geom.batch * geom.out_h
     options = [(32 * warps // groups, warps) for warps in (1, 2, 4) if 32 * warps >= groups]
-    block_h, warps = min(options, key=lambda o: (cdiv(total_rows, o[0]) * o[0], o[1]))
+    block_h, warps = min(options, key=lambda o: (cdiv(total_rows, o[0]) * o[0], o[1] if on_gpu else -o[1]))
     return block_h, groups * out_vec, warps, out_vec
 
 
@@ -239,7 +240,8 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     x = x if x.stride(3) == 1 else x.contiguous()
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
     plan = cached_plan(_PLANS, (geom, layout_key(x), layout_key(dst), bias is not None, flip_weight, blocks),
-                       lambda: _plan(geom, x, dst, bias is not None, flip_weight, blocks or large_fma_blocks(geom)))
+                       lambda: _plan(geom, x, dst, bias is not None, flip_weight,
+                                     blocks or large_fma_blocks(geom, x.is_cuda)))
     weight = weight.contiguous()
     launch(depthwise_fwd_large_fma_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, dst)
     if dst is not out:
@@ -256,7 +258,7 @@ def large_fma_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeo
     rows_per_split: rows a program sums (default: grad_weight_rows)."""
     grad_out = grad_out if grad_out.stride(3) == 1 else grad_out.contiguous()
     x = x if x.stride(3) == 1 else x.contiguous()
-    blocks = blocks or large_fma_blocks(geom)
+    blocks = blocks or large_fma_blocks(geom, x.is_cuda)
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, blocks,
                                 rows_per_split),
                        lambda: _grad_weight_plan(geom, grad_out, x, bias_grad, blocks, rows_per_split))
