@@ -1,4 +1,5 @@
-"""Large kernels in float32 on the CUDA cores: every output one FMA chain, inputs reused from registers.
+"""Kernels of 5x5 and up on the CUDA cores: every output one FMA chain, inputs reused from registers
+(float32 at any size, float16 / bfloat16 below 13x13: see LARGE_FMA_MIN_TAPS).
 
 The Toeplitz path (toeplitz.py) multiplies float32 as three TF32 products, twice the work of the
 convolution in zeros of the band, and on the H200 it is bound by moving each kernel row's input
@@ -12,10 +13,11 @@ FMAs for ~(OUT_VEC + KW) / 4 vector loads and KW scalar weight loads. k31 at 16 
 instructions (the issue rate is the bound), with no product spent on zeros.
 
 One program = BLOCK_H output rows (numbered over batch x out_h: a tile may span images) x BLOCK_W
-columns of one channel; stride_w and dilation_w 1, any stride_h / dilation_h / padding / multiplier. FLIP_TAPS: the weight's taps in reverse (the
-stride-1 grad_input, as the other forward kernels do). The weight gradient takes the same tiles
-with grad_out's values in place of the weights: KW sums a thread, each an FMA chain over its
-outputs, reduced over the program at the end of each kernel row (deterministic partial sums).
+columns of one channel; stride_w and dilation_w 1, any stride_h / dilation_h / padding /
+multiplier. FLIP_TAPS: the weight's taps in reverse (the stride-1 grad_input, as the other forward
+kernels do). The weight gradient takes the same tiles with grad_out's values in place of the
+weights: KW sums a thread, each an FMA chain over its outputs, reduced over the program at the end
+of each kernel row (deterministic partial sums).
 """
 
 from __future__ import annotations
