@@ -896,8 +896,8 @@ def nhwc_pixels_config(geom: ConvGeometry) -> ForwardConfig:
 
 def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> ForwardConfig:
     """Picks the kernel and block sizes for a geometry, input and output (measured choices:
-    docs/notes.md): the CUDA-core large_fma kernel (float32) or Toeplitz products on the tensor
-    cores for large kernels, the NHWC kernel for channels_last tensors, else by the geometry."""
+    docs/notes.md): the large_fma kernel from 5x5 on, or Toeplitz products on the tensor cores for
+    large kernels (large_fma_applies), the NHWC kernel for channels_last tensors, else by the geometry."""
     if large_fma_applies(geom, x):  # (the launcher takes its blocks: large_fma_blocks)
         block_h, block_w, num_warps, out_vec = large_fma_blocks(geom, x.is_cuda)
         return ForwardConfig("large_fma", block_h, block_w, num_warps, out_vec)
