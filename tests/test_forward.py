@@ -394,22 +394,25 @@ def test_empty_tensors(shape, kernel, padding):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: > 2**31 elements")
+@pytest.mark.parametrize("kernel", [3, 5], ids=["k3", "k5-large_fma"])
 @pytest.mark.parametrize("shape", [(1, 1, 46500, 46500), (9, 1024, 480, 488)], ids=["one_plane", "many_planes"])
-def test_more_than_2_31_elements(shape):
-    """64-bit offsets: inside one huge plane, and across planes past 2**31 elements."""
+def test_more_than_2_31_elements(shape, kernel):
+    """64-bit offsets: inside one huge plane, and across planes past 2**31 elements ('same' padding)."""
     torch.manual_seed(0)
     x = torch.randn(shape, device="cuda", dtype=torch.float16)
     assert x.numel() > 2**31
-    weight = randn(shape[1], 1, 3, 3, dtype=torch.float16)
-    out = run_kernel(x, weight, None, 1, 1, 1)
+    weight = randn(shape[1], 1, kernel, kernel, dtype=torch.float16)
+    pad = kernel // 2
+    out = run_kernel(x, weight, None, 1, pad, 1)
     # Check the last planes / the last rows, where 32-bit offsets would have wrapped.
     if shape[0] == 1:
-        # out rows H-40 .. H-2 read input rows H-41 .. H-1 (no bottom padding); row H-1 reads padding
+        # out rows H-40-pad .. H-pad-1 read input rows H-40-2pad .. H-1 (no bottom padding); the
+        # last pad rows read padding
         height = shape[2]
-        ref = reference_conv(x[:, :, height - 41:], weight, None, 1, (0, 1), 1)
-        assert_close(out[:, :, height - 40:height - 1], ref, torch.float16)
-        assert not torch.isnan(out[:, :, -1]).any()
+        ref = reference_conv(x[:, :, height - 40 - 2 * pad:], weight, None, 1, (0, pad), 1)
+        assert_close(out[:, :, height - 40 - pad:height - pad], ref, torch.float16)
+        assert not torch.isnan(out[:, :, -pad:]).any()
     else:
-        ref = reference_conv(x[-1:, -8:], weight[-8:], None, 1, 1, 1)
+        ref = reference_conv(x[-1:, -8:], weight[-8:], None, 1, pad, 1)
         assert_close(out[-1:, -8:], ref, torch.float16)
         assert not torch.isnan(out).any()
