@@ -54,9 +54,9 @@ def per_call_us(fn, calls):
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def rows(layout, calls, kernel=3):
+def rows(layout, calls, kernel=3, size=12):
     pad = kernel // 2
-    x = torch.randn(2, 144, 12, 12).contiguous(memory_format=layout)
+    x = torch.randn(2, 144, size, size).contiguous(memory_format=layout)
     weight = torch.randn(144, 1, kernel, kernel)
     geom = conv_geometry(x, weight, None, 1, pad, 1)
     grad_out = torch.randn(geom.output_shape).contiguous(memory_format=layout)
@@ -74,21 +74,25 @@ def rows(layout, calls, kernel=3):
         yield "conv_grad_input_and_weight", lambda: backward.conv_grad_input_and_weight(grad_out, x, weight, geom), calls
     yield "depthwise_conv2d (no grad)", lambda: dwconv.depthwise_conv2d(x, weight, None, 1, pad), calls
     yield "forward+backward (autograd)", forward_backward, calls // 2
-    yield "empty Function f+b (autograd)", lambda: torch.autograd.grad(PassThrough.apply(xg, wg), (xg, wg), grad_out[:, :, :12, :12]), calls // 2
+    # (grad_out has the input's shape: 'same' padding)
+    yield "empty Function f+b (autograd)", lambda: torch.autograd.grad(PassThrough.apply(xg, wg), (xg, wg), grad_out), \
+        calls // 2
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--profile", action="store_true", help="cProfile the autograd forward+backward")
     p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--kernel", type=int, default=3, help="kernel size ('same' padding): 7 takes large_fma in NCHW")
+    p.add_argument("--kernel", type=int, default=3, help="kernel size ('same' padding)")
+    p.add_argument("--size", type=int, default=12, help="image height and width (16 and --kernel 7: large_fma in NCHW)")
     args = p.parse_args()
     for module in (forward, backward, toeplitz, large_fma):
         module.launch = _no_launch
     for layout, name in ((torch.contiguous_format, "NCHW"), (torch.channels_last, "channels_last")):
-        print(f"2x144x12x12 k{args.kernel} p{args.kernel // 2} float32 {name}, CPU tensors, kernels not launched; "
+        print(f"2x144x{args.size}x{args.size} k{args.kernel} p{args.kernel // 2} float32 {name}, CPU tensors, "
+              "kernels not launched; "
               "microseconds per call:")
-        for label, fn, calls in rows(layout, args.calls, args.kernel):
+        for label, fn, calls in rows(layout, args.calls, args.kernel, args.size):
             print(f"  {label:30s} {per_call_us(fn, calls):7.1f}", flush=True)
             if args.profile and label.startswith("forward+backward"):
                 prof = cProfile.Profile()

@@ -260,10 +260,10 @@ def large_fma_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeo
     rows_per_split: rows a program sums (default: grad_weight_rows)."""
     grad_out = grad_out if grad_out.stride(3) == 1 else grad_out.contiguous()
     x = x if x.stride(3) == 1 else x.contiguous()
-    blocks = blocks or large_fma_blocks(geom, x.is_cuda)
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, blocks,
                                 rows_per_split),
-                       lambda: _grad_weight_plan(geom, grad_out, x, bias_grad, blocks, rows_per_split))
+                       lambda: _grad_weight_plan(geom, grad_out, x, bias_grad,
+                                                 blocks or large_fma_blocks(geom, x.is_cuda), rows_per_split))
     partial = new_partial(plan, x.device)
     launch(depthwise_grad_weight_large_fma_kernel, plan, grad_out, x, partial)
     return sum_partials(partial, geom, weight_dtype, bias_grad)
