@@ -239,8 +239,8 @@ def test_grad_weight_rows():
 def test_dispatch_by_taps():
     """large_fma from LARGE_FMA_MIN_TAPS taps on (half precision below LARGE_FMA_HALF_MAX_TAPS; below
     TOEPLITZ_MIN_TAPS NCHW only, on rows of LARGE_FMA_MIN_WIDTH or more), Toeplitz from
-    TOEPLITZ_MIN_TAPS on where large_fma does not apply
-    (column strides); float64 and small kernels on neither."""
+    TOEPLITZ_MIN_TAPS on where large_fma does not apply (column strides); float64 and small kernels
+    on neither."""
     x = randn(1, 2, 16, 16)
     small, mid, large = randn(2, 1, 3, 3), randn(2, 1, 7, 7), randn(2, 1, 10, 11)
     assert 3 * 3 < large_fma.LARGE_FMA_MIN_TAPS <= 5 * 5 and 9 * 9 < toeplitz.TOEPLITZ_MIN_TAPS <= 10 * 11
