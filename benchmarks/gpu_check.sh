@@ -17,14 +17,18 @@ if [ -f .tcache/triton_cache.tar.xz ]; then
 fi
 # 8 workers where pytest-xdist is installed (the GPU image has it, and 16 cores): the tests are compile-bound
 xdist=$(python3 -c 'import xdist' 2>/dev/null && printf -- '-n 8')
+# -v: each result is logged with its name as it finishes, so a call cut by its time limit still
+# names its failures (session 13 lost one to -q's dots); the summary lines go to the terminal
+tests_summary() { grep -E "FAILED|ERROR|passed|failed" "$1" | tail -25; }
 for step in $steps; do
   case $step in
-    tests|all) python3 -m pytest -q -rf $xdist tests -p no:cacheprovider \
-                 >"$OUT/tests.log" 2>&1; tail -25 "$OUT/tests.log" ;;&
-    # the suite takes over 5 minutes on a fresh GPU machine (every shape compiles): two calls
-    tests1) python3 -m pytest -q -rf $xdist tests/test_backward.py -p no:cacheprovider >"$OUT/tests1.log" 2>&1; tail -25 "$OUT/tests1.log" ;;
-    tests2) python3 -m pytest -q -rf $xdist tests --ignore tests/test_backward.py -p no:cacheprovider >"$OUT/tests2.log" 2>&1
-            tail -25 "$OUT/tests2.log" ;;
+    tests|all) python3 -m pytest -v -rf $xdist tests -p no:cacheprovider \
+                 >"$OUT/tests.log" 2>&1; tests_summary "$OUT/tests.log" ;;&
+    # the suite takes over 10 minutes on a fresh GPU machine (every shape compiles): two calls
+    tests1) python3 -m pytest -v -rf $xdist tests/test_backward.py -p no:cacheprovider >"$OUT/tests1.log" 2>&1
+            tests_summary "$OUT/tests1.log" ;;
+    tests2) python3 -m pytest -v -rf $xdist tests --ignore tests/test_backward.py -p no:cacheprovider >"$OUT/tests2.log" 2>&1
+            tests_summary "$OUT/tests2.log" ;;
     sweep|all) python3 benchmarks/sweep_forward.py --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;&
     sweep84) python3 benchmarks/sweep_forward.py --quick --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;
     sweepbwd) python3 benchmarks/sweep_backward.py --csv "$OUT/sweep_backward.csv" 2>&1 | tee "$OUT/sweep_backward.log" ;;
