@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -24,11 +24,14 @@ for step in $steps; do
   case $step in
     tests|all) python3 -m pytest -v -rf $xdist tests -p no:cacheprovider \
                  >"$OUT/tests.log" 2>&1; tests_summary "$OUT/tests.log" ;;&
-    # the suite takes over 10 minutes on a fresh GPU machine (every shape compiles): two calls
+    # the suite takes over 10 minutes on a fresh GPU machine (every shape compiles): three calls
+    # (session 13: test_forward + test_large_kernels 160 s with 8 workers; the rest over 400 s)
     tests1) python3 -m pytest -v -rf $xdist tests/test_backward.py -p no:cacheprovider >"$OUT/tests1.log" 2>&1
             tests_summary "$OUT/tests1.log" ;;
-    tests2) python3 -m pytest -v -rf $xdist tests --ignore tests/test_backward.py -p no:cacheprovider >"$OUT/tests2.log" 2>&1
-            tests_summary "$OUT/tests2.log" ;;
+    tests2) python3 -m pytest -v -rf $xdist tests/test_forward.py tests/test_large_kernels.py -p no:cacheprovider \
+              >"$OUT/tests2.log" 2>&1; tests_summary "$OUT/tests2.log" ;;
+    tests3) python3 -m pytest -v -rf $xdist tests --ignore tests/test_backward.py --ignore tests/test_forward.py \
+              --ignore tests/test_large_kernels.py -p no:cacheprovider >"$OUT/tests3.log" 2>&1; tests_summary "$OUT/tests3.log" ;;
     sweep|all) python3 benchmarks/sweep_forward.py --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;&
     sweep84) python3 benchmarks/sweep_forward.py --quick --csv "$OUT/sweep.csv" 2>&1 | tee "$OUT/sweep.log" ;;
     sweepbwd) python3 benchmarks/sweep_backward.py --csv "$OUT/sweep_backward.csv" 2>&1 | tee "$OUT/sweep_backward.log" ;;
