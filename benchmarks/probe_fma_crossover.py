@@ -1,8 +1,8 @@
 """Developer probe (GPU): where the CUDA-core large_fma kernels beat the default kernels, by kernel
 size, dtype and layer (issue #6's crossover, and the suite's mid-sized kernels). For each layer and
 dtype: forward and forward+backward through dwconv with large_fma off (LARGE_FMA_MIN_TAPS beyond any
-kernel) and on (every kernel size, every dtype), each as CUDA-graph
-replays (the GPU's time) and as plain calls (CUDA events, host included), beside PyTorch eager.
+kernel) and on (every kernel size, dtype and width), each as CUDA-graph replays (the GPU's time)
+and as plain calls (CUDA events, host included), beside PyTorch eager.
 
     PYTHONPATH=src python benchmarks/probe_fma_crossover.py [--dtype float32 bfloat16]
 """
