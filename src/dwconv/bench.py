@@ -224,18 +224,22 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     return graph.replay
 
 
+def _leaves(args: tuple):
+    """Fresh leaves of the tensor arguments (None stays None), and the list of those to differentiate."""
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in args]
+    return leaves, [t for t in leaves if t is not None]
+
+
 def forward_backward(conv_fn: Callable, args: tuple, grad_out: torch.Tensor) -> Callable[[], object]:
     """The forward and the gradients of every tensor argument, on leaves of its own."""
-    leaves = [t.detach().requires_grad_() if t is not None else None for t in args]
-    wrt = [t for t in leaves if t is not None]
+    leaves, wrt = _leaves(args)
     return lambda: torch.autograd.grad(conv_fn(*leaves), wrt, grad_out)
 
 
 def backward_only(conv_fn: Callable, args: tuple, grad_out: torch.Tensor) -> Callable[[], object]:
     """The gradients alone, through one forward kept alive. The forward runs at the first call (so
     on the stream that graphed() warms up and captures on, where the backward then runs too)."""
-    leaves = [t.detach().requires_grad_() if t is not None else None for t in args]
-    wrt = [t for t in leaves if t is not None]
+    leaves, wrt = _leaves(args)
     forward = []
 
     def run():

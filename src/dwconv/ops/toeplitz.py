@@ -38,7 +38,8 @@ from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..functional import triton_interpreter_enabled
 from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64, sum_partials
 
-# Kernels with at least this many taps take the Toeplitz path. H200, (32,128,56,56), forward against
+# Kernels with at least this many taps take the Toeplitz path where large_fma does not (half
+# precision from 13x13, column strides; large_fma.large_fma_applies). H200, (32,128,56,56), forward against
 # the CUDA-core tile kernel: bfloat16 9x9 0.49 / 0.32 ms, 11x11 0.22 / 0.70; float32 9x9 0.336 / 0.288,
 # 11x11 0.380 / 0.649 (docs/notes.md, sessions 6 and 7).
 TOEPLITZ_MIN_TAPS = 100
@@ -354,8 +355,9 @@ def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, b
     copies, copy r shifted r elements to the left (row_len >= unit - 1 + (block_w - 1) * stride_w +
     block_k, a multiple of 16; k31 bfloat16: 6.6 MB). The kernel reads every band from it unmasked,
     each band column in whole vectors. flip: of weight.flip(2, 3) (grad_input). One gather by a
-    cached index, in one launch (the two torch ops it replaced, a zero appended to each channel's
-    taps and an index_select, cost 38-41 us of host time a call on the H200's host, session 12)."""
+    cached index, in one launch (it replaced two torch ops, a zero appended to each channel's taps
+    and an index_select, at 38-41 us of host time a call on the H200's host; the launch measured
+    33-47 us in session 13: no host time saved, one kernel instead of three)."""
     start, row_len = _band_row(geom, block_w, block_k, unit)
     index = _band_index(geom.kernel_h, geom.kernel_w, geom.dilation_w, start, row_len, vector, flip, weight.device)
     weight = weight.contiguous()
