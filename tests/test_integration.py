@@ -60,6 +60,24 @@ def test_opcheck_backward_ops():
                               test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("kernel,dtype,channels_last", [
+    (3, torch.float32, False), (3, torch.float32, True),  # row sliding; channels_last (pixels on the GPU)
+    (5, torch.float32, False), (13, torch.bfloat16, False),  # large_fma; Toeplitz
+], ids=str)
+def test_grad_weight_outputs_do_not_alias(kernel, dtype, channels_last):
+    """A custom op's outputs must not share storage (AOT dispatch refuses them): the weight and bias
+    gradients come from one buffer of sums on several paths (session 14: an H200 opcheck failure)."""
+    x, grad_out = randn(1, 2, 16, 16, dtype=dtype), randn(1, 2, 16, 16, dtype=dtype)
+    if channels_last:
+        x, grad_out = (t.contiguous(memory_format=torch.channels_last) for t in (x, grad_out))
+    weight = randn(2, 1, kernel, kernel, dtype=dtype)
+    args = conv_arguments(conv_geometry(x, weight, None, 1, kernel // 2, 1))
+    grad_weight, grad_bias = torch.ops.dwconv.conv2d_grad_weight(grad_out, x, weight, *args, True)
+    assert grad_weight.untyped_storage().data_ptr() != grad_bias.untyped_storage().data_ptr()
+    # (and the copy is the bias gradient: the sum of grad_out over each channel)
+    assert_close(grad_bias, grad_out.double().sum((0, 2, 3)), dtype, "grad_bias")
+
+
 @pytest.mark.parametrize("stride,multiplier", [(2, 1), (1, 2)], ids=str)
 def test_fused_backward_op_outside_the_fused_geometry(stride, multiplier):
     """conv2d_grad_input_weight takes any geometry: where one pass does not apply (stride 2,

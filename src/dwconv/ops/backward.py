@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64
+from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64, split_tap_sums
 from .large_fma import large_fma_applies, large_fma_grad_weight
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
 from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
@@ -583,8 +583,7 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
         return toeplitz_grad_weight(grad_out, x, geom, weight_dtype, bool(bias_grad))
     if isinstance(config, ForwardConfig) or (config is None and grad_weight_pixels_applies(geom, x, grad_out)):
         sums = _launch_nhwc_pixels_grad(geom, grad_out, x, None, None, config, None, bool(bias_grad))
-        grad_w = sums[:, :taps].reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
-        return grad_w, (sums[:, taps].to(weight_dtype) if bias_grad else None)
+        return split_tap_sums(sums, geom, weight_dtype, bool(bias_grad))
     plan = cached_plan(_GRAD_WEIGHT_PLANS, (geom, config, layout_key(grad_out), layout_key(x), bool(bias_grad)),
                        lambda: _grad_weight_plan(geom, config, grad_out, x, bool(bias_grad)))
     partial = new_partial(plan, x.device)
