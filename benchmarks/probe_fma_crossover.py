@@ -21,16 +21,15 @@ from profile_model import events_ms  # (benchmarks/ is on the path when run as a
 LAYERS = [(32, 128, 56, 56, k, k // 2) for k in (3, 5, 7, 9, 11)] + [
     (64, 240, 28, 28, 5, 2), (64, 96, 56, 56, 7, 3), (64, 384, 14, 14, 7, 3), (64, 144, 56, 56, 3, 1),
     (32, 256, 28, 28, 13, 6), (64, 128, 256, 512, 3, 0),
-    # (session 14) 7-wide planes (LARGE_FMA_MIN_WIDTH), and the models suite's stride-1 3x3 layers (half
+    # (session 14) 7-wide planes, and the models suite's stride-1 3x3 layers (half
     # precision 3x3 won on 56x56 planes, lost on #84)
     (64, 1152, 7, 7, 5, 2), (64, 768, 7, 7, 7, 3), (64, 480, 14, 14, 5, 2), (64, 32, 112, 112, 3, 1),
     (64, 192, 28, 28, 3, 1), (64, 384, 14, 14, 3, 1), (64, 960, 7, 7, 3, 1)]
 
 
 def switch(on: bool):
-    large_fma.LARGE_FMA_MIN_TAPS = 1 if on else 10**9
+    large_fma.LARGE_FMA_MIN_TAPS = large_fma.LARGE_FMA_WIDE_MIN_TAPS = 1 if on else 10**9
     large_fma.LARGE_FMA_HALF_MAX_TAPS = 10**9
-    large_fma.LARGE_FMA_MIN_WIDTH = 1
 
 
 def main():

@@ -107,9 +107,17 @@ FMA_CASES = [
     ((1, 1, 9, 8), (11, 11), 1, 10, 1, 1, (8, 16, 1, 4)),
     ((1, 2, 10, 56), (5, 11), 1, (2, 5), 1, 1, (16, 56, 1, 28)),
     ((3, 2, 7, 20), (5, 5), (2, 1), 2, 1, 2, (8, 32, 1, 8)),
+    # small kernels on narrow planes (the dispatcher's LARGE_FMA_SMALL_KERNEL_MAX_WIDTH): 3x3 with
+    # stride and dilation across rows and no padding across columns, rows of 2 and 1 outputs,
+    # 'same' for an even kernel (the asymmetric split), 3x3 on a 28-wide row (28 outputs a thread)
+    ((2, 3, 11, 9), (3, 3), (2, 1), (1, 0), (2, 1), 1, None),
+    ((1, 2, 5, 2), (3, 3), 1, 1, 1, 2, None),
+    ((2, 1, 4, 3), (3, 3), 1, 0, 1, 1, None),
+    ((2, 2, 6, 11), (4, 4), 1, "same", 1, 1, None),
+    ((1, 2, 5, 28), (3, 3), 1, 1, 1, 1, None),
 ]
 FMA_IDS = ["k13-16", "k13-28", "k11-odd-rows", "k9x12-stride-dil-mult", "k11-pad10", "k5x11-28-a-thread",
-           "k5-tiles-across-images"]
+           "k5-tiles-across-images", "k3-stride-dil-rows", "k3-2-wide-mult", "k3-1-wide", "k4-same", "k3-28-wide"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -126,8 +134,9 @@ def test_large_fma_forward(shape, kernel, stride, padding, dilation, multiplier,
 
 def test_large_fma_blocks():
     """One output row of OUT_VEC columns a thread, every thread a row of a group; issue #6's layers."""
-    for shape, kernel, padding, blocks in [((32, 128, 56, 56), 31, 15, (8, 64, 1, 16)),
-                                           ((32, 256, 28, 28), 13, 6, (16, 32, 1, 16)),
+    for shape, kernel, padding, blocks in [((32, 128, 56, 56), 31, 15, (16, 56, 1, 28)),
+                                           ((32, 256, 28, 28), 13, 6, (32, 28, 1, 28)),
+                                           ((64, 384, 14, 14), 7, 3, (32, 16, 1, 16)),
                                            ((1, 2, 9, 6), 3, 1, (32, 8, 1, 8)), ((1, 2, 9, 4), 3, 1, (32, 4, 1, 4))]:
         x = torch.empty(shape, device="meta")
         geom = conv_geometry(x, torch.empty(shape[1], 1, kernel, kernel, device="meta"), None, 1, padding, 1)
@@ -237,22 +246,26 @@ def test_grad_weight_rows():
 
 
 def test_dispatch_by_taps():
-    """large_fma from LARGE_FMA_MIN_TAPS taps on (half precision below LARGE_FMA_HALF_MAX_TAPS; below
-    TOEPLITZ_MIN_TAPS NCHW only, on rows of LARGE_FMA_MIN_WIDTH or more), Toeplitz from
-    TOEPLITZ_MIN_TAPS on where large_fma does not apply (column strides); float64 and small kernels
-    on neither."""
-    x = randn(1, 2, 16, 16)
+    """large_fma from LARGE_FMA_WIDE_MIN_TAPS taps on (half precision below LARGE_FMA_HALF_MAX_TAPS; below
+    TOEPLITZ_MIN_TAPS NCHW only), and from LARGE_FMA_MIN_TAPS (3x3) on planes no wider than
+    LARGE_FMA_SMALL_KERNEL_MAX_WIDTH; Toeplitz from TOEPLITZ_MIN_TAPS on where large_fma does not
+    apply (column strides); float64 and small kernels on wide planes on neither."""
+    x, wide = randn(1, 2, 16, 16), randn(1, 2, 4, 64)
     small, mid, large = randn(2, 1, 3, 3), randn(2, 1, 7, 7), randn(2, 1, 10, 11)
-    assert 3 * 3 < large_fma.LARGE_FMA_MIN_TAPS <= 5 * 5 and 9 * 9 < toeplitz.TOEPLITZ_MIN_TAPS <= 10 * 11
+    assert 3 * 3 < large_fma.LARGE_FMA_WIDE_MIN_TAPS <= 5 * 5 and 9 * 9 < toeplitz.TOEPLITZ_MIN_TAPS <= 10 * 11
     assert 11 * 11 < large_fma.LARGE_FMA_HALF_MAX_TAPS <= 13 * 13
+    assert 28 <= large_fma.LARGE_FMA_SMALL_KERNEL_MAX_WIDTH < 56 and large_fma.LARGE_FMA_MIN_TAPS == 9
     channels_last = x.contiguous(memory_format=torch.channels_last)
 
     def kernel(x, weight, stride=1):
         return forward_config(conv_geometry(x, weight, None, stride, weight.shape[-1] // 2, 1), x).kernel
 
-    assert kernel(x, small) not in ("large_fma", "toeplitz")
-    assert kernel(randn(1, 2, 7, 7), randn(2, 1, 5, 5)) not in ("large_fma", "toeplitz")  # (not timed)
-    assert kernel(x, mid) == kernel(x.bfloat16(), mid.bfloat16()) == "large_fma"
+    assert kernel(x, small) == kernel(x.half(), small.half()) == kernel(randn(1, 2, 7, 7), small) == "large_fma"
+    assert kernel(wide, small) not in ("large_fma", "toeplitz")  # (a row wider than 28)
+    assert kernel(x, randn(2, 1, 1, 3)) not in ("large_fma", "toeplitz")  # (fewer than 9 taps: not timed)
+    assert kernel(channels_last, small) not in ("large_fma", "toeplitz")
+    assert kernel(x, small, (1, 2)) not in ("large_fma", "toeplitz")
+    assert kernel(wide, mid) == kernel(x.bfloat16(), mid.bfloat16()) == kernel(randn(1, 2, 7, 7), mid) == "large_fma"
     assert kernel(channels_last, mid) not in ("large_fma", "toeplitz")
     assert kernel(x, large) == kernel(channels_last, large) == kernel(x.half(), large.half()) == "large_fma"
     assert kernel(x, large, (1, 2)) == kernel(x.bfloat16(), randn(2, 1, 13, 13, dtype=torch.bfloat16)) == "toeplitz"

@@ -1,5 +1,6 @@
 """Kernels of 5x5 and up on the CUDA cores: every output one FMA chain, inputs reused from registers
-(float32 at any size, float16 / bfloat16 below 13x13: see LARGE_FMA_MIN_TAPS).
+(float32 at any size, float16 / bfloat16 below 13x13), and 3x3 up on narrow planes: see
+LARGE_FMA_WIDE_MIN_TAPS and LARGE_FMA_SMALL_KERNEL_MAX_WIDTH.
 
 The Toeplitz path (toeplitz.py) multiplies float32 as three TF32 products, twice the work of the
 convolution in zeros of the band, and on the H200 it is bound by moving each kernel row's input
@@ -34,7 +35,7 @@ from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, lau
                       plane_needs_int64, sum_partials)
 from .toeplitz import TOEPLITZ_MIN_TAPS
 
-# Kernels of LARGE_FMA_MIN_TAPS taps or more run here (forward, stride-1 grad_input, weight gradient):
+# Kernels of LARGE_FMA_WIDE_MIN_TAPS taps or more run here (forward, stride-1 grad_input, weight gradient):
 # float32 at any size, half types below LARGE_FMA_HALF_MAX_TAPS (the Toeplitz products win from k13
 # on); NCHW, and channels_last from TOEPLITZ_MIN_TAPS on (copied, as the Toeplitz path does; below,
 # channels_last keeps its native kernels). H200, session 13, GPU times (CUDA-graph replays) of
@@ -44,11 +45,16 @@ from .toeplitz import TOEPLITZ_MIN_TAPS
 # 0.084; k11 0.315 -> 0.116 / 0.133 (Toeplitz) -> 0.120; k13 on 32x256x28x28 0.184 -> 0.078 /
 # 0.071 (Toeplitz) -> 0.088. k31 float32 (probe_large.py --fma): forward 1.019 -> 0.654 ms,
 # forward+backward 4.009 -> 2.194; k51 forward 3.184 -> 1.706, forward+backward 12.72 -> 5.77.
-LARGE_FMA_MIN_TAPS = 25
+LARGE_FMA_WIDE_MIN_TAPS = 25
 LARGE_FMA_HALF_MAX_TAPS = 150
-# Below TOEPLITZ_MIN_TAPS, only on rows this wide or wider: the narrowest timed (64x384x14x14 k7,
-# 0.122 -> 0.084 ms float32); 7-wide planes keep the default kernels until timed.
-LARGE_FMA_MIN_WIDTH = 14
+# Smaller kernels (from 3x3 up) on planes this narrow or narrower: the default kernels lose there
+# (session 14, GPU times, float32 / bfloat16, default -> large_fma: 64x192x28x28 k3 forward 0.049 ->
+# 0.029 / 0.055 -> 0.017 ms, forward+backward 0.176 -> 0.124 / 0.192 -> 0.066; 64x384x14x14 k3
+# 0.069 -> 0.028; 64x960x7x7 k3 0.138 -> 0.019 / 0.077 -> 0.019), while on 56-wide planes float32
+# loses (64x144x56x56 k3 0.066 -> 0.092) and on 112-wide both do (0.053 -> 0.107 / 0.058 -> 0.061).
+LARGE_FMA_SMALL_KERNEL_MAX_WIDTH = 28
+# No kernel below this many taps runs here (1x1 to 2x4 not timed); the probes' off switch.
+LARGE_FMA_MIN_TAPS = 9
 LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -200,7 +206,7 @@ def large_fma_fits(geom: ConvGeometry, x: torch.Tensor) -> bool:
 
 
 def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
-    """Whether the dispatcher takes these kernels (see LARGE_FMA_MIN_TAPS). Shapes and strides only
+    """Whether the dispatcher takes these kernels (see LARGE_FMA_WIDE_MIN_TAPS). Shapes and strides only
     (the fake tensors of torch.compile's tracing answer the same)."""
     taps = geom.kernel_h * geom.kernel_w
     if taps < LARGE_FMA_MIN_TAPS or not large_fma_fits(geom, x):
@@ -209,19 +215,25 @@ def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
         return False
     if taps >= TOEPLITZ_MIN_TAPS:
         return True
-    return geom.out_w >= LARGE_FMA_MIN_WIDTH and not channels_last_kernel_applies(x)
+    # (below, channels_last keeps its native kernels: large_fma would read it through an NCHW copy)
+    return not channels_last_kernel_applies(x) and (
+        taps >= LARGE_FMA_WIDE_MIN_TAPS or geom.out_w <= LARGE_FMA_SMALL_KERNEL_MAX_WIDTH)
 
 
 def large_fma_blocks(geom: ConvGeometry, on_gpu: bool = True):
-    """(block_h, block_w, num_warps, out_vec): 16 outputs a thread (8 or 4 on rows that narrow),
-    one output row of a group a thread, the fewest wasted rows over batch x out_h (then the fewest
-    warps) over 1, 2 or 4 warps. k31 / k51 on 56 x 56: 8 x 64 outputs on one warp (56 of 64
-    columns; H200: 0.654 ms against 0.752 at 16 x 64 on two warps, which wasted 8 of 64 rows a
-    plane before rows ran across images); k13 on 28 x 28: 16 x 32 on one warp. sm_90 code of k31's
-    kernel-row loop (Triton 3.9): 496 FFMA of 635 instructions at 16 outputs a thread, 248 of 346
-    at 8; 72 registers, no stack. Under the interpreter (on_gpu False: a program costs by its
+    """(block_h, block_w, num_warps, out_vec): out_vec outputs a thread, a multiple of 4 up to 32
+    that wastes the fewest columns of a row (then the largest), one output row of a group a thread,
+    the fewest wasted rows over batch x out_h (then the fewest warps) over 1, 2 or 4 warps. k31 /
+    k51 on 56 x 56: 16 x 56 on one warp, 28 a thread (H200, session 14: k31 forward 0.505 ms
+    against 0.651 at 8 x 64 with 16 a thread, 56 of its 64 columns used; k51 1.351 against 1.689;
+    sm_90 code of k31's kernel-row loop: 86% FFMA at 28 a thread, 78% at 16); k13 on 28 x 28: 32 x
+    28, 0.063 against 0.076 at 16 x 32. Under the interpreter (on_gpu False: a program costs by its
     tensor operations, not their size) the most warps on ties: fewer, larger programs."""
-    out_vec = 16 if geom.out_w > 8 else (8 if geom.out_w > 4 else 4)
+    def waste(vec):
+        block_w = min(32, next_power_of_2(cdiv(geom.out_w, vec))) * vec
+        return cdiv(geom.out_w, block_w) * block_w - geom.out_w
+
+    out_vec = min(range(4, 33, 4), key=lambda vec: (waste(vec), -vec))
     groups = min(32, next_power_of_2(cdiv(geom.out_w, out_vec)))
     total_rows = geom.batch * geom.out_h
     options = [(32 * warps // groups, warps) for warps in (1, 2, 4) if 32 * warps >= groups]
@@ -270,9 +282,11 @@ def large_fma_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeo
 
 
 def grad_weight_rows(total_rows: int, strips: int, block_h: int) -> int:
-    """Rows a weight-gradient program sums: about 4096 programs in all, and at least four row
-    blocks (each kernel row ends in a reduction of every tap over the program's threads)."""
-    return max(4 * block_h, cdiv(total_rows, max(1, 4096 // strips)))
+    """Rows a weight-gradient program sums: about 4096 programs in all, and at least two row
+    blocks (each kernel row ends in a reduction of every tap over the program's threads). (H200,
+    session 14: k31 0.858 ms at 32 rows, 0.877 at 56, 0.954 at 112, 0.957 at 16; k13 on 32 x 28
+    tiles lost 0.112 -> 0.141 ms with four blocks, 1792 programs: two give it 3584.)"""
+    return max(2 * block_h, cdiv(total_rows, max(1, 4096 // strips)))
 
 
 def _window(geom: ConvGeometry, out_vec: int):
