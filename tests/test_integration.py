@@ -74,6 +74,7 @@ def test_grad_weight_outputs_do_not_alias(kernel, dtype, channels_last):
     args = conv_arguments(conv_geometry(x, weight, None, 1, kernel // 2, 1))
     grad_weight, grad_bias = torch.ops.dwconv.conv2d_grad_weight(grad_out, x, weight, *args, True)
     assert grad_weight.untyped_storage().data_ptr() != grad_bias.untyped_storage().data_ptr()
+    assert grad_weight.is_contiguous() and grad_bias.is_contiguous()  # (as the fake tensors are)
     # (and the copy is the bias gradient: the sum of grad_out over each channel)
     assert_close(grad_bias, grad_out.double().sum((0, 2, 3)), dtype, "grad_bias")
 

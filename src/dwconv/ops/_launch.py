@@ -77,10 +77,11 @@ def sum_partials(partial: torch.Tensor, geom, weight_dtype: torch.dtype, bias_gr
 
 def split_tap_sums(sums: torch.Tensor, geom, weight_dtype: torch.dtype, bias_grad: bool):
     """(grad_weight, grad_bias or None) from sums[out_c, tap] (the bias after the taps), in the
-    weight's dtype. The bias is copied: two views of one buffer would alias, which a custom op's
-    outputs must not (opcheck's test_aot_dispatch_dynamic failed on it on the H200, session 14)."""
+    weight's dtype. Both contiguous (the strides the op's fake tensors promise) and apart: two views of
+    one buffer would alias, which a custom op's outputs must not (opcheck's test_aot_dispatch_dynamic
+    failed on it on the H200, session 14)."""
     taps = geom.kernel_h * geom.kernel_w
-    grad_w = sums[:, :taps].reshape(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight_dtype)
+    grad_w = sums[:, :taps].to(weight_dtype).contiguous().view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w)
     return grad_w, (sums[:, taps].to(weight_dtype, copy=True) if bias_grad else None)
 
 
