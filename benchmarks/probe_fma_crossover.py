@@ -24,12 +24,17 @@ LAYERS = [(32, 128, 56, 56, k, k // 2) for k in (3, 5, 7, 9, 11)] + [
     # (session 14) 7-wide planes, and the models suite's stride-1 3x3 layers (half
     # precision 3x3 won on 56x56 planes, lost on #84)
     (64, 1152, 7, 7, 5, 2), (64, 768, 7, 7, 7, 3), (64, 480, 14, 14, 5, 2), (64, 32, 112, 112, 3, 1),
-    (64, 192, 28, 28, 3, 1), (64, 384, 14, 14, 3, 1), (64, 960, 7, 7, 3, 1)]
+    (64, 192, 28, 28, 3, 1), (64, 384, 14, 14, 3, 1), (64, 960, 7, 7, 3, 1),
+    # (session 14, after the device time) the models suite's stride-2 layers: large_fma takes column
+    # strides now (LARGE_FMA_MAX_COLUMN_STEP, 1 until timed); the 7th field is the stride
+    (64, 96, 112, 112, 3, 1, 2), (64, 144, 56, 56, 3, 1, 2), (64, 192, 28, 28, 3, 1, 2),
+    (64, 240, 28, 28, 3, 1, 2), (64, 576, 14, 14, 3, 1, 2), (64, 144, 56, 56, 5, 2, 2), (64, 672, 14, 14, 5, 2, 2)]
 
 
 def switch(on: bool):
     large_fma.LARGE_FMA_MIN_TAPS = large_fma.LARGE_FMA_WIDE_MIN_TAPS = 1 if on else 10**9
     large_fma.LARGE_FMA_HALF_MAX_TAPS = 10**9
+    large_fma.LARGE_FMA_MAX_COLUMN_STEP = 10**9 if on else 1
 
 
 def main():
@@ -38,25 +43,26 @@ def main():
     p.add_argument("--layers", type=int, nargs="+", help="indices into LAYERS")
     args = p.parse_args()
     for i in args.layers if args.layers is not None else range(len(LAYERS)):
-        n, c, h, w, k, pad = LAYERS[i]
+        n, c, h, w, k, pad, stride = (*LAYERS[i], 1)[:7]
         for dtype in (getattr(torch, d) for d in args.dtype):
             x = torch.randn(n, c, h, w, device="cuda", dtype=dtype)
             weight = torch.randn(c, 1, k, k, device="cuda", dtype=dtype) / k
-            ref = F.conv2d(x.double(), weight.double(), None, 1, pad, 1, c)
+            ref = F.conv2d(x.double(), weight.double(), None, stride, pad, 1, c)
             g = torch.randn(ref.shape, device="cuda", dtype=dtype)
-            eager_fwd = events_ms(lambda: F.conv2d(x, weight, None, 1, pad, 1, c), 10)
-            eager_fb = events_ms(forward_backward(lambda a, b: F.conv2d(a, b, None, 1, pad, 1, c), (x, weight), g), 5)
+            eager_fwd = events_ms(lambda: F.conv2d(x, weight, None, stride, pad, 1, c), 10)
+            eager_fb = events_ms(forward_backward(lambda a, b: F.conv2d(a, b, None, stride, pad, 1, c), (x, weight), g),
+                                 5)
             cells = []
             for on in (False, True):
                 switch(on)
-                fwd = lambda: dwconv.depthwise_conv2d(x, weight, None, 1, pad)
+                fwd = lambda: dwconv.depthwise_conv2d(x, weight, None, stride, pad)
                 err = ((fwd().double() - ref).abs().max() / ref.abs().max()).item()
-                fb = forward_backward(lambda a, b: dwconv.depthwise_conv2d(a, b, None, 1, pad), (x, weight), g)
+                fb = forward_backward(lambda a, b: dwconv.depthwise_conv2d(a, b, None, stride, pad), (x, weight), g)
                 cells.append(f"{'fma' if on else 'default'}: fwd {events_ms(graphed(fwd), 20):.3f} graph "
                              f"{events_ms(fwd, 20):.3f} events, f+b {events_ms(graphed(fb), 10):.3f} graph "
                              f"{events_ms(fb, 10):.3f} events, err {err:.1e}")
             switch(False)
-            print(f"{str(dtype)[6:]:8s} {(n, c, h, w)} k{k}: eager fwd {eager_fwd:.3f} f+b {eager_fb:.3f}; "
+            print(f"{str(dtype)[6:]:8s} {(n, c, h, w)} k{k} s{stride}: eager fwd {eager_fwd:.3f} f+b {eager_fb:.3f}; "
                   + "; ".join(cells), flush=True)
 
 

@@ -141,10 +141,15 @@ CASES = [
      dict(stride=2, padding=3, layout=CL)),
     ("nhwc, k17 (kernel-row loop)", forward, ((1, 32, 20, 20), (17, 17), f32, ForwardConfig("nhwc", 1, 8, 4, block_c=32)),
      dict(padding=8, layout=CL)),
-    # (the GPU's blocks for issue #6's layers, at a small batch: 16 outputs a thread, one warp)
+    # (the GPU's blocks for issue #6's layers, at a small batch: 28 outputs a thread, one warp)
     ("large_fma, float32 k31 (the CUDA-core large kernel)", forward, ((1, 2, 56, 56), (31, 31), f32,
-                                                                     ForwardConfig("large_fma", 8, 64, 1, 16)),
+                                                                     ForwardConfig("large_fma", 16, 56, 1, 28)),
      dict(padding=15)),
+    ("large_fma, bfloat16 k3 stride 2 (column steps)", forward, ((1, 2, 28, 28), (3, 3), bf16,
+                                                                 ForwardConfig("large_fma", 32, 16, 1, 16)),
+     dict(stride=2, padding=1)),
+    ("large_fma grad_weight, float32 k3 stride 2, dilation 2", large_fma_grad_weight,
+     ((1, 2, 28, 28), (3, 3), f32, None), dict(stride=2, padding=2, dilation=2)),
     ("large_fma, flipped taps, odd rows (grad_input)", flipped_forward, ((1, 2, 13, 29), (13, 13), f32,
                                                                        ForwardConfig("large_fma", 16, 32, 1, 8)),
      dict(padding=6)),

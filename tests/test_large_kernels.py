@@ -115,9 +115,15 @@ FMA_CASES = [
     ((2, 1, 4, 3), (3, 3), 1, 0, 1, 1, None),
     ((2, 2, 6, 11), (4, 4), 1, "same", 1, 1, None),
     ((1, 2, 5, 28), (3, 3), 1, 1, 1, 1, None),
+    # column strides and dilations (STRIDE_W / DILATION_W: windows of stride_w columns an output),
+    # with a multiplier, and with 8 outputs a thread over two groups
+    ((2, 3, 12, 23), (3, 3), 2, 1, 1, 1, None),
+    ((1, 2, 9, 30), (5, 5), (1, 3), 2, (1, 2), 2, None),
+    ((1, 2, 8, 61), (3, 7), (2, 2), (1, 6), (2, 2), 1, (8, 16, 1, 8)),
 ]
 FMA_IDS = ["k13-16", "k13-28", "k11-odd-rows", "k9x12-stride-dil-mult", "k11-pad10", "k5x11-28-a-thread",
-           "k5-tiles-across-images", "k3-stride-dil-rows", "k3-2-wide-mult", "k3-1-wide", "k4-same", "k3-28-wide"]
+           "k5-tiles-across-images", "k3-stride-dil-rows", "k3-2-wide-mult", "k3-1-wide", "k4-same", "k3-28-wide",
+           "k3-stride2", "k5-stride3-dil2-mult", "k3x7-stride2-dil2"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

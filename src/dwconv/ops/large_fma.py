@@ -14,8 +14,8 @@ FMAs for ~(OUT_VEC + KW) / 4 vector loads and KW scalar weight loads. k31 at 16 
 instructions (the issue rate is the bound), with no product spent on zeros.
 
 One program = BLOCK_H output rows (numbered over batch x out_h: a tile may span images) x BLOCK_W
-columns of one channel; stride_w and dilation_w 1, any stride_h / dilation_h / padding /
-multiplier. FLIP_TAPS: the weight's taps in reverse (the stride-1 grad_input, as the other forward
+columns of one channel; any stride, dilation, padding and multiplier (column steps above 1 as
+constexprs: a thread's window then spans stride_w input columns an output). FLIP_TAPS: the weight's taps in reverse (the stride-1 grad_input, as the other forward
 kernels do). The weight gradient takes the same tiles with grad_out's values in place of the
 weights: KW sums a thread, each an FMA chain over its outputs, reduced over the program at the end
 of each kernel row (deterministic partial sums).
@@ -55,6 +55,9 @@ LARGE_FMA_HALF_MAX_TAPS = 150
 LARGE_FMA_SMALL_KERNEL_MAX_WIDTH = 28
 # No kernel below this many taps runs here (1x1 to 2x4 not timed); the probes' off switch.
 LARGE_FMA_MIN_TAPS = 9
+# Column strides and dilations above this keep the other kernels: the kernels take any, but only
+# unit steps are timed (a stride-2 window loads twice the columns a thread: untimed).
+LARGE_FMA_MAX_COLUMN_STEP = 1
 LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -77,14 +80,16 @@ def depthwise_fwd_large_fma_kernel(
     out_channels, in_h, in_w, out_h, out_w, total_rows,
     x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
     stride_h, dilation_h, pad_top,
-    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     FLIP_TAPS: tl.constexpr, INDEX_64: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, OUT_VEC: tl.constexpr,
     WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
 ):
     """x, y: NCHW with unit column steps; widths and strides in X_UNIT / Y_UNIT elements (so the
-    compiler can prove the window's 4-vectors aligned). A thread's outputs read window lanes
-    WINDOW_LANE0 + i + kw of the vectors loaded from column group_col - WINDOW_OFF on. Rows are
+    compiler can prove the window's 4-vectors aligned). A thread's output i reads, through tap kw,
+    window lane WINDOW_LANE0 + STRIDE_W * i + DILATION_W * kw of the vectors loaded from input
+    column STRIDE_W * group_col - WINDOW_OFF on (a multiple of 4, as OUT_VEC is). Rows are
     numbered over batch x out_h (total_rows) for one channel a program: a row tile may span images,
     so planes shorter than BLOCK_H waste no rows, and the weight stays one value a tap."""
     in_w = in_w * X_UNIT
@@ -117,12 +122,13 @@ def depthwise_fwd_large_fma_kernel(
         in_rows = first_in_rows + kh * dilation_h
         x_row = x_base + in_rows * (x_stride_h * X_UNIT)
         row_ok = live & (in_rows >= 0) & (in_rows < in_h)
-        window = _load_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS)
+        window = _load_window(x_row, STRIDE_W * group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS)
         w_row = w_plane + ((KH - 1 - kh) * KW if FLIP_TAPS else kh * KW)
         for kw in tl.static_range(KW):
             weight = tl.load(w_row + (KW - 1 - kw if FLIP_TAPS else kw)).to(tl.float32)
             for i in tl.static_range(OUT_VEC):
-                accs = accs[:i] + (tl.fma(window[WINDOW_LANE0 + i + kw], weight, accs[i]),) + accs[i + 1:]
+                pixel = window[WINDOW_LANE0 + STRIDE_W * i + DILATION_W * kw]
+                accs = accs[:i] + (tl.fma(pixel, weight, accs[i]),) + accs[i + 1:]
     y_rows = y_base + out_rows * (y_stride_h * Y_UNIT)
     for q in tl.static_range(OUT_VEC // 4):
         cols = group_cols + 4 * q + lanes
@@ -136,7 +142,8 @@ def depthwise_grad_weight_large_fma_kernel(
     out_channels, in_h, in_w, out_h, out_w, total_rows, rows_per_split, splits,
     x_stride_n, x_stride_c, x_stride_h, g_stride_n, g_stride_c, g_stride_h,
     stride_h, dilation_h, pad_top,
-    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
     X_UNIT: tl.constexpr, G_UNIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, OUT_VEC: tl.constexpr,
     WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
@@ -185,11 +192,11 @@ def depthwise_grad_weight_large_fma_kernel(
             in_rows = out_rows * stride_h - pad_top + kh * dilation_h
             x_row = x_channel + (n * x_stride_n + in_rows * x_stride_h) * X_UNIT
             in_ok = row_ok & (in_rows >= 0) & (in_rows < in_h)
-            window = _load_window(x_row, group_cols, lanes, in_ok, in_w, WINDOW_OFF, WINDOW_VECS)
+            window = _load_window(x_row, STRIDE_W * group_cols, lanes, in_ok, in_w, WINDOW_OFF, WINDOW_VECS)
             for kw in tl.static_range(KW):
                 total = sums[kw]
                 for i in tl.static_range(OUT_VEC):
-                    total = tl.fma(window[WINDOW_LANE0 + i + kw], grads[i], total)
+                    total = tl.fma(window[WINDOW_LANE0 + STRIDE_W * i + DILATION_W * kw], grads[i], total)
                 sums = sums[:kw] + (total,) + sums[kw + 1:]
         for kw in tl.static_range(KW):
             tl.store(partial_row + kh * KW + kw, tl.sum(tl.sum(sums[kw], axis=1), axis=0))
@@ -200,9 +207,8 @@ def depthwise_grad_weight_large_fma_kernel(
 # ---- choosing and launching -------------------------------------------------------------------
 
 def large_fma_fits(geom: ConvGeometry, x: torch.Tensor) -> bool:
-    """What the kernels take: LARGE_FMA_DTYPES (summed in float32), unit column steps in and out of
-    the kernel (stride_w and dilation_w 1)."""
-    return x.dtype in LARGE_FMA_DTYPES and geom.stride_w == 1 and geom.dilation_w == 1
+    """What the kernels take: LARGE_FMA_DTYPES (summed in float32); any geometry."""
+    return x.dtype in LARGE_FMA_DTYPES
 
 
 def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
@@ -210,6 +216,8 @@ def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     (the fake tensors of torch.compile's tracing answer the same)."""
     taps = geom.kernel_h * geom.kernel_w
     if taps < LARGE_FMA_MIN_TAPS or not large_fma_fits(geom, x):
+        return False
+    if max(geom.stride_w, geom.dilation_w) > LARGE_FMA_MAX_COLUMN_STEP:
         return False
     if x.dtype != torch.float32 and taps >= LARGE_FMA_HALF_MAX_TAPS:
         return False
@@ -291,15 +299,17 @@ def grad_weight_rows(total_rows: int, strips: int, block_h: int) -> int:
 
 def _window(geom: ConvGeometry, out_vec: int):
     """(WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS): a thread's window starts WINDOW_OFF columns left of
-    its first output's column (a multiple of 4, as group columns are: aligned 4-vectors) and holds
-    the input of output i through tap kw in lane WINDOW_LANE0 + i + kw of its WINDOW_VECS vectors."""
+    its first output's input column, stride_w x its column (a multiple of 4, as group columns are:
+    aligned 4-vectors), and holds the input of output i through tap kw in lane WINDOW_LANE0 +
+    stride_w * i + dilation_w * kw of its WINDOW_VECS vectors."""
     window_off = cdiv(geom.pad_left, 4) * 4
     window_lane0 = window_off - geom.pad_left
-    return window_off, window_lane0, cdiv(window_lane0 + out_vec + geom.kernel_w - 1, 4)
+    last_lane = window_lane0 + geom.stride_w * (out_vec - 1) + geom.dilation_w * (geom.kernel_w - 1)
+    return window_off, window_lane0, cdiv(last_lane + 1, 4)
 
 
 def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, flip: bool, blocks) -> LaunchPlan:
-    assert large_fma_fits(geom, x), "large_fma: float32, stride_w and dilation_w 1"
+    assert large_fma_fits(geom, x), "large_fma: float32, float16 or bfloat16"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, y_unit = _unit(x, geom.in_w), _unit(out, geom.out_w)
     window_off, window_lane0, window_vecs = _window(geom, out_vec)
@@ -307,7 +317,8 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
     scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // y_unit, total_rows,
                *[s // x_unit for s in x.stride()[:3]], *[s // y_unit for s in out.stride()[:3]],
                geom.stride_h, geom.dilation_h, geom.pad_top)
-    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=has_bias,
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, STRIDE_W=geom.stride_w,
+                     DILATION_W=geom.dilation_w, HAS_BIAS=has_bias,
                      FLIP_TAPS=flip, INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(out, (geom.out_h, geom.out_w)),
                      X_UNIT=x_unit, Y_UNIT=y_unit, BLOCK_H=block_h, BLOCK_W=block_w, OUT_VEC=out_vec,
@@ -318,7 +329,7 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, blocks,
                       rows_per_split: Optional[int]) -> LaunchPlan:
-    assert large_fma_fits(geom, x), "large_fma: float32, stride_w and dilation_w 1"
+    assert large_fma_fits(geom, x), "large_fma: float32, float16 or bfloat16"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, g_unit = _unit(x, geom.in_w), _unit(grad_out, geom.out_w)
     window_off, window_lane0, window_vecs = _window(geom, out_vec)
@@ -331,7 +342,8 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // g_unit, total_rows,
                rows_per_split, splits, *[s // x_unit for s in x.stride()[:3]],
                *[s // g_unit for s in grad_out.stride()[:3]], geom.stride_h, geom.dilation_h, geom.pad_top)
-    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, BIAS_GRAD=bias_grad,
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, STRIDE_W=geom.stride_w,
+                     DILATION_W=geom.dilation_w, BIAS_GRAD=bias_grad,
                      X_UNIT=x_unit, G_UNIT=g_unit, BLOCK_H=block_h, BLOCK_W=block_w, OUT_VEC=out_vec,
                      WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, num_warps=num_warps)
     grid = (geom.out_channels * splits * tiles_w,)
