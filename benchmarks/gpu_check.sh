@@ -69,10 +69,12 @@ for step in $steps; do
     fma) (cd benchmarks && timeout 300 python3 probe_large.py --fma >/dev/null 2>&1; python3 probe_large.py --fma) 2>&1 \
            | tee "$OUT/probe_large_fma.log" ;;
     # session 13's crossover of large_fma against the default kernels by layer (one process a layer
-    # compiles in parallel, then the timed run)
+    # compiles in parallel, then the timed run); CROSSOVER_LAYERS: indices (e.g. "18 19 20 21 22 23
+    # 24", session 14's stride-2 layers), CROSSOVER_DTYPES (default all three)
     crossover) (cd benchmarks && n=$(python3 -c "from probe_fma_crossover import LAYERS; print(len(LAYERS))")
-                for i in $(seq 0 $((n - 1))); do timeout 300 python3 probe_fma_crossover.py --layers $i >/dev/null 2>&1 & done; wait
-                python3 probe_fma_crossover.py) 2>&1 | tee "$OUT/probe_fma_crossover.log" ;;
+                layers=${CROSSOVER_LAYERS:-$(seq 0 $((n - 1)))}; dtypes=${CROSSOVER_DTYPES:-float32 bfloat16 float16}
+                for i in $layers; do timeout 300 python3 probe_fma_crossover.py --layers $i --dtype $dtypes >/dev/null 2>&1 & done; wait
+                python3 probe_fma_crossover.py --layers $layers --dtype $dtypes) 2>&1 | tee "$OUT/probe_fma_crossover.log" ;;
     # issue #2's last percents on #84: whole-row nchw_pixels tiles by height and warps, both dtypes
     nchw84) (cd benchmarks && python3 probe_nchw_pixels.py --layers 0 --dtype float32 bfloat16 --blocks 8 512 4 \
                --blocks 16 512 4 --blocks 8 512 8 --blocks 4 512 2 --blocks 16 512 8) 2>&1 | tee "$OUT/probe_nchw84.log" ;;
