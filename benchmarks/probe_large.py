@@ -168,6 +168,7 @@ def fma(layers):
         for blocks in [default] + [b for b in others if b != default and b[0] >= 1]:
             runs[f"fma {blocks}"] = lambda blocks=blocks: large_fma.large_fma_forward(x, w, None, geom, out,
                                                                                       blocks=blocks)
+        runs["fma, weight vectors"] = lambda: with_weight_vectors(large_fma.large_fma_forward, x, w, None, geom, out)
         for name, fn in runs.items():
             out.fill_(float("nan"))
             fn()
@@ -216,6 +217,17 @@ def fma(layers):
                      gw_fma=events_ms(lambda: large_fma.large_fma_grad_weight(g, x, geom, torch.float32, False), 5))
         print(f"fma crossover float32 {shape} k{k}: " + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()),
               flush=True)
+
+
+def with_weight_vectors(fn, *args):
+    """fn(*args) with large_fma.WEIGHT_VECTORS on (session 14's forward weights as 4-vectors)."""
+    from dwconv.ops import large_fma
+
+    large_fma.WEIGHT_VECTORS = True
+    try:
+        return fn(*args)
+    finally:
+        large_fma.WEIGHT_VECTORS = False
 
 
 def main():

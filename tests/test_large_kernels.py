@@ -138,6 +138,18 @@ def test_large_fma_forward(shape, kernel, stride, padding, dilation, multiplier,
           config=ForwardConfig("large_fma", block_h, block_w, warps, out_vec))
 
 
+@pytest.mark.parametrize("kernel,padding", [((5, 7), (2, 3)), ((3, 8), 1)], ids=str)
+def test_large_fma_weight_vectors(kernel, padding, monkeypatch):
+    """The forward with its weights as 4-vectors of rows padded on the host (WEIGHT_VECTORS):
+    output, and grad_input through the flipped taps, with a row length that is not a multiple of 4
+    and one that is."""
+    monkeypatch.setattr(large_fma, "WEIGHT_VECTORS", True)
+    x = randn(2, 2, 9, 13)
+    weight = randn(2, 1, *kernel)
+    assert forward_config(conv_geometry(x, weight, None, 1, padding, 1), x).kernel == "large_fma"
+    check_grads(x, weight, randn(2), 1, padding)
+
+
 def test_large_fma_blocks():
     """One output row of OUT_VEC columns a thread, every thread a row of a group; issue #6's layers."""
     for shape, kernel, padding, blocks in [((32, 128, 56, 56), 31, 15, (16, 56, 1, 28)),

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -59,6 +60,10 @@ LARGE_FMA_MIN_TAPS = 9
 # unit steps are timed (a stride-2 window loads twice the columns a thread: untimed).
 LARGE_FMA_MAX_COLUMN_STEP = 1
 LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Forward weights as aligned 4-vectors (rows padded to a multiple of 4 on the host, one F.pad a
+# call) instead of one scalar load a tap (k31's kernel-row loop: 31 LDG.32 and 29 R2UR of 1010
+# instructions). Off until timed (session 14, untimed: probe_large.py --fma times both).
+WEIGHT_VECTORS = False
 
 
 @triton.jit
@@ -84,7 +89,7 @@ def depthwise_fwd_large_fma_kernel(
     HAS_BIAS: tl.constexpr,
     FLIP_TAPS: tl.constexpr, INDEX_64: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, OUT_VEC: tl.constexpr,
-    WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
+    WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr, W_ROW: tl.constexpr,
 ):
     """x, y: NCHW with unit column steps; widths and strides in X_UNIT / Y_UNIT elements (so the
     compiler can prove the window's 4-vectors aligned). A thread's output i reads, through tap kw,
@@ -117,15 +122,24 @@ def depthwise_fwd_large_fma_kernel(
     accs = ()
     for i in tl.static_range(OUT_VEC):
         accs = accs + (start,)
-    w_plane = w_ptr + out_c.to(tl.int64) * (KH * KW)
+    w_plane = w_ptr + out_c.to(tl.int64) * (KH * W_ROW)
     for kh in range(KH):
         in_rows = first_in_rows + kh * dilation_h
         x_row = x_base + in_rows * (x_stride_h * X_UNIT)
         row_ok = live & (in_rows >= 0) & (in_rows < in_h)
         window = _load_window(x_row, STRIDE_W * group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS)
-        w_row = w_plane + ((KH - 1 - kh) * KW if FLIP_TAPS else kh * KW)
+        w_row = w_plane + ((KH - 1 - kh) * W_ROW if FLIP_TAPS else kh * W_ROW)
+        if W_ROW != KW:  # (rows padded to 4-vectors: the row's taps in W_ROW / 4 aligned loads)
+            taps = ()
+            for v in tl.static_range(W_ROW // 4):
+                vector = tl.load(w_row + 4 * v + lanes)
+                for lane in tl.static_range(4):
+                    taps = taps + (_lane(vector, lane, 4).to(tl.float32),)
         for kw in tl.static_range(KW):
-            weight = tl.load(w_row + (KW - 1 - kw if FLIP_TAPS else kw)).to(tl.float32)
+            if W_ROW != KW:
+                weight = taps[KW - 1 - kw if FLIP_TAPS else kw]
+            else:
+                weight = tl.load(w_row + (KW - 1 - kw if FLIP_TAPS else kw)).to(tl.float32)
             for i in tl.static_range(OUT_VEC):
                 pixel = window[WINDOW_LANE0 + STRIDE_W * i + DILATION_W * kw]
                 accs = accs[:i] + (tl.fma(pixel, weight, accs[i]),) + accs[i + 1:]
@@ -261,10 +275,12 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     NCHW copy, as the Toeplitz path does. blocks: (block_h, block_w, num_warps, out_vec)."""
     x = x if x.stride(3) == 1 else x.contiguous()
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
-    plan = cached_plan(_PLANS, (geom, layout_key(x), layout_key(dst), bias is not None, flip_weight, blocks),
+    plan = cached_plan(_PLANS, (geom, layout_key(x), layout_key(dst), bias is not None, flip_weight, blocks,
+                                WEIGHT_VECTORS),
                        lambda: _plan(geom, x, dst, bias is not None, flip_weight,
                                      blocks or large_fma_blocks(geom, x.is_cuda)))
-    weight = weight.contiguous()
+    w_row = plan.constants["W_ROW"]
+    weight = weight.contiguous() if w_row == geom.kernel_w else F.pad(weight, (0, w_row - geom.kernel_w))
     launch(depthwise_fwd_large_fma_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, dst)
     if dst is not out:
         out.copy_(dst)
@@ -322,7 +338,8 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
                      FLIP_TAPS=flip, INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(out, (geom.out_h, geom.out_w)),
                      X_UNIT=x_unit, Y_UNIT=y_unit, BLOCK_H=block_h, BLOCK_W=block_w, OUT_VEC=out_vec,
-                     WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, num_warps=num_warps)
+                     WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs,
+                     W_ROW=cdiv(geom.kernel_w, 4) * 4 if WEIGHT_VECTORS else geom.kernel_w, num_warps=num_warps)
     grid = (geom.out_channels * cdiv(total_rows, block_h) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("large_fma", grid, scalars, constants)
 
