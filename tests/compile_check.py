@@ -95,6 +95,16 @@ def large_fma_grad_weight(shape, kernel, dtype, config, **conv):
     grad_weight_fma(grad_out, x, geom, dtype, True)
 
 
+def forward_weight_vectors(shape, kernel, dtype, config, **conv):
+    from dwconv.ops import large_fma
+
+    large_fma.WEIGHT_VECTORS = True
+    try:
+        flipped_forward(shape, kernel, dtype, config, **conv)
+    finally:
+        large_fma.WEIGHT_VECTORS = False
+
+
 def flipped_forward(shape, kernel, dtype, config, **conv):
     x, weight, geom, _ = tensors(shape, kernel, dtype, **conv)
     launch_forward(x, weight, None, geom, config, flip_weight=True)
@@ -145,6 +155,8 @@ CASES = [
     ("large_fma, float32 k31 (the CUDA-core large kernel)", forward, ((1, 2, 56, 56), (31, 31), f32,
                                                                      ForwardConfig("large_fma", 16, 56, 1, 28)),
      dict(padding=15)),
+    ("large_fma, weight vectors, flipped taps (WEIGHT_VECTORS)", forward_weight_vectors,
+     ((1, 2, 56, 56), (31, 31), f32, ForwardConfig("large_fma", 16, 56, 1, 28)), dict(padding=15)),
     ("large_fma, bfloat16 k3 stride 2 (column steps)", forward, ((1, 2, 28, 28), (3, 3), bf16,
                                                                  ForwardConfig("large_fma", 32, 16, 1, 16)),
      dict(stride=2, padding=1)),
