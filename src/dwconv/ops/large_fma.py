@@ -7,18 +7,20 @@ convolution in zeros of the band, and on the H200 it is bound by moving each ker
 tile through L1 and shared memory (docs/notes.md, session 12: k31 float32 forward 1.02 ms, 24
 TFLOP/s of useful products, where the float32 FMA peak is 67). Here a thread owns OUT_VEC
 adjacent outputs of one output row. For each kernel row it loads the aligned 4-vectors covering
-the input columns those outputs read (OUT_VEC + kernel_w - 1 of them, a "window"), then for each
-tap of the row multiplies the tap's weight into each output from a lane of the window: KW * OUT_VEC
-FMAs for ~(OUT_VEC + KW) / 4 vector loads and KW scalar weight loads. k31 at 16 outputs a thread:
-496 FMAs, 12 loads of 16 bytes and 31 of the weight a kernel row, 78% of the loop's sm_90
-instructions (the issue rate is the bound), with no product spent on zeros.
+the input columns those outputs read (OUT_VEC + kernel_w - 1 of them at unit steps, a "window"),
+then for each tap of the row multiplies the tap's weight into each output from a lane of the
+window: KW * OUT_VEC FMAs for ~(OUT_VEC + KW) / 4 vector loads and KW weight loads. k31 at 28
+outputs a thread: 868 FMAs, 15 loads of 16 bytes and 31 of the weight a kernel row, 86% of the
+loop's sm_90 instructions, with no product spent on zeros (H200, session 14: 0.505 ms, 48.7
+TFLOP/s: 85% of what that share of issue slots allows at the 67 peak).
 
 One program = BLOCK_H output rows (numbered over batch x out_h: a tile may span images) x BLOCK_W
 columns of one channel; any stride, dilation, padding and multiplier (column steps above 1 as
-constexprs: a thread's window then spans stride_w input columns an output). FLIP_TAPS: the weight's taps in reverse (the stride-1 grad_input, as the other forward
-kernels do). The weight gradient takes the same tiles with grad_out's values in place of the
-weights: KW sums a thread, each an FMA chain over its outputs, reduced over the program at the end
-of each kernel row (deterministic partial sums).
+constexprs: a thread's window then spans stride_w input columns an output). FLIP_TAPS: the
+weight's taps in reverse (the stride-1 grad_input, as the other forward kernels do). The weight
+gradient takes the same tiles with grad_out's values in place of the weights: KW sums a thread,
+each an FMA chain over its outputs, reduced over the program at the end of each kernel row
+(deterministic partial sums).
 """
 
 from __future__ import annotations
