@@ -23,3 +23,4 @@ def default_kernels_on_small_images(request, monkeypatch):
     test_large_kernels.py tests at those sizes."""
     if request.module.__name__ in ("test_forward", "test_backward"):
         monkeypatch.setattr(large_fma, "LARGE_FMA_SMALL_KERNEL_MAX_WIDTH", 0)
+        monkeypatch.setattr(large_fma, "LARGE_FMA_HALF_FORWARD_MAX_WIDTH", 0)

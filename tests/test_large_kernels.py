@@ -150,6 +150,18 @@ def test_large_fma_weight_vectors(kernel, padding, monkeypatch):
     check_grads(x, weight, randn(2), 1, padding)
 
 
+def test_half_forward_on_large_fma_gradients_on_the_default_kernels(monkeypatch):
+    """bfloat16 3x3 on a 40-wide plane: the forward on large_fma, grad_input and the weight gradient on
+    the default kernels (the fused pass), each launch seen."""
+    calls = []
+    launch = large_fma.launch
+    monkeypatch.setattr(large_fma, "launch", lambda *a: calls.append(a[0]) or launch(*a))
+    x = randn(2, 2, 7, 40, dtype=torch.bfloat16)
+    check_grads(x, randn(2, 1, 3, 3, dtype=torch.bfloat16), None, 1, 1)
+    assert calls == [large_fma.depthwise_fwd_large_fma_kernel], calls
+    assert fused_backward_applies(conv_geometry(x, randn(2, 1, 3, 3, dtype=torch.bfloat16), None, 1, 1, 1), x)
+
+
 def test_large_fma_blocks():
     """One output row of OUT_VEC columns a thread, every thread a row of a group; issue #6's layers."""
     for shape, kernel, padding, blocks in [((32, 128, 56, 56), 31, 15, (16, 56, 1, 28)),
@@ -280,6 +292,14 @@ def test_dispatch_by_taps():
 
     assert kernel(x, small) == kernel(x.half(), small.half()) == kernel(randn(1, 2, 7, 7), small) == "large_fma"
     assert kernel(wide, small) not in ("large_fma", "toeplitz")  # (a row wider than 28)
+    # half precision: forwards up to LARGE_FMA_HALF_FORWARD_MAX_WIDTH, gradients up to 28
+    half_wide = randn(1, 2, 4, 40, dtype=torch.bfloat16)
+    assert 40 <= large_fma.LARGE_FMA_HALF_FORWARD_MAX_WIDTH < 64
+    geom = conv_geometry(half_wide, small.bfloat16(), None, 1, 1, 1)
+    assert forward_config(geom, half_wide).kernel == "large_fma"
+    assert forward_config(geom, half_wide, backward=True).kernel not in ("large_fma", "toeplitz")
+    assert kernel(randn(1, 2, 4, 40), small) not in ("large_fma", "toeplitz")  # (float32)
+    assert kernel(randn(1, 2, 4, 64, dtype=torch.bfloat16), small.bfloat16()) not in ("large_fma", "toeplitz")
     assert kernel(x, randn(2, 1, 1, 3)) not in ("large_fma", "toeplitz")  # (fewer than 9 taps: not timed)
     assert kernel(channels_last, small) not in ("large_fma", "toeplitz")
     assert kernel(x, small, (1, 2)) not in ("large_fma", "toeplitz")

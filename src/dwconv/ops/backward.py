@@ -347,7 +347,7 @@ def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
         return (FUSED_NHWC_BACKWARD and geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1
                 and geom.kernel_h * geom.kernel_w <= FUSED_NHWC_TAPS)
     if not (geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and x.stride(3) == 1) \
-            or toeplitz_applies(geom, x.dtype) or large_fma_applies(geom, x):  # their own two kernels
+            or toeplitz_applies(geom, x.dtype) or large_fma_applies(geom, x, backward=True):  # their own two kernels
         return False
     gi_geom = input_grad_geometry(geom)  # (cached: dataclasses.replace costs ~6 us a backward)
     if min(gi_geom.pad_top, gi_geom.pad_bottom, gi_geom.pad_left, gi_geom.pad_right) < 0:
@@ -577,7 +577,7 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
     if grad_out.numel() == 0:
         grad_w = torch.zeros((geom.out_channels, 1, geom.kernel_h, geom.kernel_w), device=x.device, dtype=weight_dtype)
         return grad_w, (torch.zeros(geom.out_channels, device=x.device, dtype=weight_dtype) if bias_grad else None)
-    if config is None and large_fma_applies(geom, x):
+    if config is None and large_fma_applies(geom, x, backward=True):
         return large_fma_grad_weight(grad_out, x, geom, weight_dtype, bool(bias_grad))
     if config is None and toeplitz_applies(geom, x.dtype):
         return toeplitz_grad_weight(grad_out, x, geom, weight_dtype, bool(bias_grad))

@@ -894,11 +894,13 @@ def nhwc_pixels_config(geom: ConvGeometry) -> ForwardConfig:
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
 
 
-def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> ForwardConfig:
+def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                   backward: bool = False) -> ForwardConfig:
     """Picks the kernel and block sizes for a geometry, input and output (measured choices:
     docs/notes.md): the large_fma kernel from 5x5 on, or Toeplitz products on the tensor cores for
-    large kernels (large_fma_applies), the NHWC kernel for channels_last tensors, else by the geometry."""
-    if large_fma_applies(geom, x):  # (the launcher takes its blocks: large_fma_blocks)
+    large kernels (large_fma_applies), the NHWC kernel for channels_last tensors, else by the geometry.
+    backward: the config of grad_input's flipped forward."""
+    if large_fma_applies(geom, x, backward):  # (the launcher takes its blocks: large_fma_blocks)
         block_h, block_w, num_warps, out_vec = large_fma_blocks(geom, x.is_cuda)
         return ForwardConfig("large_fma", block_h, block_w, num_warps, out_vec)
     if toeplitz_applies(geom, x.dtype):
@@ -1039,7 +1041,7 @@ def launch_forward(
         return out, None
     fused = weight_grad_from is not None
     if config is None and not fused:  # (large kernels' blocks are chosen in their cached plans)
-        if large_fma_applies(geom, x):
+        if large_fma_applies(geom, x, backward=flip_weight):
             return large_fma_forward(x, weight, bias, geom, out, flip_weight), None
         if toeplitz_applies(geom, x.dtype):
             return toeplitz_forward(x, weight, bias, geom, out, flip_weight=flip_weight), None
@@ -1083,7 +1085,7 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     backward's input, whose weight gradient the kernel also accumulates; flip_weight: the
     kernels read the taps in reverse (no flipped copy)."""
     if config is None:
-        config = forward_config(geom, x, out)
+        config = forward_config(geom, x, out, backward=flip_weight)
     index_64 = plane_needs_int64(x, (geom.in_h, geom.in_w)) or plane_needs_int64(out, (geom.out_h, geom.out_w))
     planes = geom.batch * geom.out_channels
     tiles_w = cdiv(geom.out_w, config.block_w)

@@ -1,6 +1,6 @@
 """Kernels of 5x5 and up on the CUDA cores: every output one FMA chain, inputs reused from registers
 (float32 at any size, float16 / bfloat16 below 13x13), and 3x3 up on narrow planes: see
-LARGE_FMA_WIDE_MIN_TAPS and LARGE_FMA_SMALL_KERNEL_MAX_WIDTH.
+LARGE_FMA_WIDE_MIN_TAPS, LARGE_FMA_SMALL_KERNEL_MAX_WIDTH and LARGE_FMA_HALF_FORWARD_MAX_WIDTH.
 
 The Toeplitz path (toeplitz.py) multiplies float32 as three TF32 products, twice the work of the
 convolution in zeros of the band, and on the H200 it is bound by moving each kernel row's input
@@ -56,6 +56,11 @@ LARGE_FMA_HALF_MAX_TAPS = 150
 # 0.069 -> 0.028; 64x960x7x7 k3 0.138 -> 0.019 / 0.077 -> 0.019), while on 56-wide planes float32
 # loses (64x144x56x56 k3 0.066 -> 0.092) and on 112-wide both do (0.053 -> 0.107 / 0.058 -> 0.061).
 LARGE_FMA_SMALL_KERNEL_MAX_WIDTH = 28
+# The half-precision forward (not grad_input: backward=True) of those kernels up to this width: it
+# won on 56-wide planes (bfloat16 64x144x56x56 k3 0.074 -> 0.050 ms, session 14; 32x128x56x56 k3
+# 0.037 -> 0.024, session 13) where forward+backward was even (0.188 -> 0.193): the backward keeps
+# the default kernels there (its fused pass).
+LARGE_FMA_HALF_FORWARD_MAX_WIDTH = 56
 # No kernel below this many taps runs here (1x1 to 2x4 not timed); the probes' off switch.
 LARGE_FMA_MIN_TAPS = 9
 # Column strides and dilations above this keep the other kernels: the kernels take any, but only
@@ -227,9 +232,10 @@ def large_fma_fits(geom: ConvGeometry, x: torch.Tensor) -> bool:
     return x.dtype in LARGE_FMA_DTYPES
 
 
-def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
-    """Whether the dispatcher takes these kernels (see LARGE_FMA_WIDE_MIN_TAPS). Shapes and strides only
-    (the fake tensors of torch.compile's tracing answer the same)."""
+def large_fma_applies(geom: ConvGeometry, x: torch.Tensor, backward: bool = False) -> bool:
+    """Whether the dispatcher takes these kernels (see LARGE_FMA_WIDE_MIN_TAPS) for a forward, or with
+    backward for a gradient (grad_input's flipped forward, the weight gradient). Shapes and strides
+    only (the fake tensors of torch.compile's tracing answer the same)."""
     taps = geom.kernel_h * geom.kernel_w
     if taps < LARGE_FMA_MIN_TAPS or not large_fma_fits(geom, x):
         return False
@@ -240,8 +246,10 @@ def large_fma_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     if taps >= TOEPLITZ_MIN_TAPS:
         return True
     # (below, channels_last keeps its native kernels: large_fma would read it through an NCHW copy)
-    return not channels_last_kernel_applies(x) and (
-        taps >= LARGE_FMA_WIDE_MIN_TAPS or geom.out_w <= LARGE_FMA_SMALL_KERNEL_MAX_WIDTH)
+    max_width = LARGE_FMA_SMALL_KERNEL_MAX_WIDTH
+    if not backward and x.dtype != torch.float32:
+        max_width = max(max_width, LARGE_FMA_HALF_FORWARD_MAX_WIDTH)
+    return not channels_last_kernel_applies(x) and (taps >= LARGE_FMA_WIDE_MIN_TAPS or geom.out_w <= max_width)
 
 
 def large_fma_blocks(geom: ConvGeometry, on_gpu: bool = True):
