@@ -897,9 +897,9 @@ def nhwc_pixels_config(geom: ConvGeometry) -> ForwardConfig:
 def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None,
                    backward: bool = False) -> ForwardConfig:
     """Picks the kernel and block sizes for a geometry, input and output (measured choices:
-    docs/notes.md): the large_fma kernel from 5x5 on, or Toeplitz products on the tensor cores for
-    large kernels (large_fma_applies), the NHWC kernel for channels_last tensors, else by the geometry.
-    backward: the config of grad_input's flipped forward."""
+    docs/notes.md): the large_fma kernel where large_fma_applies (5x5 up, and 3x3 up on narrow
+    planes), else Toeplitz products on the tensor cores for large kernels, the NHWC kernel for
+    channels_last tensors, else by the geometry. backward: the config of grad_input's flipped forward."""
     if large_fma_applies(geom, x, backward):  # (the launcher takes its blocks: large_fma_blocks)
         block_h, block_w, num_warps, out_vec = large_fma_blocks(geom, x.is_cuda)
         return ForwardConfig("large_fma", block_h, block_w, num_warps, out_vec)
