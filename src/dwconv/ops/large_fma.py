@@ -66,7 +66,7 @@ LARGE_FMA_MIN_TAPS = 9
 # Column strides and dilations above this keep the other kernels: the kernels take any, but only
 # unit steps are timed (a stride-2 window loads twice the columns a thread: untimed).
 LARGE_FMA_MAX_COLUMN_STEP = 1
-LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # (what the kernels take: any geometry)
 # Forward weights as aligned 4-vectors (rows padded to a multiple of 4 on the host, one F.pad a
 # call) instead of one scalar load a tap (k31's kernel-row loop: 31 LDG.32 and 29 R2UR of 1010
 # instructions). Off until timed (session 14, untimed: probe_large.py --fma times both).
@@ -227,17 +227,12 @@ def depthwise_grad_weight_large_fma_kernel(
 
 # ---- choosing and launching -------------------------------------------------------------------
 
-def large_fma_fits(geom: ConvGeometry, x: torch.Tensor) -> bool:
-    """What the kernels take: LARGE_FMA_DTYPES (summed in float32); any geometry."""
-    return x.dtype in LARGE_FMA_DTYPES
-
-
 def large_fma_applies(geom: ConvGeometry, x: torch.Tensor, backward: bool = False) -> bool:
     """Whether the dispatcher takes these kernels (see LARGE_FMA_WIDE_MIN_TAPS) for a forward, or with
     backward for a gradient (grad_input's flipped forward, the weight gradient). Shapes and strides
     only (the fake tensors of torch.compile's tracing answer the same)."""
     taps = geom.kernel_h * geom.kernel_w
-    if taps < LARGE_FMA_MIN_TAPS or not large_fma_fits(geom, x):
+    if taps < LARGE_FMA_MIN_TAPS or x.dtype not in LARGE_FMA_DTYPES:
         return False
     if max(geom.stride_w, geom.dilation_w) > LARGE_FMA_MAX_COLUMN_STEP:
         return False
@@ -335,7 +330,7 @@ def _window(geom: ConvGeometry, out_vec: int):
 
 
 def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, flip: bool, blocks) -> LaunchPlan:
-    assert large_fma_fits(geom, x), "large_fma: float32, float16 or bfloat16"
+    assert x.dtype in LARGE_FMA_DTYPES, "large_fma: float32, float16 or bfloat16"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, y_unit = _unit(x, geom.in_w), _unit(out, geom.out_w)
     window_off, window_lane0, window_vecs = _window(geom, out_vec)
@@ -356,7 +351,7 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, blocks,
                       rows_per_split: Optional[int]) -> LaunchPlan:
-    assert large_fma_fits(geom, x), "large_fma: float32, float16 or bfloat16"
+    assert x.dtype in LARGE_FMA_DTYPES, "large_fma: float32, float16 or bfloat16"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, g_unit = _unit(x, geom.in_w), _unit(grad_out, geom.out_w)
     window_off, window_lane0, window_vecs = _window(geom, out_vec)
