@@ -144,7 +144,7 @@ def crossover(dtypes):
 
 def fma(layers):
     """float32: the CUDA-core kernels (large_fma) against the Toeplitz products: the forward at the
-    launcher's blocks and others (8, 16, 32 outputs a thread; errors against float64), the weight gradient, then
+    launcher's blocks, 28 outputs a thread and weight vectors (errors against float64), the weight gradient, then
     forward+backward through dwconv with large_fma off (large_fma.LARGE_FMA_MIN_TAPS beyond any kernel) and on."""
     from dwconv.ops import large_fma
     from dwconv.ops.backward import conv_grad_input, conv_grad_weight
@@ -157,18 +157,18 @@ def fma(layers):
         ref = F.conv2d(x.double(), w.double(), None, 1, pad, 1, groups=shape[1])
         out = torch.empty_like(x)
         default = large_fma.large_fma_blocks(geom)
-        # (one output row of a group a thread: rows x columns / outputs = 32 x warps)
-        others = [(32 * warps * vec // default[1], default[1], warps, vec) for vec, warps in ((8, 1), (16, 2), (32, 1))]
+        # (session 14 timed 8, 16 and 32 outputs a thread against the default's: docs/notes.md)
         # 28 outputs a thread: 56-wide rows in two groups, 28-wide in one (no wasted columns; rows
         # of 16 or 32 waste 8 of 64 or 4 of 32; sm_90 loop 86% FFMA on k31 against 78% at 16)
         groups = 1 if geom.out_w <= 28 else 2
         whole_rows = (32 // groups, 28 * groups, 1, 28)
-        others.append(whole_rows)
         runs = {"toeplitz": lambda: toeplitz.toeplitz_forward(x, w, None, geom, out)}
-        for blocks in [default] + [b for b in others if b != default and b[0] >= 1]:
+        for blocks in [default] + [b for b in [whole_rows] if b != default]:
             runs[f"fma {blocks}"] = lambda blocks=blocks: large_fma.large_fma_forward(x, w, None, geom, out,
                                                                                       blocks=blocks)
         runs["fma, weight vectors"] = lambda: with_weight_vectors(large_fma.large_fma_forward, x, w, None, geom, out)
+        runs["fma, scalar weights"] = lambda: with_weight_vectors(large_fma.large_fma_forward, x, w, None, geom, out,
+                                                                  on=False)
         for name, fn in runs.items():
             out.fill_(float("nan"))
             fn()
@@ -219,15 +219,16 @@ def fma(layers):
               flush=True)
 
 
-def with_weight_vectors(fn, *args):
-    """fn(*args) with large_fma.WEIGHT_VECTORS on (session 14's forward weights as 4-vectors)."""
+def with_weight_vectors(fn, *args, on=True):
+    """fn(*args) with the forward's weights as 4-vectors (session 14) or, with on=False, as scalars
+    (large_fma.WEIGHT_VECTORS_MIN_TAPS beyond or at any kernel)."""
     from dwconv.ops import large_fma
 
-    large_fma.WEIGHT_VECTORS = True
+    taps, large_fma.WEIGHT_VECTORS_MIN_TAPS = large_fma.WEIGHT_VECTORS_MIN_TAPS, 0 if on else 10**9
     try:
         return fn(*args)
     finally:
-        large_fma.WEIGHT_VECTORS = False
+        large_fma.WEIGHT_VECTORS_MIN_TAPS = taps
 
 
 def main():

@@ -98,11 +98,11 @@ def large_fma_grad_weight(shape, kernel, dtype, config, **conv):
 def forward_weight_vectors(shape, kernel, dtype, config, **conv):
     from dwconv.ops import large_fma
 
-    large_fma.WEIGHT_VECTORS = True
+    taps, large_fma.WEIGHT_VECTORS_MIN_TAPS = large_fma.WEIGHT_VECTORS_MIN_TAPS, 0
     try:
         flipped_forward(shape, kernel, dtype, config, **conv)
     finally:
-        large_fma.WEIGHT_VECTORS = False
+        large_fma.WEIGHT_VECTORS_MIN_TAPS = taps
 
 
 def flipped_forward(shape, kernel, dtype, config, **conv):
@@ -155,7 +155,7 @@ CASES = [
     ("large_fma, float32 k31 (the CUDA-core large kernel)", forward, ((1, 2, 56, 56), (31, 31), f32,
                                                                      ForwardConfig("large_fma", 16, 56, 1, 28)),
      dict(padding=15)),
-    ("large_fma, weight vectors, flipped taps (WEIGHT_VECTORS)", forward_weight_vectors,
+    ("large_fma, weight vectors, flipped taps (WEIGHT_VECTORS_MIN_TAPS)", forward_weight_vectors,
      ((1, 2, 56, 56), (31, 31), f32, ForwardConfig("large_fma", 16, 56, 1, 28)), dict(padding=15)),
     ("large_fma, bfloat16 k3 stride 2 (column steps)", forward, ((1, 2, 28, 28), (3, 3), bf16,
                                                                  ForwardConfig("large_fma", 32, 16, 1, 16)),
@@ -204,8 +204,10 @@ CASES = [
      dict(stride=2, padding=10, dilation=2, multiplier=2)),
     ("grad_weight toeplitz, float32, k31", grad_weight, ((1, 2, 40, 40), (31, 31), f32, None), dict(padding=15)),
     ("grad_weight toeplitz, bfloat16, k13", grad_weight, ((2, 2, 20, 20), (13, 13), bf16, None), dict(padding=6)),
-    ("grad_input gather, stride 2", grad_input, ((1, 2, 20, 20), (3, 3), f32), dict(stride=2, padding=1)),
-    ("grad_input gather, nhwc, stride 2", grad_input, ((1, 64, 20, 20), (3, 3), bf16), dict(stride=2, padding=1, layout=CL)),
+    ("grad_input phases, stride 2", grad_input, ((1, 2, 20, 20), (3, 3), f32), dict(stride=2, padding=1)),
+    ("grad_input phases, nhwc, stride 2", grad_input, ((1, 64, 20, 20), (3, 3), bf16), dict(stride=2, padding=1, layout=CL)),
+    ("grad_input phases, stride (3, 2), dilation 2, multiplier 2", grad_input, ((1, 2, 20, 21), (3, 5), f32),
+     dict(stride=(3, 2), padding=(2, 3), dilation=2, multiplier=2)),
 ]
 
 

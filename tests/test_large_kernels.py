@@ -140,10 +140,10 @@ def test_large_fma_forward(shape, kernel, stride, padding, dilation, multiplier,
 
 @pytest.mark.parametrize("kernel,padding", [((5, 7), (2, 3)), ((3, 8), 1)], ids=str)
 def test_large_fma_weight_vectors(kernel, padding, monkeypatch):
-    """The forward with its weights as 4-vectors of rows padded on the host (WEIGHT_VECTORS):
+    """The forward with its weights as 4-vectors of rows padded on the host (WEIGHT_VECTORS_MIN_TAPS):
     output, and grad_input through the flipped taps, with a row length that is not a multiple of 4
     and one that is."""
-    monkeypatch.setattr(large_fma, "WEIGHT_VECTORS", True)
+    monkeypatch.setattr(large_fma, "WEIGHT_VECTORS_MIN_TAPS", 0)
     x = randn(2, 2, 9, 13)
     weight = randn(2, 1, *kernel)
     assert forward_config(conv_geometry(x, weight, None, 1, padding, 1), x).kernel == "large_fma"
@@ -160,6 +160,19 @@ def test_half_forward_on_large_fma_gradients_on_the_default_kernels(monkeypatch)
     check_grads(x, randn(2, 1, 3, 3, dtype=torch.bfloat16), None, 1, 1)
     assert calls == [large_fma.depthwise_fwd_large_fma_kernel], calls
     assert fused_backward_applies(conv_geometry(x, randn(2, 1, 3, 3, dtype=torch.bfloat16), None, 1, 1, 1), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,kernel,padding", [((2, 3, 14, 13), 3, 1), ((1, 2, 11, 14), 5, 2)], ids=str)
+def test_column_stride_2_on_large_fma(shape, kernel, padding, dtype, monkeypatch):
+    """Stride 2 on a plane under 28 wide (LARGE_FMA_MAX_STRIDE_W): the forward and the weight gradient
+    on large_fma (grad_input on its strided kernel), with a bias, each launch seen."""
+    calls = []
+    launch = large_fma.launch
+    monkeypatch.setattr(large_fma, "launch", lambda *a: calls.append(a[0]) or launch(*a))
+    x = randn(*shape, dtype=dtype)
+    check_grads(x, randn(shape[1], 1, kernel, kernel, dtype=dtype), randn(shape[1], dtype=dtype), 2, padding)
+    assert calls == [large_fma.depthwise_fwd_large_fma_kernel, large_fma.depthwise_grad_weight_large_fma_kernel], calls
 
 
 def test_large_fma_blocks():
@@ -302,7 +315,12 @@ def test_dispatch_by_taps():
     assert kernel(randn(1, 2, 4, 64, dtype=torch.bfloat16), small.bfloat16()) not in ("large_fma", "toeplitz")
     assert kernel(x, randn(2, 1, 1, 3)) not in ("large_fma", "toeplitz")  # (fewer than 9 taps: not timed)
     assert kernel(channels_last, small) not in ("large_fma", "toeplitz")
-    assert kernel(x, small, (1, 2)) not in ("large_fma", "toeplitz")
+    # column stride 2 below TOEPLITZ_MIN_TAPS on planes no wider than the limits (input width);
+    # stride 3 and column dilations stay off
+    assert kernel(x, small, (1, 2)) == kernel(x, mid, 2) == "large_fma"
+    assert kernel(randn(1, 2, 4, 40), mid, 2) not in ("large_fma", "toeplitz")  # (float32, 40 wide)
+    assert kernel(x, small, (1, 3)) not in ("large_fma", "toeplitz")
+    assert forward_config(conv_geometry(x, small, None, 1, 2, (1, 2)), x).kernel not in ("large_fma", "toeplitz")
     assert kernel(wide, mid) == kernel(x.bfloat16(), mid.bfloat16()) == kernel(randn(1, 2, 7, 7), mid) == "large_fma"
     assert kernel(channels_last, mid) not in ("large_fma", "toeplitz")
     assert kernel(x, large) == kernel(channels_last, large) == kernel(x.half(), large.half()) == "large_fma"

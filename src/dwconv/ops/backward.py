@@ -34,55 +34,61 @@ from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixe
 
 
 @triton.jit
-def depthwise_grad_input_tile_kernel(
+def depthwise_grad_input_phase_kernel(
     g_ptr, w_ptr, dx_ptr,
     in_channels, in_h, in_w, out_h, out_w,
     g_stride_n, g_stride_c, g_stride_h, g_stride_w,
     dx_stride_n, dx_stride_c, dx_stride_h, dx_stride_w,
-    pad_top, pad_left, dilation_h, dilation_w,
-    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr,
+    pad_top, dilation_h,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_LEFT: tl.constexpr, DILATION_W: tl.constexpr,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """One program = one BLOCK_H x BLOCK_W x BLOCK_C tile of grad_input (rows, columns, input
-    channels) of one image: BLOCK_C = 1 for NCHW (a plane's tile), a run of channels along the
-    contiguous axis for channels_last.
-    Input row i received out row o through tap kh when o * stride_h - pad_top + kh * dilation_h == i:
-    each tap gathers the out rows (i + pad_top - kh * dilation_h) / stride_h that divide exactly.
-    The strides are compile-time constants: a division by a run-time value costs ~20 instructions
-    per element and tap, by a constant power of two one shift."""
+    """One program = BLOCK_H x BLOCK_W groups of STRIDE_H x STRIDE_W input pixels (rows, columns) x
+    BLOCK_C input channels of one image: BLOCK_C = 1 for NCHW (a plane's tile), a run of channels
+    along the contiguous axis for channels_last.
+    Input pixel (STRIDE_H * a + rp, STRIDE_W * b + cp), its phase (rp, cp), received out pixel
+    (a + t_h, b + t_w) through tap (kh, kw) where rp + pad_top - kh * dilation_h = STRIDE_H * t_h
+    and cp + PAD_LEFT - kw * DILATION_W = STRIDE_W * t_w. So each phase gathers only the taps that
+    reach it (at stride 2, 3x3: 1, 2 or 4 of the 9), with loads contiguous along b: whether a tap
+    reaches a row phase is one test a program, a column phase is known at compile time."""
     pid = tl.program_id(0)
-    tiles_w = tl.cdiv(in_w, BLOCK_W)
-    tiles_per_plane = tl.cdiv(in_h, BLOCK_H) * tiles_w
+    tiles_w = tl.cdiv(tl.cdiv(in_w, STRIDE_W), BLOCK_W)
+    tiles_per_plane = tl.cdiv(tl.cdiv(in_h, STRIDE_H), BLOCK_H) * tiles_w
     channel_blocks = tl.cdiv(in_channels, BLOCK_C)
     plane = pid // tiles_per_plane
     tile = pid % tiles_per_plane
     n = plane // channel_blocks
     in_c = (plane % channel_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
     c_ok = in_c < in_channels
-    rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None, None]
-    cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :, None]
+    group_rows = (tile // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None, None]
+    group_cols = (tile % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :, None]
     if INDEX_64:
-        rows = rows.to(tl.int64)
-        cols = cols.to(tl.int64)
-    acc = tl.zeros([BLOCK_H, BLOCK_W, BLOCK_C], dtype=ACC_DTYPE)
-    for j in tl.static_range(MULTIPLIER):  # every output channel fed by this input channel
-        out_c = in_c * MULTIPLIER + j
-        g_base = g_ptr + n.to(tl.int64) * g_stride_n + out_c.to(tl.int64) * g_stride_c
-        for kh in range(KH):
-            num_h = rows + pad_top - kh * dilation_h
-            out_rows = num_h // STRIDE_H  # only used where num_h >= 0 and divides exactly
-            rows_ok = (num_h >= 0) & (num_h % STRIDE_H == 0) & (out_rows < out_h)
-            for kw in range(KW):
-                num_w = cols + pad_left - kw * dilation_w
-                out_cols = num_w // STRIDE_W
-                ok = rows_ok & (num_w >= 0) & (num_w % STRIDE_W == 0) & (out_cols < out_w) & c_ok
-                g = tl.load(g_base + out_rows * g_stride_h + out_cols * g_stride_w, mask=ok, other=0.0)
-                w = tl.load(w_ptr + (out_c * KH + kh) * KW + kw, mask=c_ok, other=0.0).to(ACC_DTYPE)
-                acc += g.to(ACC_DTYPE) * w
+        group_rows = group_rows.to(tl.int64)
+        group_cols = group_cols.to(tl.int64)
     dx_base = dx_ptr + n.to(tl.int64) * dx_stride_n + in_c.to(tl.int64) * dx_stride_c
-    tl.store(dx_base + rows * dx_stride_h + cols * dx_stride_w, acc.to(dx_ptr.dtype.element_ty),
-             mask=(rows < in_h) & (cols < in_w) & c_ok)
+    for rp in tl.static_range(STRIDE_H):
+        rows = group_rows * STRIDE_H + rp
+        for cp in tl.static_range(STRIDE_W):
+            cols = group_cols * STRIDE_W + cp
+            acc = tl.zeros([BLOCK_H, BLOCK_W, BLOCK_C], dtype=ACC_DTYPE)
+            for j in tl.static_range(MULTIPLIER):  # every output channel fed by this input channel
+                out_c = in_c * MULTIPLIER + j
+                g_base = g_ptr + n.to(tl.int64) * g_stride_n + out_c.to(tl.int64) * g_stride_c
+                for kh in range(KH):
+                    reach_h = rp + pad_top - kh * dilation_h
+                    if reach_h % STRIDE_H == 0:  # (exact multiples: truncating division is exact)
+                        out_rows = group_rows + reach_h // STRIDE_H
+                        rows_ok = (out_rows >= 0) & (out_rows < out_h) & c_ok
+                        for kw in tl.static_range(KW):
+                            if (cp + PAD_LEFT - kw * DILATION_W) % STRIDE_W == 0:
+                                out_cols = group_cols + (cp + PAD_LEFT - kw * DILATION_W) // STRIDE_W
+                                ok = rows_ok & (out_cols >= 0) & (out_cols < out_w)
+                                g = tl.load(g_base + out_rows * g_stride_h + out_cols * g_stride_w, mask=ok, other=0.0)
+                                w = tl.load(w_ptr + (out_c * KH + kh) * KW + kw, mask=c_ok, other=0.0)
+                                acc += g.to(ACC_DTYPE) * w.to(ACC_DTYPE)
+            tl.store(dx_base + rows * dx_stride_h + cols * dx_stride_w, acc.to(dx_ptr.dtype.element_ty),
+                     mask=(rows < in_h) & (cols < in_w) & c_ok)
 
 
 @triton.jit(do_not_specialize=["pad_left"])
@@ -512,7 +518,7 @@ def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeom
         return launch_forward(grad_out, weight, None, input_grad_geometry(geom), out=dx, flip_weight=True)[0]
     plan = cached_plan(_GRAD_INPUT_PLANS, (geom, layout_key(grad_out), layout_key(dx)),
                        lambda: _grad_input_plan(geom, grad_out, dx))
-    launch(depthwise_grad_input_tile_kernel, plan, grad_out, weight.contiguous(), dx)
+    launch(depthwise_grad_input_phase_kernel, plan, grad_out, weight.contiguous(), dx)
     return dx
 
 
@@ -520,22 +526,28 @@ _GRAD_INPUT_PLANS: dict = {}
 
 
 def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> LaunchPlan:
-    if channels_last_kernel_applies(grad_out, dx):  # tiles of 4 x 8 pixels by up to 64 channels
+    """Tiles in groups of stride_h x stride_w input pixels (depthwise_grad_input_phase_kernel), about as
+    many pixels a program as at stride 1."""
+    group_h, group_w = cdiv(geom.in_h, geom.stride_h), cdiv(geom.in_w, geom.stride_w)
+    phases = geom.stride_h * geom.stride_w
+    if channels_last_kernel_applies(grad_out, dx):  # tiles of 4 x 8 groups by up to 64 channels
         block_c = min(64, next_power_of_2(geom.in_channels))
-        block_w = min(8, next_power_of_2(geom.in_w))
-        block_h = max(1, min(next_power_of_2(geom.in_h), (2048 if grad_out.is_cuda else 4096) // (block_w * block_c)))
+        block_w = min(8, next_power_of_2(group_w))
+        pixels = (2048 if grad_out.is_cuda else 4096) // phases
     else:  # one channel a program
         block_c = 1
-        block_w = min(64, next_power_of_2(geom.in_w)) if grad_out.is_cuda else min(32, next_power_of_2(geom.in_w))
-        block_h = max(1, min(next_power_of_2(geom.in_h), (256 if grad_out.is_cuda else 1024) // block_w))
-    tiles = cdiv(geom.in_h, block_h) * cdiv(geom.in_w, block_w)
+        block_w = min(64 if grad_out.is_cuda else 32, next_power_of_2(group_w))
+        pixels = max(block_w, (256 if grad_out.is_cuda else 1024) // phases)
+    block_h = max(1, min(next_power_of_2(group_h), pixels // (block_w * block_c)))
+    tiles = cdiv(group_h, block_h) * cdiv(group_w, block_w)
     index_64 = plane_needs_int64(grad_out, (geom.out_h, geom.out_w)) or plane_needs_int64(dx, (geom.in_h, geom.in_w))
     scalars = (geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *grad_out.stride(), *dx.stride(),
-               geom.pad_top, geom.pad_left, geom.dilation_h, geom.dilation_w)
+               geom.pad_top, geom.dilation_h)
     constants = dict(
-        STRIDE_H=geom.stride_h, STRIDE_W=geom.stride_w, MULTIPLIER=geom.multiplier, KH=geom.kernel_h,
-        KW=geom.kernel_w, INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h,
-        BLOCK_W=block_w, BLOCK_C=block_c, num_warps=max(1, min(8, block_h * block_w * block_c // 64)),
+        STRIDE_H=geom.stride_h, STRIDE_W=geom.stride_w, PAD_LEFT=geom.pad_left, DILATION_W=geom.dilation_w,
+        MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, INDEX_64=index_64,
+        ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_C=block_c,
+        num_warps=max(1, min(8, block_h * block_w * block_c // 64)),
     )
     return LaunchPlan("grad_input", (geom.batch * cdiv(geom.in_channels, block_c) * tiles,), scalars, constants)
 

@@ -63,14 +63,22 @@ LARGE_FMA_SMALL_KERNEL_MAX_WIDTH = 28
 LARGE_FMA_HALF_FORWARD_MAX_WIDTH = 56
 # No kernel below this many taps runs here (1x1 to 2x4 not timed); the probes' off switch.
 LARGE_FMA_MIN_TAPS = 9
-# Column strides and dilations above this keep the other kernels: the kernels take any, but only
-# unit steps are timed (a stride-2 window loads twice the columns a thread: untimed).
-LARGE_FMA_MAX_COLUMN_STEP = 1
+# Column strides up to this run here, below TOEPLITZ_MIN_TAPS, on the narrow planes above measured
+# by input width (a stride-2 thread reads twice the columns; session 15, GPU times, float32 /
+# bfloat16, default -> large_fma: 64x576x14x14 k3 s2 0.047 -> 0.018 / 0.048 -> 0.017 ms, forward+
+# backward 0.175 -> 0.123 / 0.181 -> 0.116; 64x672x14x14 k5 s2 0.079 -> 0.032 / 0.088 -> 0.031;
+# 64x240x28x28 k3 s2 0.040 -> 0.032 / 0.040 -> 0.016; on 56-wide inputs float32 loses, 64x144x56x56
+# k3 s2 0.043 -> 0.072, k5 s2 0.066 -> 0.085, where bfloat16 is even (0.043 -> 0.042) or wins
+# (k5 0.069 -> 0.048); on 112-wide both lose or tie). Column dilations stay on the other kernels
+# (the kernels take them: untimed).
+LARGE_FMA_MAX_STRIDE_W = 2
 LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # (what the kernels take: any geometry)
-# Forward weights as aligned 4-vectors (rows padded to a multiple of 4 on the host, one F.pad a
-# call) instead of one scalar load a tap (k31's kernel-row loop: 31 LDG.32 and 29 R2UR of 1010
-# instructions). Off until timed (session 14, untimed: probe_large.py --fma times both).
-WEIGHT_VECTORS = False
+# Forward weights of kernels with this many taps or more as aligned 4-vectors (rows padded to a
+# multiple of 4 on the host, one F.pad a call) instead of one scalar load a tap (k31's kernel-row
+# loop: 31 LDG.32 and 29 R2UR of 1010 sm_90 instructions, 990 with vectors). H200, session 15,
+# probe_large.py --fma: k31 float32 forward 0.513 -> 0.506 ms. Not below: the pad is a torch op of
+# host time a call, and the small kernels' layers are bound by host time (untimed there).
+WEIGHT_VECTORS_MIN_TAPS = TOEPLITZ_MIN_TAPS
 
 
 @triton.jit
@@ -232,19 +240,21 @@ def large_fma_applies(geom: ConvGeometry, x: torch.Tensor, backward: bool = Fals
     backward for a gradient (grad_input's flipped forward, the weight gradient). Shapes and strides
     only (the fake tensors of torch.compile's tracing answer the same)."""
     taps = geom.kernel_h * geom.kernel_w
-    if taps < LARGE_FMA_MIN_TAPS or x.dtype not in LARGE_FMA_DTYPES:
-        return False
-    if max(geom.stride_w, geom.dilation_w) > LARGE_FMA_MAX_COLUMN_STEP:
+    if taps < LARGE_FMA_MIN_TAPS or x.dtype not in LARGE_FMA_DTYPES or geom.dilation_w > 1:
         return False
     if x.dtype != torch.float32 and taps >= LARGE_FMA_HALF_MAX_TAPS:
         return False
+    unit_step = geom.stride_w == 1
     if taps >= TOEPLITZ_MIN_TAPS:
-        return True
+        return unit_step
+    if geom.stride_w > LARGE_FMA_MAX_STRIDE_W:
+        return False
     # (below, channels_last keeps its native kernels: large_fma would read it through an NCHW copy)
     max_width = LARGE_FMA_SMALL_KERNEL_MAX_WIDTH
     if not backward and x.dtype != torch.float32:
         max_width = max(max_width, LARGE_FMA_HALF_FORWARD_MAX_WIDTH)
-    return not channels_last_kernel_applies(x) and (taps >= LARGE_FMA_WIDE_MIN_TAPS or geom.out_w <= max_width)
+    return not channels_last_kernel_applies(x) and ((unit_step and taps >= LARGE_FMA_WIDE_MIN_TAPS)
+                                                    or geom.in_w <= max_width)
 
 
 def large_fma_blocks(geom: ConvGeometry, on_gpu: bool = True):
@@ -280,10 +290,11 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     NCHW copy, as the Toeplitz path does. blocks: (block_h, block_w, num_warps, out_vec)."""
     x = x if x.stride(3) == 1 else x.contiguous()
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
+    weight_vectors = geom.kernel_h * geom.kernel_w >= WEIGHT_VECTORS_MIN_TAPS
     plan = cached_plan(_PLANS, (geom, layout_key(x), layout_key(dst), bias is not None, flip_weight, blocks,
-                                WEIGHT_VECTORS),
+                                weight_vectors),
                        lambda: _plan(geom, x, dst, bias is not None, flip_weight,
-                                     blocks or large_fma_blocks(geom, x.is_cuda)))
+                                     blocks or large_fma_blocks(geom, x.is_cuda), weight_vectors))
     w_row = plan.constants["W_ROW"]
     weight = weight.contiguous() if w_row == geom.kernel_w else F.pad(weight, (0, w_row - geom.kernel_w))
     launch(depthwise_fwd_large_fma_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, dst)
@@ -329,7 +340,8 @@ def _window(geom: ConvGeometry, out_vec: int):
     return window_off, window_lane0, cdiv(last_lane + 1, 4)
 
 
-def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, flip: bool, blocks) -> LaunchPlan:
+def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, flip: bool, blocks,
+          weight_vectors: bool) -> LaunchPlan:
     assert x.dtype in LARGE_FMA_DTYPES, "large_fma: float32, float16 or bfloat16"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, y_unit = _unit(x, geom.in_w), _unit(out, geom.out_w)
@@ -344,7 +356,7 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
                      or plane_needs_int64(out, (geom.out_h, geom.out_w)),
                      X_UNIT=x_unit, Y_UNIT=y_unit, BLOCK_H=block_h, BLOCK_W=block_w, OUT_VEC=out_vec,
                      WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs,
-                     W_ROW=cdiv(geom.kernel_w, 4) * 4 if WEIGHT_VECTORS else geom.kernel_w, num_warps=num_warps)
+                     W_ROW=cdiv(geom.kernel_w, 4) * 4 if weight_vectors else geom.kernel_w, num_warps=num_warps)
     grid = (geom.out_channels * cdiv(total_rows, block_h) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("large_fma", grid, scalars, constants)
 

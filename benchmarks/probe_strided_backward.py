@@ -1,0 +1,58 @@
+"""Developer probe (GPU, session 15): the strided layers' backward kernels alone, grad_input and the
+weight gradient, as CUDA-graph replays (the GPU's time), with bytes against a copy timed the same
+way. Issue #3's stride-2 layer (64x96x112x112 3x3) spent 0.77 ms in its backward, 21% of the
+copy rate. Run it under two trees to compare (gpu_check.sh ab with AB_PROBE).
+
+    PYTHONPATH=src python benchmarks/probe_strided_backward.py [--dtype float32 bfloat16] [--layers 0 1]
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from dwconv._geometry import conv_geometry
+from dwconv.bench import graphed
+from dwconv.ops.backward import conv_grad_input, conv_grad_weight
+from profile_model import events_ms  # (benchmarks/ is on the path when run as a script)
+
+# (N, C, H, W, kernel, padding, stride): issue #3's stride-2 layer, then the models suite's
+LAYERS = [(64, 96, 112, 112, 3, 1, 2), (64, 144, 56, 56, 3, 1, 2), (64, 144, 56, 56, 5, 2, 2),
+          (64, 240, 28, 28, 3, 1, 2), (64, 672, 14, 14, 5, 2, 2), (32, 128, 64, 64, 3, 1, 3)]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--layers", type=int, nargs="+", help="indices into LAYERS")
+    p.add_argument("--channels-last", action="store_true", help="also channels_last tensors")
+    args = p.parse_args()
+    src = torch.empty(2**28, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() / events_ms(graphed(lambda: dst.copy_(src)), 20) / 1e6
+    print(f"copy {copy_gbs:.0f} GB/s", flush=True)
+    layouts = [torch.contiguous_format] + ([torch.channels_last] if args.channels_last else [])
+    for i in args.layers if args.layers is not None else range(len(LAYERS)):
+        n, c, h, w, k, pad, stride = LAYERS[i]
+        for dtype in (getattr(torch, d) for d in args.dtype):
+            for layout in layouts:
+                x = torch.randn(n, c, h, w, device="cuda", dtype=dtype).contiguous(memory_format=layout)
+                weight = torch.randn(c, 1, k, k, device="cuda", dtype=dtype) / k
+                geom = conv_geometry(x, weight, None, stride, pad, 1)
+                g = torch.randn(geom.output_shape, device="cuda", dtype=dtype).contiguous(memory_format=layout)
+                xr, wr = x.double().requires_grad_(), weight.double().requires_grad_()
+                F.conv2d(xr, wr, None, stride, pad, 1, c).backward(g.double())
+                gi, gw = conv_grad_input(g, weight, geom, x), conv_grad_weight(g, x, geom, dtype, False)[0]
+                errs = [((a.double() - r).abs().max() / r.abs().max()).item() for a, r in ((gi, xr.grad), (gw, wr.grad))]
+                gi_ms = events_ms(graphed(lambda: conv_grad_input(g, weight, geom, x)), 20)
+                gw_ms = events_ms(graphed(lambda: conv_grad_weight(g, x, geom, dtype, False)), 20)
+                gi_pct = 100 * (g.numel() + 2 * x.numel()) * x.element_size() / gi_ms / 1e6 / copy_gbs
+                gw_pct = 100 * (g.numel() + x.numel()) * x.element_size() / gw_ms / 1e6 / copy_gbs
+                name = "channels_last" if layout is torch.channels_last else "nchw"
+                print(f"{str(dtype)[6:]:8s} {name:13s} {(n, c, h, w)} k{k} s{stride}: grad_input {gi_ms:.3f} ms "
+                      f"({gi_pct:.0f}% copy), grad_weight {gw_ms:.3f} ms ({gw_pct:.0f}%); errors {errs[0]:.1e} / "
+                      f"{errs[1]:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
