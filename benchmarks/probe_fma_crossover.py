@@ -26,15 +26,26 @@ LAYERS = [(32, 128, 56, 56, k, k // 2) for k in (3, 5, 7, 9, 11)] + [
     (64, 1152, 7, 7, 5, 2), (64, 768, 7, 7, 7, 3), (64, 480, 14, 14, 5, 2), (64, 32, 112, 112, 3, 1),
     (64, 192, 28, 28, 3, 1), (64, 384, 14, 14, 3, 1), (64, 960, 7, 7, 3, 1),
     # (session 14, after the device time) the models suite's stride-2 layers: large_fma takes column
-    # strides now (LARGE_FMA_MAX_COLUMN_STEP, 1 until timed); the 7th field is the stride
+    # strides (LARGE_FMA_MAX_STRIDE_W since session 15); the 7th field is the stride
     (64, 96, 112, 112, 3, 1, 2), (64, 144, 56, 56, 3, 1, 2), (64, 192, 28, 28, 3, 1, 2),
     (64, 240, 28, 28, 3, 1, 2), (64, 576, 14, 14, 3, 1, 2), (64, 144, 56, 56, 5, 2, 2), (64, 672, 14, 14, 5, 2, 2)]
 
 
+_DEFAULTS = {name: getattr(large_fma, name) for name in (
+    "LARGE_FMA_MIN_TAPS", "LARGE_FMA_WIDE_MIN_TAPS", "LARGE_FMA_HALF_MAX_TAPS", "LARGE_FMA_MAX_STRIDE_W",
+    "LARGE_FMA_SMALL_KERNEL_MAX_WIDTH")}
+
+
 def switch(on: bool):
-    large_fma.LARGE_FMA_MIN_TAPS = large_fma.LARGE_FMA_WIDE_MIN_TAPS = 1 if on else 10**9
-    large_fma.LARGE_FMA_HALF_MAX_TAPS = 10**9
-    large_fma.LARGE_FMA_MAX_COLUMN_STEP = 10**9 if on else 1
+    """large_fma for every kernel size, dtype, width and column stride (on), or for none (off)."""
+    for name, value in _DEFAULTS.items():
+        setattr(large_fma, name, value)
+    if on:
+        large_fma.LARGE_FMA_MIN_TAPS = large_fma.LARGE_FMA_WIDE_MIN_TAPS = 1
+        large_fma.LARGE_FMA_HALF_MAX_TAPS = large_fma.LARGE_FMA_MAX_STRIDE_W = 10**9
+        large_fma.LARGE_FMA_SMALL_KERNEL_MAX_WIDTH = 10**9
+    else:
+        large_fma.LARGE_FMA_MIN_TAPS = 10**9
 
 
 def main():

@@ -1,7 +1,8 @@
 """Backward of the depthwise conv2d: grad_input and grad_weight / grad_bias kernels, launchers.
 
 Reading order: the grad_input kernel for any geometry (a gather over the taps that reach each
-input position: no atomics, no zero-stuffed tensors), the grad_weight kernels (NCHW: row sliding;
+input position, by stride phase: no atomics, no zero-stuffed tensors, no masked-off taps), the
+grad_weight kernels (NCHW: row sliding;
 channels_last: pixel tiles by channel blocks; both one float32 partial sum per tap, program and
 channel, then a second pass), then the launchers.
 
