@@ -538,7 +538,7 @@ def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tenso
     else:  # one channel a program
         block_c = 1
         block_w = min(64 if grad_out.is_cuda else 32, next_power_of_2(group_w))
-        pixels = max(block_w, (256 if grad_out.is_cuda else 1024) // phases)
+        pixels = (256 if grad_out.is_cuda else 1024) // phases
     block_h = max(1, min(next_power_of_2(group_h), pixels // (block_w * block_c)))
     tiles = cdiv(group_h, block_h) * cdiv(group_w, block_w)
     index_64 = plane_needs_int64(grad_out, (geom.out_h, geom.out_w)) or plane_needs_int64(dx, (geom.in_h, geom.in_w))
