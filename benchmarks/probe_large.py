@@ -2,7 +2,7 @@
 tile kernel and PyTorch eager, forward and forward+backward, in NCHW and channels_last; the errors of
 dwconv and of PyTorch against float64; a block sweep; the crossover by kernel size.
 
-    PYTHONPATH=src python benchmarks/probe_large.py [--quick] [--sweep] [--crossover] [--parts] [--fma]
+    PYTHONPATH=src python benchmarks/probe_large.py [--quick] [--sweep] [--crossover] [--parts] [--fma] [--layers I ...]
 """
 
 import argparse
@@ -242,8 +242,9 @@ def main():
     p.add_argument("--stages", type=int, help="num_stages of the Toeplitz kernels (toeplitz.NUM_STAGES)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "float16"])
     p.add_argument("--fma", action="store_true", help="only float32's CUDA-core kernel against the Toeplitz products")
+    p.add_argument("--layers", type=int, nargs="+", help="indices into LAYERS (k31, k13, k51)")
     args = p.parse_args()
-    layers = LAYERS[:1] if args.quick else LAYERS
+    layers = LAYERS[:1] if args.quick else [LAYERS[i] for i in args.layers] if args.layers else LAYERS
     if args.fma:
         return fma(layers)
     if args.stages:

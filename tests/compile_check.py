@@ -206,6 +206,8 @@ CASES = [
     ("grad_weight toeplitz, bfloat16, k13", grad_weight, ((2, 2, 20, 20), (13, 13), bf16, None), dict(padding=6)),
     ("grad_input phases, stride 2", grad_input, ((1, 2, 20, 20), (3, 3), f32), dict(stride=2, padding=1)),
     ("grad_input phases, nhwc, stride 2", grad_input, ((1, 64, 20, 20), (3, 3), bf16), dict(stride=2, padding=1, layout=CL)),
+    ("grad_input phases, stride (2, 3) on 6-group rows", grad_input, ((1, 2, 19, 18), (9, 12), f32),
+     dict(stride=(2, 3), padding=(3, 5))),
     ("grad_input phases, stride (3, 2), dilation 2, multiplier 2", grad_input, ((1, 2, 20, 21), (3, 5), f32),
      dict(stride=(3, 2), padding=(2, 3), dilation=2, multiplier=2)),
 ]

@@ -3,6 +3,8 @@
 Without CUDA the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (conftest.py).
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -115,6 +117,19 @@ def test_channels_last_takes_the_nhwc_kernels():
     grad_out = randn(*strided.output_shape).contiguous(memory_format=torch.channels_last)
     assert _grad_input_plan(strided, grad_out, torch.empty_like(x)).constants["BLOCK_C"] > 1
     assert _grad_input_plan(strided, grad_out.contiguous(), torch.empty_like(x)).constants["BLOCK_C"] == 1
+
+
+def test_grad_input_blocks_are_powers_of_two():
+    """The phase kernel's blocks, as the GPU and the interpreter take them, over strides 1-4 a side
+    and plane sizes: powers of two (the interpreter runs a block of 5 rows; the GPU refused to compile
+    it, session 16: stride (2, 3) on 9-wide input rows)."""
+    from dwconv.ops.backward import grad_input_blocks
+    for stride_h, stride_w, size, channels_last, gpu in itertools.product(
+            range(1, 5), range(1, 5), (7, 18, 19, 56, 113), (False, True), (False, True)):
+        x = torch.empty(2, 3, size, size + 2)
+        geom = conv_geometry(x, torch.empty(3, 1, 3, 3), None, (stride_h, stride_w), 1, 1)
+        blocks = grad_input_blocks(geom, channels_last, gpu)
+        assert all(b & (b - 1) == 0 for b in blocks), (stride_h, stride_w, size, channels_last, gpu, blocks)
 
 
 @pytest.mark.parametrize("stride", [1, 2])

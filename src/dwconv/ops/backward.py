@@ -526,21 +526,27 @@ def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeom
 _GRAD_INPUT_PLANS: dict = {}
 
 
-def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> LaunchPlan:
-    """Tiles in groups of stride_h x stride_w input pixels (depthwise_grad_input_phase_kernel), about as
-    many pixels a program as at stride 1."""
+def grad_input_blocks(geom: ConvGeometry, channels_last: bool, gpu: bool) -> Tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_W, BLOCK_C) of depthwise_grad_input_phase_kernel, powers of two (its aranges;
+    the interpreter does not check that, the GPU's compiler does): groups of stride_h x stride_w input
+    pixels, about as many pixels a program as at stride 1."""
     group_h, group_w = cdiv(geom.in_h, geom.stride_h), cdiv(geom.in_w, geom.stride_w)
     phases = geom.stride_h * geom.stride_w
-    if channels_last_kernel_applies(grad_out, dx):  # tiles of 4 x 8 groups by up to 64 channels
+    if channels_last:  # tiles of 4 x 8 groups by up to 64 channels
         block_c = min(64, next_power_of_2(geom.in_channels))
         block_w = min(8, next_power_of_2(group_w))
-        pixels = (2048 if grad_out.is_cuda else 4096) // phases
+        pixels = (2048 if gpu else 4096) // phases
     else:  # one channel a program
         block_c = 1
-        block_w = min(64 if grad_out.is_cuda else 32, next_power_of_2(group_w))
-        pixels = (256 if grad_out.is_cuda else 1024) // phases
-    block_h = max(1, min(next_power_of_2(group_h), pixels // (block_w * block_c)))
-    tiles = cdiv(group_h, block_h) * cdiv(group_w, block_w)
+        block_w = min(64 if gpu else 32, next_power_of_2(group_w))
+        pixels = (256 if gpu else 1024) // phases
+    rows = max(1, pixels // (block_w * block_c))
+    return min(next_power_of_2(group_h), 1 << (rows.bit_length() - 1)), block_w, block_c
+
+
+def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> LaunchPlan:
+    block_h, block_w, block_c = grad_input_blocks(geom, channels_last_kernel_applies(grad_out, dx), grad_out.is_cuda)
+    tiles = cdiv(cdiv(geom.in_h, geom.stride_h), block_h) * cdiv(cdiv(geom.in_w, geom.stride_w), block_w)
     index_64 = plane_needs_int64(grad_out, (geom.out_h, geom.out_w)) or plane_needs_int64(dx, (geom.in_h, geom.in_w))
     scalars = (geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *grad_out.stride(), *dx.stride(),
                geom.pad_top, geom.dilation_h)
