@@ -57,6 +57,10 @@ def compile_instead_of_launch(self, grid):
 driver.set_active(CompileOnlyDriver())
 JITFunction.__getitem__ = compile_instead_of_launch
 
+from dwconv.ops import _launch  # noqa: E402
+
+_launch.PLAN_AS_GPU = True  # the launchers' GPU choices for these CPU tensors (what the GPU compiles)
+
 from dwconv._geometry import conv_geometry  # noqa: E402
 from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight,  # noqa: E402
                                  conv_grad_weight)

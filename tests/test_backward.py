@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import dwconv
 from dwconv._geometry import conv_geometry
+from dwconv.ops import _launch
 from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight, conv_grad_weight,
                                  fused_backward_applies)
 from dwconv.ops.forward import ForwardConfig
@@ -478,33 +479,26 @@ def test_fused_backward_channels_last_through_autograd(monkeypatch):
     assert not calls, "the fused path ran where it does not apply"
 
 
-def test_channels_last_pixel_grad_programs_on_the_gpu():
+def test_channels_last_pixel_grad_programs_on_the_gpu(monkeypatch):
     """nhwc_pixels_grad_config's GPU answer: #84's fused pass keeps the measured layout (one program
     an image column of tiles); a 7x7 weight gradient on 14x14 images keeps its partial sums near
     16 MB (one program an image column would write 38 MB, twice the tensors)."""
     from dwconv.ops.backward import nhwc_pixels_grad_config
 
-    class OnGpu:  # what the config reads of x, without a GPU
-        is_cuda = True
+    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)  # (the GPU's plans for tensors without one)
 
-        def __init__(self, shape, element_size):
-            self.shape, self._size = shape, element_size
-
-        def numel(self):
-            return self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
-
-        def element_size(self):
-            return self._size
+    def on_gpu(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     def geometry(shape, k, padding):
         return conv_geometry(torch.empty(shape, device="meta"), torch.empty(shape[1], 1, k, k, device="meta"), None,
                              1, padding, 1)
 
     kb84 = geometry((64, 128, 256, 512), 3, 0)
-    config, runs = nhwc_pixels_grad_config(kb84, OnGpu((64, 128, 256, 512), 2), True)
+    config, runs = nhwc_pixels_grad_config(kb84, on_gpu((64, 128, 256, 512), torch.bfloat16), True)
     assert (config.block_h, config.block_w, config.block_c, runs) == (4, 4, 128, 64)
     small = geometry((64, 384, 14, 14), 7, 3)
-    config, runs = nhwc_pixels_grad_config(small, OnGpu((64, 384, 14, 14), 2), False)
+    config, runs = nhwc_pixels_grad_config(small, on_gpu((64, 384, 14, 14), torch.bfloat16), False)
     columns = (384 // config.block_c) * (14 // config.block_w)
     partial_mb = columns * runs * config.block_c * 49 * 4 / 2**20
     assert 8 <= partial_mb <= 17, partial_mb

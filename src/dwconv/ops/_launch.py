@@ -126,6 +126,17 @@ def launch(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
         plan.compiled[key] = (pointers, compiled, grid, plan.scalars + tuple(plan.constants[n] for n in names))
 
 
+# tests/compile_check.py sets this: plans for CPU tensors then take the kernels and blocks a GPU
+# would get, so that the GPU's constexprs compile (or fail to) on a machine without one (session 16:
+# a GPU-only block of 5 rows passed every interpreter test and did not compile on the H200).
+PLAN_AS_GPU = False
+
+
+def gpu_plan(device: torch.device) -> bool:
+    """Whether launch plans on this device are the GPU's (else the interpreter's: few, large programs)."""
+    return device.type == "cuda" or PLAN_AS_GPU
+
+
 def channels_last_kernel_applies(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
     """Whether the input (and the output, when given) have unit channel strides and are not also
     NCHW-contiguous (one channel, or 1 x 1 images, are both): the NHWC kernel's layout."""

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64, split_tap_sums
+from ._launch import (LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plane_needs_int64,
+                      split_tap_sums)
 from .large_fma import large_fma_applies, large_fma_grad_weight
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
 from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
@@ -359,19 +360,19 @@ def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     gi_geom = input_grad_geometry(geom)  # (cached: dataclasses.replace costs ~6 us a backward)
     if min(gi_geom.pad_top, gi_geom.pad_bottom, gi_geom.pad_left, gi_geom.pad_right) < 0:
         return False
-    return rows_kernel_fits(gi_geom) or not x.is_cuda  # the interpreter runs every case on rows
+    return rows_kernel_fits(gi_geom) or not gpu_plan(x.device)  # the interpreter runs every case on rows
 
 
 def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> ForwardConfig:
     """The grad_input launch of the fused backward: the forward's choice on the GPU (the fused path
     applies where that is the rows kernel), or with FUSED_NCHW_PIXELS "nchw_pixels" where that was
     timed (3x3, dilation 1); under the interpreter one 32 x 32 block per plane."""
-    if grad_out.is_cuda and FUSED_NCHW_PIXELS and grad_out.stride(3) == 1 \
+    if gpu_plan(grad_out.device) and FUSED_NCHW_PIXELS and grad_out.stride(3) == 1 \
             and gi_geom.kernel_h == gi_geom.kernel_w == 3 and gi_geom.dilation_h == gi_geom.dilation_w == 1:
         # (#84's rows of 510: 4 x 256 on two warps, 2% faster in float32; 56-wide rows lost 40% there)
         wide = gi_geom.out_w > 256
         return ForwardConfig("nchw_pixels", 4, 256 if wide else 128, 2 if wide else 1)
-    if grad_out.is_cuda:
+    if gpu_plan(grad_out.device):
         config = nchw_config(gi_geom, grad_out)  # (a channels_last grad_out too: the rows kernel takes strides)
         # Session-3 sweep, #84: float32 best at two 4-vectors a thread (3.41 ms), half precision at
         # one (2.16 ms against 2.51 at two: the per-tap accumulators are float32 either way).
@@ -423,7 +424,7 @@ def nhwc_pixels_grad_config(geom: ConvGeometry, x: torch.Tensor, grad_input: boo
         config = ForwardConfig("nhwc_pixels", block_h, 4, config.num_warps, block_c=config.block_c)
     columns = cdiv(geom.out_channels, config.block_c) * cdiv(tile_geom.out_w, config.block_w)
     tiles = geom.batch * cdiv(tile_geom.out_h, config.block_h)
-    if not x.is_cuda:
+    if not gpu_plan(x.device):
         return config, 1
     tensor_bytes = (x.numel() + geom.batch * geom.out_channels * geom.out_h * geom.out_w) * x.element_size()
     partial_budget = max(16 << 20, tensor_bytes // 16)
@@ -545,7 +546,8 @@ def grad_input_blocks(geom: ConvGeometry, channels_last: bool, gpu: bool) -> Tup
 
 
 def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> LaunchPlan:
-    block_h, block_w, block_c = grad_input_blocks(geom, channels_last_kernel_applies(grad_out, dx), grad_out.is_cuda)
+    block_h, block_w, block_c = grad_input_blocks(geom, channels_last_kernel_applies(grad_out, dx),
+                                                    gpu_plan(grad_out.device))
     tiles = cdiv(cdiv(geom.in_h, geom.stride_h), block_h) * cdiv(cdiv(geom.in_w, geom.stride_w), block_w)
     index_64 = plane_needs_int64(grad_out, (geom.out_h, geom.out_w)) or plane_needs_int64(dx, (geom.in_h, geom.in_w))
     scalars = (geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *grad_out.stride(), *dx.stride(),
@@ -572,7 +574,7 @@ class GradWeightConfig:
 def grad_weight_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightConfig:
     """Block sizes for the grad_weight kernel (measured choices: docs/notes.md)."""
     total_rows = geom.batch * geom.out_h
-    if not x.is_cuda:  # interpreter: few, large programs
+    if not gpu_plan(x.device):  # interpreter: few, large programs
         block_w = min(32, next_power_of_2(geom.out_w))
         return GradWeightConfig(block_w, 1, 1, min(geom.batch, total_rows))
     # Session-3 sweep: 4 grad_out rows a step (their loads in flight together) except for k7 and up
@@ -652,7 +654,7 @@ def grad_weight_pixels_applies(geom: ConvGeometry, x: torch.Tensor, grad_out: to
     (depthwise_grad_nhwc_pixels_kernel) rather than depthwise_grad_weight_nhwc_kernel: on the GPU,
     kernels the forward unrolls too (session 9 probe, H200: the latter took 27.9 ms for #84's
     bfloat16 weight gradient; whose per-tile sums over pixels cross threads)."""
-    return (x.is_cuda and channels_last_kernel_applies(x, grad_out)
+    return (gpu_plan(x.device) and channels_last_kernel_applies(x, grad_out)
             and geom.kernel_h * geom.kernel_w <= PIXEL_KERNEL_TAPS)
 
 
@@ -662,7 +664,7 @@ def grad_weight_nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> GradWeightCo
     block_c = min(64, next_power_of_2(geom.out_channels))
     block_w = min(16, next_power_of_2(geom.out_w))
     tiles = geom.batch * geom.out_h * cdiv(geom.out_w, block_w)
-    programs = 1024 if x.is_cuda else 4  # (interpreter: the work is the same however it is split)
+    programs = 1024 if gpu_plan(x.device) else 4  # (interpreter: the work is the same however it is split)
     splits = min(tiles, cdiv(programs, cdiv(geom.out_channels, block_c)))
     return GradWeightConfig(block_w, 4, 1, splits, block_c=block_c)
 

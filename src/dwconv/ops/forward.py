@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, launch, layout_key, new_partial,
-                      plane_needs_int64)
+from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, gpu_plan, launch, layout_key,
+                      new_partial, plane_needs_int64)
 from ._lanes import _lane, _pack4
 from .large_fma import large_fma_applies, large_fma_blocks, large_fma_forward
 from .toeplitz import toeplitz_applies, toeplitz_block_m, toeplitz_block_w, toeplitz_forward
@@ -842,7 +842,7 @@ NHWC_KERNELS = ("nhwc", "nhwc_pixels")
 
 
 def band_limit(device: torch.device) -> int:
-    return MAX_BAND_TAPS if device.type == "cuda" else INTERPRETER_BAND_TAPS
+    return MAX_BAND_TAPS if gpu_plan(device) else INTERPRETER_BAND_TAPS
 
 
 def band_rows(geom: ConvGeometry, wanted: int, device: torch.device) -> int:
@@ -864,7 +864,7 @@ def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     lowest_bit = geom.out_channels & -geom.out_channels
     # a run that divides the channels keeps every strip on the unmasked path
     block_c = min(32 if half else 64, lowest_bit) if lowest_bit >= 8 else min(64, next_power_of_2(geom.out_channels))
-    if x.device.type != "cuda":  # interpreter: few, large programs
+    if not gpu_plan(x.device):  # interpreter: few, large programs
         return ForwardConfig("nhwc", band_rows(geom, 64, x.device), min(32, next_power_of_2(geom.out_w)), 1,
                              block_c=block_c)
     if geom.kernel_h * geom.kernel_w <= PIXEL_KERNEL_TAPS:
@@ -901,7 +901,7 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
     planes), else Toeplitz products on the tensor cores for large kernels, the NHWC kernel for
     channels_last tensors, else by the geometry. backward: the config of grad_input's flipped forward."""
     if large_fma_applies(geom, x, backward):  # (the launcher takes its blocks: large_fma_blocks)
-        block_h, block_w, num_warps, out_vec = large_fma_blocks(geom, x.is_cuda)
+        block_h, block_w, num_warps, out_vec = large_fma_blocks(geom, gpu_plan(x.device))
         return ForwardConfig("large_fma", block_h, block_w, num_warps, out_vec)
     if toeplitz_applies(geom, x.dtype):
         return ForwardConfig("toeplitz", toeplitz_block_m(x), toeplitz_block_w(geom, x), 4)
@@ -922,14 +922,14 @@ def nchw_pixels_wins(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Te
     outputs a program: #84 2.258 ms against 2.272, 64x144x56x56 0.069 against 0.081; bfloat16 was a
     tie or a loss: #84 1.186 against 1.181). Not nchw_config's answer: the NCHW fused backward needs
     the rows kernel there."""
-    return (x.is_cuda and x.dtype == torch.float32 and geom.kernel_h == geom.kernel_w == 3
+    return (gpu_plan(x.device) and x.dtype == torch.float32 and geom.kernel_h == geom.kernel_w == 3
             and geom.stride_h == geom.stride_w == 1 and geom.dilation_h == geom.dilation_w == 1
             and x.stride(3) == 1 and (out is None or out.stride(3) == 1))
 
 
 def nchw_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     """The tile or rows kernel (any strides; fast on NCHW)."""
-    if x.device.type != "cuda":  # interpreter: each program costs ~the same, so few, wide ones
+    if not gpu_plan(x.device):  # interpreter: each program costs ~the same, so few, wide ones
         return ForwardConfig("tile", band_rows(geom, 64, x.device), min(32, next_power_of_2(geom.out_w)), 4,
                              block_c=min(16, next_power_of_2(geom.out_channels)))
     if rows_kernel_fits(geom):

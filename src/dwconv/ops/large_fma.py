@@ -34,8 +34,8 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._lanes import _lane, _pack4
-from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, launch, layout_key, new_partial,
-                      plane_needs_int64, sum_partials)
+from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, gpu_plan, launch, layout_key,
+                      new_partial, plane_needs_int64, sum_partials)
 from .toeplitz import TOEPLITZ_MIN_TAPS
 
 # Kernels of LARGE_FMA_WIDE_MIN_TAPS taps or more run here (forward, stride-1 grad_input, weight gradient):
@@ -294,7 +294,7 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     plan = cached_plan(_PLANS, (geom, layout_key(x), layout_key(dst), bias is not None, flip_weight, blocks,
                                 weight_vectors),
                        lambda: _plan(geom, x, dst, bias is not None, flip_weight,
-                                     blocks or large_fma_blocks(geom, x.is_cuda), weight_vectors))
+                                     blocks or large_fma_blocks(geom, gpu_plan(x.device)), weight_vectors))
     w_row = plan.constants["W_ROW"]
     weight = weight.contiguous() if w_row == geom.kernel_w else F.pad(weight, (0, w_row - geom.kernel_w))
     launch(depthwise_fwd_large_fma_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, dst)
@@ -315,7 +315,7 @@ def large_fma_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeo
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, blocks,
                                 rows_per_split),
                        lambda: _grad_weight_plan(geom, grad_out, x, bias_grad,
-                                                 blocks or large_fma_blocks(geom, x.is_cuda), rows_per_split))
+                                                 blocks or large_fma_blocks(geom, gpu_plan(x.device)), rows_per_split))
     partial = new_partial(plan, x.device)
     launch(depthwise_grad_weight_large_fma_kernel, plan, grad_out, x, partial)
     return sum_partials(partial, geom, weight_dtype, bias_grad)
@@ -370,7 +370,8 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     total_rows = geom.batch * geom.out_h
     tiles_w = cdiv(geom.out_w, block_w)
     if rows_per_split is None:
-        rows_per_split = grad_weight_rows(total_rows, geom.out_channels * tiles_w, block_h) if x.is_cuda else total_rows
+        rows_per_split = grad_weight_rows(total_rows, geom.out_channels * tiles_w, block_h) if gpu_plan(x.device) \
+            else total_rows
     rows_per_split = cdiv(rows_per_split, block_h) * block_h
     splits = cdiv(total_rows, rows_per_split)
     scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // g_unit, total_rows,

@@ -36,7 +36,8 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..functional import triton_interpreter_enabled
-from ._launch import LaunchPlan, cached_plan, launch, layout_key, new_partial, plane_needs_int64, sum_partials
+from ._launch import (LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plane_needs_int64,
+                      sum_partials)
 
 # Kernels with at least this many taps take the Toeplitz path where large_fma does not (half
 # precision from 13x13, column strides; large_fma.large_fma_applies). H200, (32,128,56,56), forward against
@@ -454,7 +455,8 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     tiles_w = cdiv(geom.out_w, block_w)
     block_k = window_width(geom, block_w, unit)
     if rows_per_split is None:
-        rows_per_split = grad_weight_rows(total_rows, geom.out_channels * tiles_w) if x.is_cuda else total_rows
+        rows_per_split = grad_weight_rows(total_rows, geom.out_channels * tiles_w) if gpu_plan(x.device) \
+            else total_rows
     rows_per_split = cdiv(rows_per_split, block_m) * block_m
     splits = cdiv(total_rows, rows_per_split)
     pad_up = cdiv(geom.pad_left, unit)
