@@ -210,7 +210,9 @@ def test_row_sliding_streaming_hints():
 def test_default_config_is_valid():
     x = randn(1, 2, 9, 9)
     geom = conv_geometry(x, randn(2, 1, 3, 3), None, 2, 1, 1)
-    assert forward_config(geom, x).kernel in ("tile", "rows")
+    assert forward_config(geom, x).kernel == "pairs"
+    geom = conv_geometry(x, randn(2, 1, 3, 3), None, (2, 3), 1, 1)
+    assert forward_config(geom, x).kernel == "tile"
 
 
 def test_channels_last_takes_the_nhwc_kernel():
@@ -245,6 +247,44 @@ def test_nchw_pixels(dtype, shape, kernel, multiplier, padding, dilation, block)
     weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
     check(x, weight, randn(shape[1] * multiplier, dtype=dtype), 1, padding, dilation,
           config=ForwardConfig("nchw_pixels", block[0], block[1], 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape,kernel,multiplier,stride,padding,dilation,block",
+    [
+        ((1, 2, 9, 14), (3, 3), 1, 2, 1, 1, (4, 8)),  # MobileNet's strided 3x3: two pair loads a row
+        ((2, 2, 11, 17), (3, 3), 2, (1, 2), 1, 1, (4, 8)),  # odd rows (pairs not vector-aligned), multiplier 2
+        ((1, 2, 12, 20), (5, 4), 1, (3, 2), (2, 3), (2, 1), (2, 8)),  # row dilation, padding 3: pairs -2 .. 0
+        ((1, 1, 6, 40), (1, 7), 1, (1, 2), (0, 3), 1, (8, 16)),  # pairs -2 .. 1, two column tiles
+        ((1, 2, 5, 6), (3, 3), 1, 2, 0, 1, (4, 4)),  # no padding, a tile past the image
+    ],
+    ids=str,
+)
+def test_pairs(dtype, shape, kernel, multiplier, stride, padding, dilation, block):
+    """Column stride 2 from split pairs ("pairs"), and with the taps read in reverse (flip_weight)."""
+    x = randn(*shape, dtype=dtype)
+    weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
+    config = ForwardConfig("pairs", block[0], block[1], 1)
+    check(x, weight, randn(shape[1] * multiplier, dtype=dtype), stride, padding, dilation, config=config)
+    geom = conv_geometry(x, weight, None, stride, padding, dilation)
+    out, _ = launch_forward(x, weight, None, geom, config, out=poisoned(geom.output_shape, x.dtype), flip_weight=True)
+    assert_close(out, reference_conv(x, weight.flip(2, 3), None, stride, padding, dilation), x.dtype)
+
+
+def test_pairs_dispatch():
+    """NCHW column stride 2 with 3x3 takes "pairs" (on inputs over 28 wide: large_fma below, whose rule
+    this module's fixture turns off), float32 and bfloat16; a 5x5 kernel does not; a channels_last
+    input keeps the NHWC kernels."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = randn(2, 3, 10, 37, dtype=dtype)
+        weight = randn(3, 1, 3, 3, dtype=dtype)
+        geom = conv_geometry(x, weight, None, 2, 1, 1)
+        assert forward_config(geom, x).kernel == "pairs"
+        check(x, weight, None, 2, 1, 1)
+        assert forward_config(geom, x.contiguous(memory_format=torch.channels_last)).kernel in NHWC_KERNELS
+        k5 = randn(3, 1, 5, 5, dtype=dtype)
+        assert forward_config(conv_geometry(x, k5, None, 2, 2, 1), x).kernel != "pairs"
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,9 @@ LARGE_FMA_MIN_TAPS = 9
 # 64x240x28x28 k3 s2 0.040 -> 0.032 / 0.040 -> 0.016; on 56-wide inputs float32 loses, 64x144x56x56
 # k3 s2 0.043 -> 0.072, k5 s2 0.066 -> 0.085, where bfloat16 is even (0.043 -> 0.042) or wins
 # (k5 0.069 -> 0.048); on 112-wide both lose or tie). Column dilations stay on the other kernels
-# (the kernels take them: untimed).
+# (the kernels take them: untimed). Stride 2 with 1- to 3-column kernels on inputs over 28 wide goes
+# to the pairs kernel instead (forward.depthwise_fwd_pairs_kernel; session 16, bfloat16 64x144x56x56
+# k3 s2: 0.042 here, 0.035 there).
 LARGE_FMA_MAX_STRIDE_W = 2
 LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # (what the kernels take: any geometry)
 # Forward weights of kernels with this many taps or more as aligned 4-vectors (rows padded to a
@@ -251,7 +253,7 @@ def large_fma_applies(geom: ConvGeometry, x: torch.Tensor, backward: bool = Fals
         return False
     # (below, channels_last keeps its native kernels: large_fma would read it through an NCHW copy)
     max_width = LARGE_FMA_SMALL_KERNEL_MAX_WIDTH
-    if not backward and x.dtype != torch.float32:
+    if not backward and x.dtype != torch.float32 and not (geom.stride_w == 2 and geom.kernel_w <= 3):
         max_width = max(max_width, LARGE_FMA_HALF_FORWARD_MAX_WIDTH)
     return not channels_last_kernel_applies(x) and ((unit_step and taps >= LARGE_FMA_WIDE_MIN_TAPS)
                                                     or geom.in_w <= max_width)
