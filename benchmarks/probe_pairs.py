@@ -35,9 +35,9 @@ def main():
             bytes_moved = (x.numel() + ref.numel()) * x.element_size()
             tile = ForwardConfig("tile", band_rows(geom, 4, x.device), min(64, next_power_of_2(geom.out_w)),
                                  max(1, min(64, next_power_of_2(geom.out_w)) // 32))
-            default = forward_config(geom, x)
-            configs = {"tile (before)": tile,
-                       f"default ({default.kernel} {default.block_h} x {default.block_w}, {default.num_warps} warps)": None}
+            chosen = forward_config(geom, x)
+            default = f"default ({chosen.kernel} {chosen.block_h} x {chosen.block_w}, {chosen.num_warps} warps)"
+            configs = {"tile (before)": tile, default: None}
             configs.update({f"pairs {b}": ForwardConfig("pairs", *b) for b in BLOCKS})
             eager = events_ms(lambda: F.conv2d(x, w, None, 2, pad, 1, groups=shape[1]), 50)
             for name, config in configs.items():

@@ -622,11 +622,10 @@ def depthwise_fwd_pairs_kernel(
     """Column stride 2, column dilation 1, unit column steps in x and y (NCHW): one program =
     BLOCK_H x BLOCK_W outputs of one plane. Output column c reads input column 2c + o through tap kw,
     o = kw - PAD_LEFT: the pair (2(c + o // 2), +1) holds it, even or odd by o's parity, and
-    neighbouring taps share pairs. So each kernel row loads the pairs its taps fall in as
-    [BLOCK_H, BLOCK_W, 2] tensors (2-element vectors, contiguous along the row; 3x3 with padding 1:
-    two loads for three taps) and splits them, where strided loads read every other element (half of
-    each load instruction's bytes). x's widths and strides in X_UNITs (2 where they are even: the
-    pairs then load as aligned vectors)."""
+    neighbouring taps share pairs. So each kernel row loads the pairs its taps fall in, as rows of
+    2 x BLOCK_W contiguous columns (3x3 with padding 1: two loads for three taps), and splits them,
+    where strided loads read every other element (half of each load instruction's bytes). x's widths
+    and strides in X_UNITs (up to 4: the rows then load as aligned 16-byte vectors in float32)."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
     tiles = tl.cdiv(out_h, BLOCK_H) * tiles_w
@@ -1249,8 +1248,7 @@ def _pairs_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out:
     scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w,
                *[s // x_unit for s in x.stride()[:3]], *out.stride()[:3], geom.stride_h, geom.pad_top,
                geom.dilation_h)
-    constants = dict(common, PAD_LEFT=geom.pad_left, X_UNIT=x_unit,
-                     BLOCK_H=config.block_h)
+    constants = dict(common, PAD_LEFT=geom.pad_left, X_UNIT=x_unit, BLOCK_H=config.block_h)
     return LaunchPlan("pairs", (geom.batch * geom.out_channels * tiles,), scalars, constants)
 
 
