@@ -122,8 +122,8 @@ def test_channels_last_takes_the_nhwc_kernels():
 
 def test_grad_input_blocks_are_powers_of_two():
     """The phase kernel's blocks, as the GPU and the interpreter take them, over strides 1-4 a side
-    and plane sizes: powers of two (the interpreter runs a block of 5 rows; the GPU refused to compile
-    it, session 16: stride (2, 3) on 9-wide input rows)."""
+    and plane sizes: powers of two (session 16: the GPU's table gave 5 rows for stride (2, 3) on 9-wide
+    input rows, which did not compile; the interpreter's table, the only one CPU tests run, gave 16)."""
     from dwconv.ops.backward import grad_input_blocks
     for stride_h, stride_w, size, channels_last, gpu in itertools.product(
             range(1, 5), range(1, 5), (7, 18, 19, 56, 113), (False, True), (False, True)):

@@ -528,9 +528,9 @@ _GRAD_INPUT_PLANS: dict = {}
 
 
 def grad_input_blocks(geom: ConvGeometry, channels_last: bool, gpu: bool) -> Tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_W, BLOCK_C) of depthwise_grad_input_phase_kernel, powers of two (its aranges;
-    the interpreter does not check that, the GPU's compiler does): groups of stride_h x stride_w input
-    pixels, about as many pixels a program as at stride 1."""
+    """(BLOCK_H, BLOCK_W, BLOCK_C) of depthwise_grad_input_phase_kernel, powers of two (its aranges),
+    for the GPU or for the interpreter (gpu False: larger programs): groups of stride_h x stride_w
+    input pixels, about as many pixels a program as at stride 1."""
     group_h, group_w = cdiv(geom.in_h, geom.stride_h), cdiv(geom.in_w, geom.stride_w)
     phases = geom.stride_h * geom.stride_w
     if channels_last:  # tiles of 4 x 8 groups by up to 64 channels
