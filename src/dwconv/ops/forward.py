@@ -525,16 +525,17 @@ def depthwise_fwd_rows_kernel(
         y_plane_offset = (((plane // out_channels).to(tl.int64) * y_stride_n
                            + (plane % out_channels).to(tl.int64) * y_stride_c) * Y_UNIT // 4) * 4
 
-    acc = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + out_c).to(ACC_DTYPE)
+    # Each ring slot starts at the bias: no add at the store (adding 0.0 is not a no-op to the compiler).
+    acc = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE) + bias
     finished = tl.zeros([SLOTS, GROUPS, VEC], dtype=ACC_DTYPE)
     if WEIGHT_GRAD:
         weight_taps = tl.arange(0, TAPS)[:, None, None]  # the tap axis each thread holds whole
         weight_grad = tl.zeros([TAPS, GROUPS, VEC], dtype=ACC_DTYPE)
         f_plane = f_ptr + (plane // out_channels).to(tl.int64) * (f_stride_n * F_UNIT) \
             + (plane % out_channels).to(tl.int64) * (f_stride_c * F_UNIT)
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + out_c).to(ACC_DTYPE)
     # Row indices are [1, 1, 1] tensors so that masks stay tensors (the interpreter mishandles
     # scalar & tensor); the body has no branch, so the loads of all SLOTS rows can be in flight.
     if INDEX_64:
@@ -568,7 +569,10 @@ def depthwise_fwd_rows_kernel(
                 if ODD_OUT_ALIGN > 0:  # odd output rows: the view 2 columns to the left
                     x = tl.where(odd_slots, _window_view(w0, w1, w2, w3, WINDOW_LANE0 - 2 + kw * DILATION_W, VEC), x)
                 tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=2, keep_dims=True)
-                acc += tl.where(tap_ok, tap_weight, 0.0) * x.to(ACC_DTYPE)
+                # Select the sum, not the weight: tap_ok is constant per register, so the slots it
+                # leaves out cost nothing (a zero weight was still an FMA: 0 * x may be NaN, so
+                # the compiler keeps it; a quarter of #84's FMAs, sm_90).
+                acc = tl.where(tap_ok, acc + tap_weight * x.to(ACC_DTYPE), acc)
             if WEIGHT_GRAD:  # this chunk counts padded rows [first_row, last_row), the last one the rest
                 counted = (j >= first_row) & ((j < last_row) | last_chunk)
                 for f_kh in tl.static_range(KH):
@@ -584,7 +588,7 @@ def depthwise_fwd_rows_kernel(
             # park the finished row; the ring slot starts the row SLOTS further down
             done_slot = slots == (phase - reach % SLOTS + SLOTS) % SLOTS
             finished = tl.where(done_slot, acc, finished)
-            acc = tl.where(done_slot, 0.0, acc)
+            acc = tl.where(done_slot, bias, acc)
         # One store per step, after all its loads: a store between rows would keep the compiler
         # from issuing the next row's loads early (x and y might alias), one row in flight at a time.
         # Slot s finished out row j0 - reach + ((s + reach) % SLOTS), as j0 is a multiple of SLOTS.
@@ -593,7 +597,7 @@ def depthwise_fwd_rows_kernel(
             y_row = y_ptr + ((y_plane_offset + done * (y_stride_h * Y_UNIT)) // 4) * 4
             first = group_cols - 2 * odd_slots  # the row column of the group's lane 0
             rows_ok = (done >= first_row) & (done < last_row)
-            values = (finished + bias).to(y_ptr.dtype.element_ty)
+            values = finished.to(y_ptr.dtype.element_ty)
             whole = rows_ok & (first >= 0) & (first + VEC <= out_w)  # uniform over each vector
             tl.store(y_row + out_cols, values, mask=whole, cache_modifier=STORE_CACHE)
             pair_first = first + (lanes // 2) * 2  # the row ends: pairs (the width is even)
@@ -602,7 +606,7 @@ def depthwise_fwd_rows_kernel(
         else:
             store_ok = col_ok & (done >= first_row) & (done < last_row)
             tl.store(y_base + done * (y_stride_h * Y_UNIT) + out_cols * y_stride_w,
-                     (finished + bias).to(y_ptr.dtype.element_ty), mask=store_ok, cache_modifier=STORE_CACHE)
+                     finished.to(y_ptr.dtype.element_ty), mask=store_ok, cache_modifier=STORE_CACHE)
     if WEIGHT_GRAD:
         tap_ids = tl.arange(0, TAPS)
         tl.store(partial_ptr + pid.to(tl.int64) * TAPS + tap_ids, tl.sum(tl.sum(weight_grad, axis=2), axis=1),
