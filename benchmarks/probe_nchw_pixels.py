@@ -34,6 +34,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--blocks", nargs=3, type=int, action="append", default=[], metavar=("BH", "BW", "WARPS"))
     p.add_argument("--rows", action="store_true", help="also nchw_config's kernel (rows or tile)")
+    p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (no host time)")
     p.add_argument("--odd-out-half", action="store_true", help="set forward.ODD_OUT_ALIGN_HALF")
     p.add_argument("--layers", type=int, nargs="+", help="indices into LAYERS (default: all)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
@@ -43,7 +44,7 @@ def main():
     for dtype_name, shape, k, pad, dil, x, w, geom in nchw_layers(args.dtype, args.layers):
         configs = [None] + [ForwardConfig("nchw_pixels", bh, bw, warps) for bh, bw, warps in args.blocks]
         configs += [nchw_config(geom, x)] if args.rows else []
-        time_configs(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}", x, w, geom, configs, "eager")
+        time_configs(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}", x, w, geom, configs, "eager", args.graphs)
 
 if __name__ == "__main__":
     main()

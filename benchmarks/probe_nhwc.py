@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
+from dwconv.bench import graphed
 from dwconv.ops.forward import MAX_PIXEL_TAPS, ForwardConfig, band_rows, conv_forward, forward_config
 from profile_model import events_ms as time_ms  # (benchmarks/ is on the path when run as a script)
 
@@ -36,17 +37,19 @@ def channels_last_layers(dtype_names, layer_indices=None):
             yield dtype_name, shape, k, pad, dil, x, w, conv_geometry(x, w, None, 1, pad, dil)
 
 
-def time_configs(label, x, w, geom, configs, baseline_name):
+def time_configs(label, x, w, geom, configs, baseline_name, graphs=False):
     """Times conv_forward with each config (None: forward_config's choice) against PyTorch on the same
-    tensors (symmetric padding), after checking its values against PyTorch's; prints a line each."""
+    tensors (symmetric padding), after checking its values against PyTorch's; prints a line each.
+    graphs: each timed as replays of a CUDA graph (the GPU's time, no host time per call)."""
+    timed = (lambda fn: time_ms(graphed(fn))) if graphs else time_ms
     pad, dil = (geom.pad_top, geom.pad_left), (geom.dilation_h, geom.dilation_w)
     ref = F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1])
     bytes_moved = (x.numel() + ref.numel()) * x.element_size()
-    baseline = time_ms(lambda: F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1]))
+    baseline = timed(lambda: F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1]))
     for config in configs:
         out = conv_forward(x, w, None, geom, config)
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        ms = time_ms(lambda: conv_forward(x, w, None, geom, config))
+        ms = timed(lambda: conv_forward(x, w, None, geom, config))
         shown = config or forward_config(geom, x)
         print(f"{label} {shown.kernel} {shown.block_h}x{shown.block_w}x{shown.block_c} w{shown.num_warps}: dwconv "
               f"{ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), {baseline_name} {baseline:.3f} ms, "
