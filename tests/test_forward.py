@@ -177,7 +177,7 @@ def test_row_sliding_window_odd_rows(dtype, shape, kernel, padding, dilation):
     check(x, weight, randn(shape[1], dtype=dtype), 1, padding, dilation, config=ForwardConfig("rows", 5, 16, 1, 4))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "shape,kernel,padding,dilation,block_w",
     [

@@ -1068,9 +1068,11 @@ def odd_out_rows_alignable(out: torch.Tensor, geom: ConvGeometry) -> bool:
 
 
 # Aligned stores on odd output rows (the kernel's ODD_OUT_ALIGN); switches so the probes can time both,
-# for float32 and for half precision (off: session 3 measured 1.25 against 1.19 ms on #84 bfloat16).
+# for float32 and for half precision. Half precision on since session 17 (#84, H200, `bench`: bfloat16
+# 1.181 -> 1.153 ms, float16 1.166 -> 1.144, with the ring's idle slots skipped; without the aligned
+# stores that change alone took 1.33 / 1.26: the odd rows' stores then went through shared memory).
 ODD_OUT_ALIGN = True
-ODD_OUT_ALIGN_HALF = False
+ODD_OUT_ALIGN_HALF = True
 
 
 def _stride_unit(t: torch.Tensor, vec: int, width: int) -> int:
