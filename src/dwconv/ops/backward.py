@@ -152,7 +152,7 @@ def depthwise_grad_weight_kernel(
                 row_ok = live & (in_row >= 0) & (in_row < in_h)
                 x_row = x_plane + in_row * (x_stride_h * X_UNIT)
                 w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC,
-                                                  0, False, "", True)
+                                                  0, False, "", True, False)
                 for kw in tl.static_range(KW):
                     x = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
                                        kw, DILATION_W, WINDOW_LANE0, VEC)

@@ -372,13 +372,22 @@ def _window_view(w0, w1, w2, w3, start: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
+def _widen_bf16(v):
+    """bfloat16 -> float32 by integer operations, which the compiler turns into one shift or mask of
+    each 32-bit register holding two elements (a conversion costs the upper element two, sm_90:
+    PRMT + SHF; #84's rows kernel loop 656 -> 623 instructions)."""
+    return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w, SHIFT: tl.constexpr, WHOLE: tl.constexpr,
-                        VEC: tl.constexpr, EVICT: tl.constexpr, MASKED: tl.constexpr):
+                        VEC: tl.constexpr, EVICT: tl.constexpr, MASKED: tl.constexpr, WIDEN_BF16: tl.constexpr):
     """One aligned vector of an input row per thread: elements x_row + first_cols + lanes, which are
     row columns first_cols - SHIFT + lanes (SHIFT > 0: x_row is the row start moved back to a vector
     boundary). WHOLE: the vector is loaded whole when it overlaps the row (a mask uniform over the
     vector keeps the load vectorised when the row length is not a multiple of VEC), and the lanes
-    outside the row are zeroed after. MASKED False: the caller knows the vector inside the row."""
+    outside the row are zeroed after. MASKED False: the caller knows the vector inside the row.
+    WIDEN_BF16 (bfloat16 rows): returned in float32, widened by _widen_bf16."""
     cols = first_cols + lanes
     if not MASKED:
         vector = tl.load(x_row + cols, eviction_policy=EVICT)
@@ -389,35 +398,38 @@ def _load_window_vector(x_row, first_cols, lanes, row_ok, in_w, SHIFT: tl.conste
         vector = tl.where((cols - SHIFT >= 0) & (cols - SHIFT < in_w), vector, 0.0)
     else:
         vector = tl.load(x_row + cols, mask=row_ok & (cols >= 0) & (cols < in_w), other=0.0, eviction_policy=EVICT)
+    if WIDEN_BF16:
+        vector = _widen_bf16(vector)
     return vector
 
 
 @triton.jit
 def _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF: tl.constexpr, WINDOW_VECS: tl.constexpr,
                      VEC: tl.constexpr, SHIFT: tl.constexpr, WHOLE: tl.constexpr, EVICT: tl.constexpr,
-                     MASKED: tl.constexpr):
+                     MASKED: tl.constexpr, WIDEN_BF16: tl.constexpr):
     """The WINDOW_VECS aligned vectors (from column group_cols - WINDOW_OFF - SHIFT) holding every
     input column a thread's VEC outputs read from this row; unused ones repeat the first. VEC == 1:
     no window (placeholders; `_row_under_tap` loads each tap itself). MASKED False: the caller
-    knows the window inside the row (no bounds tests). No defaults: Triton 3.6 hands
+    knows the window inside the row (no bounds tests). WIDEN_BF16: the window comes back in float32
+    (_widen_bf16). No defaults: Triton 3.6 hands
     a jit helper's str default over as a plain str and fails to compile (session 4)."""
     if VEC == 1:  # (a compile-time branch: one return, whose types may differ between VECs)
         w0 = lanes
     else:
         w0 = _load_window_vector(x_row, group_cols - WINDOW_OFF, lanes, row_ok, in_w, SHIFT, WHOLE, VEC, EVICT,
-                                 MASKED)
+                                 MASKED, WIDEN_BF16)
     w1 = w0
     w2 = w0
     w3 = w0
     if VEC > 1 and WINDOW_VECS > 1:
         w1 = _load_window_vector(x_row, group_cols - WINDOW_OFF + VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC, EVICT,
-                                 MASKED)
+                                 MASKED, WIDEN_BF16)
     if VEC > 1 and WINDOW_VECS > 2:
         w2 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 2 * VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC,
-                                 EVICT, MASKED)
+                                 EVICT, MASKED, WIDEN_BF16)
     if VEC > 1 and WINDOW_VECS > 3:
         w3 = _load_window_vector(x_row, group_cols - WINDOW_OFF + 3 * VEC, lanes, row_ok, in_w, SHIFT, WHOLE, VEC,
-                                 EVICT, MASKED)
+                                 EVICT, MASKED, WIDEN_BF16)
     return w0, w1, w2, w3
 
 
@@ -449,7 +461,7 @@ def depthwise_fwd_rows_kernel(
     VEC: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
     X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, ODD_ROW_ALIGN: tl.constexpr, PAD_TOP_ODD: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr, F_UNIT: tl.constexpr, FLIP_TAPS: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr = 0,
-    EVICT: tl.constexpr = "", STORE_CACHE: tl.constexpr = "",
+    EVICT: tl.constexpr = "", STORE_CACHE: tl.constexpr = "", WIDEN_BF16: tl.constexpr = False,
 ):
     """Row sliding for stride_h == 1: a program walks down a column strip of one plane,
     loading each input row once and adding it into the partial sums of every output row it
@@ -562,7 +574,8 @@ def depthwise_fwd_rows_kernel(
             if ODD_ROW_ALIGN > 0:  # the row start rounded down to a vector (a no-op on even rows)
                 x_row = x_ptr + ((x_plane_offset + in_row * (x_stride_h * X_UNIT)) // 4) * 4
             w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF, WINDOW_VECS, VEC,
-                                              ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), ODD_ROW_ALIGN > 0, EVICT, True)
+                                              ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), ODD_ROW_ALIGN > 0, EVICT, True,
+                                              WIDEN_BF16)
             for kw in tl.static_range(KW):
                 x = _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_left, x_stride_w,
                                    kw, DILATION_W, WINDOW_LANE0 + ODD_SHIFT * ((phase + PAD_TOP_ODD) % 2), VEC)
@@ -691,7 +704,7 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
         in_row = zero + (first_row - pad_top + r)
         x_row = x_base + in_row * x_stride_h
         w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, (in_row >= 0) & (in_row < in_h), in_w,
-                                          WINDOW_OFF, WINDOW_VECS, 4, 0, False, "", MASKED)
+                                          WINDOW_OFF, WINDOW_VECS, 4, 0, False, "", MASKED, False)
         # output row j reads this row through kernel row kh where j + kh * DILATION_H == r; its lane
         # i through tap (kh, kw) reads window lane WINDOW_LANE0 + i + kw * DILATION_W
         for kh in tl.static_range(KH):
@@ -1073,6 +1086,9 @@ def odd_out_rows_alignable(out: torch.Tensor, geom: ConvGeometry) -> bool:
 # stores that change alone took 1.33 / 1.26: the odd rows' stores then went through shared memory).
 ODD_OUT_ALIGN = True
 ODD_OUT_ALIGN_HALF = True
+# bfloat16 windows of the rows kernel widened by bit operations (the kernel's WIDEN_BF16); a switch
+# for the probes.
+WIDEN_BF16 = True
 
 
 def _stride_unit(t: torch.Tensor, vec: int, width: int) -> int:
@@ -1131,7 +1147,8 @@ def launch_forward(
         return large_fma_forward(x, weight, bias, geom, out, flip_weight,
                                  (config.block_h, config.block_w, config.num_warps, config.vec)), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
-           layout_key(weight_grad_from) if fused else None, flip_weight, runs, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF)
+           layout_key(weight_grad_from) if fused else None, flip_weight, runs, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF,
+           WIDEN_BF16)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
                                                                   weight_grad_from, flip_weight, runs))
     # taps-major: a tap's weights for a run of channels are one vector load (the strided loads of
@@ -1210,6 +1227,7 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
         WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
         ODD_ROW_ALIGN=odd_row_align, PAD_TOP_ODD=geom.pad_top % 2, WEIGHT_GRAD=features is not None, F_UNIT=f_unit,
         ODD_OUT_ALIGN=odd_out_align, EVICT="evict_first" if config.stream else "",
+        WIDEN_BF16=WIDEN_BF16 and x.dtype == torch.bfloat16 and vec > 1,
         STORE_CACHE=".cs" if config.stream else "", FLIP_TAPS=flip_weight, **common,
     )
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
