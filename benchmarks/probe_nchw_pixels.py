@@ -1,8 +1,8 @@
 """Developer probe (GPU): the NCHW forward with each output one FMA chain ("nchw_pixels", session 8)
 against the default (the rows kernel on #84) and cuDNN, on #84 and the stride-1 NCHW layers.
-Values checked against cuDNN first. --blocks BLOCK_H BLOCK_W WARPS: the blocks to try; --rows: also the rows (or tile) kernel that
-nchw_config picks (float32 3x3 goes to "nchw_pixels" by default); --odd-out-half: the rows kernel's
-aligned odd-row stores in half precision too (forward.ODD_OUT_ALIGN_HALF).
+Values checked against cuDNN first. --blocks BLOCK_H BLOCK_W WARPS: "nchw_pixels" blocks to try;
+--rows: also the kernel nchw_config picks (rows or tile; float32 3x3 defaults to "nchw_pixels");
+--graphs: CUDA-graph replays (the GPU's time); --odd-out-half: forward.ODD_OUT_ALIGN_HALF on.
 
     PYTHONPATH=src python benchmarks/probe_nchw_pixels.py --blocks 16 128 1 --blocks 8 256 2 [--layers 0] [--dtype ...]
 """

@@ -496,6 +496,8 @@ def depthwise_fwd_rows_kernel(
 
     EVICT / STORE_CACHE: cache hints for the input loads and output stores ("evict_first" / ".cs":
     each row is read and written once), chosen by ForwardConfig.stream.
+
+    WIDEN_BF16 (bfloat16 windows): widened to float32 by integer operations (_widen_bf16).
     """
     in_w = in_w * X_UNIT
     out_w = out_w * Y_UNIT
@@ -1227,8 +1229,8 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
         WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
         ODD_ROW_ALIGN=odd_row_align, PAD_TOP_ODD=geom.pad_top % 2, WEIGHT_GRAD=features is not None, F_UNIT=f_unit,
         ODD_OUT_ALIGN=odd_out_align, EVICT="evict_first" if config.stream else "",
-        WIDEN_BF16=WIDEN_BF16 and x.dtype == torch.bfloat16 and vec > 1,
-        STORE_CACHE=".cs" if config.stream else "", FLIP_TAPS=flip_weight, **common,
+        STORE_CACHE=".cs" if config.stream else "", FLIP_TAPS=flip_weight,
+        WIDEN_BF16=WIDEN_BF16 and x.dtype == torch.bfloat16 and vec > 1, **common,
     )
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return LaunchPlan("rows", (programs,), scalars, constants, partial_shape, acc_dtype)
