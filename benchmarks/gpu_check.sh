@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -82,6 +82,10 @@ for step in $steps; do
     blocks) (cd benchmarks && for i in 0 1 2 3 4 5; do timeout 400 python3 probe_large_blocks.py --runs $i >/dev/null 2>&1 & done; wait
              python3 probe_large_blocks.py) 2>&1 | tee "$OUT/probe_large_blocks.log" ;;
     # the Triton cache for the next call (files back are limited to 16 MiB each: skipped if larger)
+    # ncu of #84's forward beside a copy of its input (where the last percents to the copy's rate go)
+    ncu84) ncu --clock-control none --kernel-name regex:"nchw_pixels|rows_kernel|vectorized_elementwise" --launch-skip 1 \
+             --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+             python3 benchmarks/ncu_84.py "${NCU_DTYPE:-float32}" 2>&1 | tee "$OUT/ncu84.log" ;;
     savecache) tar -cJf "$OUT/triton_cache.tar.xz" -C "$cache_dir" . && ls -l "$OUT/triton_cache.tar.xz"
                [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -lt 16000000 ] || { echo "cache too large to bring back"; rm -f "$OUT/triton_cache.tar.xz"; } ;;
     models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;
