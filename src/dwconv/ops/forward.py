@@ -1085,7 +1085,7 @@ def odd_out_rows_alignable(out: torch.Tensor, geom: ConvGeometry) -> bool:
 # Aligned stores on odd output rows (the kernel's ODD_OUT_ALIGN); switches so the probes can time both,
 # for float32 and for half precision. Half precision on since session 17 (#84, H200, `bench`: bfloat16
 # 1.181 -> 1.153 ms, float16 1.166 -> 1.144, with the ring's idle slots skipped; without the aligned
-# stores that change alone took 1.33 / 1.26: the odd rows' stores then went through shared memory).
+# stores that change alone took 1.33 / 1.26, whose odd rows' stores go through shared memory).
 ODD_OUT_ALIGN = True
 ODD_OUT_ALIGN_HALF = True
 # bfloat16 windows of the rows kernel widened by bit operations (the kernel's WIDEN_BF16); a switch
