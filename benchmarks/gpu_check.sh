@@ -83,9 +83,13 @@ for step in $steps; do
              python3 probe_large_blocks.py) 2>&1 | tee "$OUT/probe_large_blocks.log" ;;
     # the Triton cache for the next call (files back are limited to 16 MiB each: skipped if larger)
     # ncu of #84's forward beside a copy of its input (where the last percents to the copy's rate go)
-    ncu84) ncu --clock-control none --kernel-name regex:"nchw_pixels|rows_kernel|vectorized_elementwise" --launch-skip 1 \
-             --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-             python3 benchmarks/ncu_84.py "${NCU_DTYPE:-float32}" 2>&1 | tee "$OUT/ncu84.log" ;;
+    ncu84) for d in ${NCU_DTYPES:-float32 bfloat16}; do python3 benchmarks/ncu_84.py $d --time; done 2>&1 | tee "$OUT/ncu84_times.log"
+           for d in ${NCU_DTYPES:-float32 bfloat16}; do
+             ncu --clock-control none --kernel-name regex:"depthwise|elementwise_kernel" --launch-count 8 --section SpeedOfLight \
+               --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+               --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum,smsp__inst_executed.sum \
+               python3 benchmarks/ncu_84.py $d 2>&1 | tee "$OUT/ncu84_$d.log"
+           done ;;
     savecache) tar -cJf "$OUT/triton_cache.tar.xz" -C "$cache_dir" . && ls -l "$OUT/triton_cache.tar.xz"
                [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -lt 16000000 ] || { echo "cache too large to bring back"; rm -f "$OUT/triton_cache.tar.xz"; } ;;
     models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;

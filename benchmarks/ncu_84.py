@@ -1,11 +1,13 @@
-"""Developer probe (GPU, under Nsight Compute): #84's forward through dwconv twice (the first
-compiles) and twice a kernel that reads the input and writes a tensor of its size (x * 1: a copy
-as a kernel; torch's clone is a cudaMemcpy, which ncu does not profile), so that ncu can set the
-forward's memory counters beside a copy's.
+"""Developer probe (GPU, under Nsight Compute): #84's forward through dwconv on NCHW and on
+channels_last tensors, a kernel that reads the input and writes a tensor of its size (x * 1: a
+copy as a kernel; torch's clone is a cudaMemcpy, which ncu does not profile) and a copy of the
+input's interior into a 254 x 510 output (the forward's output rows: 2040 bytes, so row starts
+fall inside 32-byte sectors), each twice (the first compiles), so that ncu can set the forward's
+memory counters beside a copy's. With --time: each one's mean time (CUDA events, 20 calls after
+warm-up, L2 not flushed) and bandwidth, no ncu.
 
-    ncu --clock-control none --kernel-name regex:"nchw_pixels|rows_kernel|vectorized_elementwise" --launch-skip 1 \
-        --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        python benchmarks/ncu_84.py float32
+    ncu --clock-control none --kernel-name regex:"depthwise|elementwise_kernel" \
+        --launch-count 8 --section SpeedOfLight ... python benchmarks/ncu_84.py float32
 """
 
 import sys
@@ -16,17 +18,40 @@ from dwconv._geometry import conv_geometry
 from dwconv.ops.forward import conv_forward
 
 
-def main(dtype_name="float32"):
-    dtype = getattr(torch, dtype_name)
+def cases(dtype):
     x = torch.randn(64, 128, 256, 512, device="cuda", dtype=dtype)
+    x_cl = torch.randn(64, 256, 512, 128, device="cuda", dtype=dtype).permute(0, 3, 1, 2)
     w = torch.randn(128, 1, 3, 3, device="cuda", dtype=dtype)
     geom = conv_geometry(x, w, None, 1, 0, 1)
-    for _ in range(2):
-        conv_forward(x, w, None, geom)
-    for _ in range(2):  # as many bytes as the forward moves, near enough (512 against 510 columns)
-        torch.mul(x, 1.0)
+    interior = torch.empty(64, 128, 254, 510, device="cuda", dtype=dtype)
+    moved = x.numel() * x.element_size() + interior.numel() * interior.element_size()
+    return {
+        "dwconv NCHW": (lambda: conv_forward(x, w, None, geom), moved),
+        "dwconv channels_last": (lambda: conv_forward(x_cl, w, None, geom), moved),
+        "x * 1": (lambda: torch.mul(x, 1.0), 2 * x.numel() * x.element_size()),
+        "copy to 254 x 510": (lambda: interior.copy_(x[:, :, 1:255, 1:511]), 2 * interior.numel() * x.element_size()),
+    }
+
+
+def main(dtype_name="float32", time=False):
+    dtype = getattr(torch, dtype_name)
+    for name, (run, moved) in cases(dtype).items():
+        for _ in range(2):
+            run()
+        if time:
+            for _ in range(3):
+                run()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                run()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end) / 20
+            print(f"{dtype_name:8} {name:22} {ms:7.3f} ms {moved / ms / 1e6:7.0f} GB/s")
     torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    args = sys.argv[1:]
+    main(*[a for a in args if a != "--time"], time="--time" in args)

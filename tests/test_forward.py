@@ -251,6 +251,29 @@ def test_nchw_pixels(dtype, shape, kernel, multiplier, padding, dilation, block)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
+    "shape,kernel,padding,dilation,block",
+    [
+        ((1, 2, 10, 512), (3, 3), 0, 1, (8, 512)),  # #84's rows: 510 of a 512-wide tile
+        ((2, 1, 10, 24), (3, 3), 0, 1, (4, 8)),  # 22-wide rows, three column tiles, two row tiles
+        ((1, 2, 12, 26), (3, 3), 0, 2, (4, 16)),  # dilation 2
+        ((1, 1, 8, 22), (5, 5), 2, 1, (2, 8)),  # padding: the window starts left of the row
+    ],
+    ids=str,
+)
+def test_nchw_pixels_odd_output_rows(dtype, shape, kernel, padding, dilation, block):
+    """"nchw_pixels" on output rows of 2 mod 4 elements (even height): odd rows are computed 2
+    columns to the left and stored as aligned vectors, with pairs at the row ends."""
+    x = randn(*shape, dtype=dtype)
+    weight = randn(shape[1], 1, *kernel, dtype=dtype)
+    geom = conv_geometry(x, weight, None, 1, padding, dilation)
+    config = ForwardConfig("nchw_pixels", block[0], block[1], 1)
+    plan = _forward_plan(geom, config, x, poisoned(geom.output_shape, dtype), True, None)
+    assert plan.constants["ODD_OUT_ALIGN"] == 1, "the aligned odd-row stores are not in use"
+    check(x, weight, randn(shape[1], dtype=dtype), 1, padding, dilation, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
     "shape,kernel,multiplier,stride,padding,dilation,block",
     [
         ((1, 2, 9, 14), (3, 3), 1, 2, 1, 1, (4, 8)),  # MobileNet's strided 3x3: two pair loads a row

@@ -694,11 +694,16 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
                       x_stride_h, y_stride_h, pad_top, KH: tl.constexpr, KW: tl.constexpr,
                       DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, ACC_DTYPE: tl.constexpr,
                       BLOCK_H: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
-                      WINDOW_VECS: tl.constexpr, Y_UNIT: tl.constexpr, MASKED: tl.constexpr,
-                      WEIGHT_GRAD: tl.constexpr, weight_grads, features):
+                      WINDOW_VECS: tl.constexpr, Y_UNIT: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr,
+                      MASKED: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads, features):
     """The tile of depthwise_fwd_nchw_pixels_kernel; MASKED: bounds tests on rows and columns (edge
     tiles), else none. WEIGHT_GRAD: also adds each tap's input lane times the feature at the output
-    it feeds (features: _tile_lanes, zero outside) into weight_grads, and returns them."""
+    it feeds (features: _tile_lanes, zero outside) into weight_grads, and returns them.
+    ODD_OUT_ALIGN (first_row even, y_base a whole vector): odd output rows start 2 elements past a
+    vector boundary; there a thread holds the columns 2 to the left of its even rows' (window views
+    2 lanes left) and stores them as one aligned vector from the boundary below the row's start,
+    the 2-column pieces at the row ends as pairs."""
+    ODD_SHIFT: tl.constexpr = 2 * ODD_OUT_ALIGN
     accs = ()
     for i in tl.static_range(BLOCK_H * 4):
         accs = accs + (start,)
@@ -714,7 +719,8 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
                 if j + kh * DILATION_H == r:
                     for kw in tl.static_range(KW):
                         for i in tl.static_range(4):
-                            pixel = _window_lane(w0, w1, w2, w3, WINDOW_LANE0 + i + kw * DILATION_W, 4).to(ACC_DTYPE)
+                            pixel = _window_lane(w0, w1, w2, w3, WINDOW_LANE0 - ODD_SHIFT * (j % 2) + i
+                                                 + kw * DILATION_W, 4).to(ACC_DTYPE)
                             accs = accs[:j * 4 + i] + (tl.fma(pixel, weights[kh * KW + kw], accs[j * 4 + i]),) \
                                 + accs[j * 4 + i + 1:]
                             if WEIGHT_GRAD:
@@ -725,7 +731,16 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
     for j in tl.static_range(BLOCK_H):
         out_row = zero + (first_row + j)
         y_row = y_base + out_row * y_stride_h
-        if Y_UNIT == 4:  # rows of whole vectors: one 16-byte store
+        if ODD_OUT_ALIGN:  # from the vector boundary at or below the row's start (a no-op on even rows)
+            y_row = y_base + ((out_row * y_stride_h) // 4) * 4
+            first = group_cols - ODD_SHIFT * (j % 2)  # the row column of the thread's lane 0
+            row_ok = out_row < out_h
+            value = _pack4(accs[j * 4], accs[j * 4 + 1], accs[j * 4 + 2], accs[j * 4 + 3]).to(y_base.dtype.element_ty)
+            tl.store(y_row + group_cols + lanes, value, mask=row_ok & (first >= 0) & (first + 4 <= out_w))
+            pair_first = first + (lanes // 2) * 2  # the row ends: pairs (the width is even)
+            ends = row_ok & ((first < 0) | (first + 4 > out_w)) & (pair_first >= 0) & (pair_first + 2 <= out_w)
+            tl.store(y_row + group_cols + lanes, value, mask=ends)
+        elif Y_UNIT == 4:  # rows of whole vectors: one 16-byte store
             value = _pack4(accs[j * 4], accs[j * 4 + 1], accs[j * 4 + 2], accs[j * 4 + 3]).to(y_base.dtype.element_ty)
             if MASKED:
                 tl.store(y_row + group_cols + lanes, value, mask=(out_row < out_h) & (group_cols + lanes < out_w))
@@ -766,7 +781,7 @@ def _nchw_pixels_tile(x_base, y_base, f_base, weights, start, first_row, first_c
                       KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
                       ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
                       WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
-                      Y_UNIT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads):
+                      Y_UNIT: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads):
     """One tile of depthwise_fwd_nchw_pixels_kernel, without bounds tests where every window vector
     and output lies inside the image."""
     interior = ((first_row - pad_top >= 0) & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < in_h)
@@ -776,14 +791,14 @@ def _nchw_pixels_tile(x_base, y_base, f_base, weights, start, first_row, first_c
         weight_grads = _conv_nchw_pixels(
             x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
             x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
-            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, False, WEIGHT_GRAD, weight_grads,
+            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, ODD_OUT_ALIGN, False, WEIGHT_GRAD, weight_grads,
             _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
                         WEIGHT_GRAD, False))
     else:
         weight_grads = _conv_nchw_pixels(
             x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
             x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
-            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, True, WEIGHT_GRAD, weight_grads,
+            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, ODD_OUT_ALIGN, True, WEIGHT_GRAD, weight_grads,
             _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
                         WEIGHT_GRAD, True))
     return weight_grads
@@ -799,7 +814,7 @@ def depthwise_fwd_nchw_pixels_kernel(
     DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
     WINDOW_VECS: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, F_UNIT: tl.constexpr,
-    FLIP_TAPS: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
+    FLIP_TAPS: tl.constexpr, WEIGHT_GRAD: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr,
 ):
     """NCHW, stride 1, unit column steps ("nchw_pixels"; float32 3x3's default since session 9): one program =
     BLOCK_H output rows x BLOCK_W columns of one plane, a thread 4 adjacent columns of each row.
@@ -813,7 +828,9 @@ def depthwise_fwd_nchw_pixels_kernel(
     grad_input and f the forward's input (f_*: its strides in F_UNITs). A program walks a run of
     the plane's row tiles down one column of tiles (`runs` runs a column; the forward passes one
     run a row tile), adds each tap's grad_out lane times f at the output it feeds, and writes
-    partial[program, tap] in the weight's tap order, to be summed by the launcher."""
+    partial[program, tap] in the weight's tap order, to be summed by the launcher.
+    ODD_OUT_ALIGN (the forward; output rows of 2 mod 4 elements in planes of whole vectors, even
+    BLOCK_H): aligned 16-byte stores on odd rows too (see _conv_nchw_pixels)."""
     in_w = in_w * X_UNIT
     out_w = out_w * Y_UNIT
     pid = tl.program_id(0)
@@ -829,6 +846,9 @@ def depthwise_fwd_nchw_pixels_kernel(
     x_base, y_base, out_c = _plane_pointers(x_ptr, y_ptr, plane, out_channels, MULTIPLIER,
                                             x_stride_n * X_UNIT, x_stride_c * X_UNIT,
                                             y_stride_n * Y_UNIT, y_stride_c * Y_UNIT)
+    if ODD_OUT_ALIGN:  # the same plane start, written so that the compiler sees a whole vector
+        y_base = y_ptr + (((plane // out_channels).to(tl.int64) * y_stride_n
+                           + (plane % out_channels).to(tl.int64) * y_stride_c) * Y_UNIT // 4) * 4
     GROUPS: tl.constexpr = BLOCK_W // 4
     first_col = (tile % tiles_w) * BLOCK_W
     group_cols = first_col + 4 * tl.arange(0, GROUPS)[None, :, None]
@@ -859,7 +879,7 @@ def depthwise_fwd_nchw_pixels_kernel(
                                              lanes, zero, in_h, in_w, out_h, out_w, x_stride_h * X_UNIT,
                                              y_stride_h * Y_UNIT, f_stride_h * F_UNIT, pad_top, KH, KW, DILATION_H,
                                              DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, WINDOW_OFF, WINDOW_LANE0,
-                                             WINDOW_VECS, Y_UNIT, True, weight_grads)
+                                             WINDOW_VECS, Y_UNIT, False, True, weight_grads)
         for tap in tl.static_range(KH * KW):  # (a flipped tap stored at the weight's own)
             tl.store(partial_ptr + pid.to(tl.int64) * (KH * KW) + (KH * KW - 1 - tap if FLIP_TAPS else tap),
                      tl.sum(weight_grads[tap]))
@@ -872,7 +892,7 @@ def depthwise_fwd_nchw_pixels_kernel(
         _nchw_pixels_tile(x_base, y_base, y_base, weights, start, first_row, first_col, group_cols, lanes, zero,
                           in_h, in_w, out_h, out_w, x_stride_h * X_UNIT, y_stride_h * Y_UNIT, 0, pad_top, KH, KW,
                           DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS,
-                          Y_UNIT, False, (start,))
+                          Y_UNIT, ODD_OUT_ALIGN, False, (start,))
 
 
 @dataclass(frozen=True)
@@ -1076,10 +1096,10 @@ def odd_rows_alignable(x: torch.Tensor, geom: ConvGeometry) -> bool:
 
 
 def odd_out_rows_alignable(out: torch.Tensor, geom: ConvGeometry) -> bool:
-    """Contiguous NCHW output rows of 2 mod 4 elements in planes of whole 4-vectors (even height),
-    written by the rows kernel with an even ring: odd rows are 2 elements off a vector boundary."""
-    return (out.is_contiguous() and geom.out_w % 4 == 2 and geom.out_h % 2 == 0 and ring_size(geom) % 2 == 0
-            and out.data_ptr() % 16 == 0)
+    """Contiguous NCHW output rows of 2 mod 4 elements in planes of whole 4-vectors (even height):
+    odd rows are 2 elements off a vector boundary (the rows kernel also needs an even ring, so that
+    a slot's rows have one parity)."""
+    return (out.is_contiguous() and geom.out_w % 4 == 2 and geom.out_h % 2 == 0 and out.data_ptr() % 16 == 0)
 
 
 # Aligned stores on odd output rows (the kernel's ODD_OUT_ALIGN); switches so the probes can time both,
@@ -1088,6 +1108,10 @@ def odd_out_rows_alignable(out: torch.Tensor, geom: ConvGeometry) -> bool:
 # stores that change alone took 1.33 / 1.26, whose odd rows' stores go through shared memory).
 ODD_OUT_ALIGN = True
 ODD_OUT_ALIGN_HALF = True
+# The same in "nchw_pixels" (#84 float32's kernel, whose odd rows went out as two 8-byte stores a
+# thread, each half of a 32-byte sector: 27% more L2 write sectors than the output's); a switch
+# for the probes.
+NCHW_PIXELS_ODD_OUT_ALIGN = True
 # bfloat16 windows of the rows kernel widened by bit operations (the kernel's WIDEN_BF16); a switch
 # for the probes.
 WIDEN_BF16 = True
@@ -1150,7 +1174,7 @@ def launch_forward(
                                  (config.block_h, config.block_w, config.num_warps, config.vec)), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
            layout_key(weight_grad_from) if fused else None, flip_weight, runs, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF,
-           WIDEN_BF16)
+           NCHW_PIXELS_ODD_OUT_ALIGN, WIDEN_BF16)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
                                                                   weight_grad_from, flip_weight, runs))
     # taps-major: a tap's weights for a run of channels are one vector load (the strided loads of
@@ -1211,7 +1235,8 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     odd_row_align = int(vec == 4 and x_unit == 2 and odd_rows_alignable(x, geom))
     y_unit = _stride_unit(out, vec, geom.out_w)
     odd_out_align = int(ODD_OUT_ALIGN and vec == 4 and x_unit == 4 and y_unit == 2 and features is None
-                        and (out.element_size() >= 4 or ODD_OUT_ALIGN_HALF) and odd_out_rows_alignable(out, geom))
+                        and (out.element_size() >= 4 or ODD_OUT_ALIGN_HALF) and ring_size(geom) % 2 == 0
+                        and odd_out_rows_alignable(out, geom))
     window_off, window_lane0, window_vecs = window_layout(geom, vec, 2 if odd_row_align else 0, 2 * odd_out_align)
     programs = planes * chunks * tiles_w
     taps = next_power_of_2(geom.kernel_h * geom.kernel_w)
@@ -1245,7 +1270,9 @@ def _nchw_pixels_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor
         "nchw_pixels needs stride 1 and unit column steps"
     assert config.block_w % 4 == 0 and config.block_h * geom.kernel_h * geom.kernel_w <= MAX_PIXEL_TAPS
     x_unit, y_unit = _stride_unit(x, 4, geom.in_w), _stride_unit(out, 4, geom.out_w)
-    window_off, window_lane0, window_vecs = window_layout(geom, 4)
+    odd_out_align = int(NCHW_PIXELS_ODD_OUT_ALIGN and features is None and y_unit == 2 and config.block_h % 2 == 0
+                        and odd_out_rows_alignable(out, geom))
+    window_off, window_lane0, window_vecs = window_layout(geom, 4, 0, 2 * odd_out_align)
     row_tiles = cdiv(geom.out_h, config.block_h)
     f_strides, f_unit, partial_shape = out.stride(), 1, None  # placeholders when WEIGHT_GRAD is off
     if features is not None:
@@ -1263,7 +1290,8 @@ def _nchw_pixels_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor
                *[s // f_unit for s in f_strides[:3]], geom.pad_top, geom.pad_left, runs)
     constants = dict(common, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, BLOCK_H=config.block_h,
                      WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs,
-                     X_UNIT=x_unit, Y_UNIT=y_unit, F_UNIT=f_unit, WEIGHT_GRAD=features is not None, num_stages=1)
+                     X_UNIT=x_unit, Y_UNIT=y_unit, F_UNIT=f_unit, WEIGHT_GRAD=features is not None,
+                     ODD_OUT_ALIGN=odd_out_align, num_stages=1)
     return LaunchPlan("nchw_pixels", (programs,), scalars, constants, partial_shape)
 
 
