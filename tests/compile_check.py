@@ -132,6 +132,8 @@ CASES = [
                                                        ForwardConfig("nchw_pixels", 4, 128, 1)), {}),
     ("nchw pixels, whole 510-column rows (the GPU's float32 #84 choice)", forward, ((1, 2, 18, 512), (3, 3), f32,
                                                                           ForwardConfig("nchw_pixels", 8, 512, 4)), {}),
+    ("nchw pixels, bfloat16 whole rows (the GPU's half-precision #84 choice)", forward,
+     ((1, 2, 18, 512), (3, 3), bf16, None), {}),
     ("nchw pixels, flipped taps (grad_input)", flipped_forward, ((1, 2, 18, 512), (3, 3), f32,
                                                                 ForwardConfig("nchw_pixels", 4, 128, 1)), {}),
     ("tile, stride 2, multiplier 2", forward, ((1, 2, 20, 20), (3, 3), f32, ForwardConfig("tile", 4, 64, 2)),

@@ -215,6 +215,29 @@ def test_default_config_is_valid():
     assert forward_config(geom, x).kernel == "tile"
 
 
+def test_nchw_3x3_dispatch_on_the_gpu(monkeypatch):
+    """The GPU's NCHW 3x3 stride-1 choices (measured, docs/notes.md): "nchw_pixels" in float32, and
+    in half precision on rows over 256 wide (16 rows a program there, 8 in float32); the rows
+    kernel for narrower half-precision rows; dilation leaves "nchw_pixels"."""
+    from dwconv.ops import _launch
+
+    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)  # (the GPU's plans for tensors without one)
+
+    def config(shape, dtype, padding=0, dilation=1):
+        x = torch.empty(shape, dtype=dtype, device="meta")
+        weight = torch.empty(shape[1], 1, 3, 3, dtype=dtype, device="meta")
+        chosen = forward_config(conv_geometry(x, weight, None, 1, padding, dilation), x)
+        return chosen.kernel, chosen.block_h, chosen.block_w
+
+    kb84 = (64, 128, 256, 512)
+    assert config(kb84, torch.float32) == ("nchw_pixels", 8, 512)
+    for half in (torch.float16, torch.bfloat16):
+        assert config(kb84, half) == ("nchw_pixels", 16, 512)
+        assert config((64, 144, 56, 56), half, 1)[0] == "rows"
+    assert config((64, 144, 56, 56), torch.float32, 1) == ("nchw_pixels", 8, 128)
+    assert config((32, 256, 64, 64), torch.float32, 2, 2)[0] != "nchw_pixels"
+
+
 def test_channels_last_takes_the_nhwc_kernel():
     """Only tensors with unit channel strides on both sides go to an NHWC kernel (the band kernel
     under the interpreter, the unrolled-pixels one on the GPU)."""

@@ -695,14 +695,16 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
                       DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, ACC_DTYPE: tl.constexpr,
                       BLOCK_H: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
                       WINDOW_VECS: tl.constexpr, Y_UNIT: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr,
-                      MASKED: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads, features):
+                      WIDEN_BF16: tl.constexpr, MASKED: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads,
+                      features):
     """The tile of depthwise_fwd_nchw_pixels_kernel; MASKED: bounds tests on rows and columns (edge
     tiles), else none. WEIGHT_GRAD: also adds each tap's input lane times the feature at the output
     it feeds (features: _tile_lanes, zero outside) into weight_grads, and returns them.
     ODD_OUT_ALIGN (first_row even, y_base a whole vector): odd output rows start 2 elements past a
     vector boundary; there a thread holds the columns 2 to the left of its even rows' (window views
     2 lanes left) and stores them as one aligned vector from the boundary below the row's start,
-    the 2-column pieces at the row ends as pairs."""
+    the 2-column pieces at the row ends as pairs. WIDEN_BF16: bfloat16 windows widened by
+    _widen_bf16."""
     ODD_SHIFT: tl.constexpr = 2 * ODD_OUT_ALIGN
     accs = ()
     for i in tl.static_range(BLOCK_H * 4):
@@ -711,7 +713,7 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
         in_row = zero + (first_row - pad_top + r)
         x_row = x_base + in_row * x_stride_h
         w0, w1, w2, w3 = _load_row_window(x_row, group_cols, lanes, (in_row >= 0) & (in_row < in_h), in_w,
-                                          WINDOW_OFF, WINDOW_VECS, 4, 0, False, "", MASKED, False)
+                                          WINDOW_OFF, WINDOW_VECS, 4, 0, False, "", MASKED, WIDEN_BF16)
         # output row j reads this row through kernel row kh where j + kh * DILATION_H == r; its lane
         # i through tap (kh, kw) reads window lane WINDOW_LANE0 + i + kw * DILATION_W
         for kh in tl.static_range(KH):
@@ -781,7 +783,8 @@ def _nchw_pixels_tile(x_base, y_base, f_base, weights, start, first_row, first_c
                       KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
                       ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
                       WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
-                      Y_UNIT: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads):
+                      Y_UNIT: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr, WIDEN_BF16: tl.constexpr,
+                      WEIGHT_GRAD: tl.constexpr, weight_grads):
     """One tile of depthwise_fwd_nchw_pixels_kernel, without bounds tests where every window vector
     and output lies inside the image."""
     interior = ((first_row - pad_top >= 0) & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < in_h)
@@ -791,14 +794,14 @@ def _nchw_pixels_tile(x_base, y_base, f_base, weights, start, first_row, first_c
         weight_grads = _conv_nchw_pixels(
             x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
             x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
-            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, ODD_OUT_ALIGN, False, WEIGHT_GRAD, weight_grads,
+            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, ODD_OUT_ALIGN, WIDEN_BF16, False, WEIGHT_GRAD, weight_grads,
             _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
                         WEIGHT_GRAD, False))
     else:
         weight_grads = _conv_nchw_pixels(
             x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
             x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
-            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, ODD_OUT_ALIGN, True, WEIGHT_GRAD, weight_grads,
+            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, ODD_OUT_ALIGN, WIDEN_BF16, True, WEIGHT_GRAD, weight_grads,
             _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
                         WEIGHT_GRAD, True))
     return weight_grads
@@ -814,7 +817,7 @@ def depthwise_fwd_nchw_pixels_kernel(
     DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
     WINDOW_VECS: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, F_UNIT: tl.constexpr,
-    FLIP_TAPS: tl.constexpr, WEIGHT_GRAD: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr,
+    FLIP_TAPS: tl.constexpr, WEIGHT_GRAD: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr, WIDEN_BF16: tl.constexpr,
 ):
     """NCHW, stride 1, unit column steps ("nchw_pixels"; float32 3x3's default since session 9): one program =
     BLOCK_H output rows x BLOCK_W columns of one plane, a thread 4 adjacent columns of each row.
@@ -830,7 +833,8 @@ def depthwise_fwd_nchw_pixels_kernel(
     run a row tile), adds each tap's grad_out lane times f at the output it feeds, and writes
     partial[program, tap] in the weight's tap order, to be summed by the launcher.
     ODD_OUT_ALIGN (the forward; output rows of 2 mod 4 elements in planes of whole vectors, even
-    BLOCK_H): aligned 16-byte stores on odd rows too (see _conv_nchw_pixels)."""
+    BLOCK_H): aligned vector stores on odd rows too (see _conv_nchw_pixels). WIDEN_BF16: as the rows
+    kernel's."""
     in_w = in_w * X_UNIT
     out_w = out_w * Y_UNIT
     pid = tl.program_id(0)
@@ -879,7 +883,7 @@ def depthwise_fwd_nchw_pixels_kernel(
                                              lanes, zero, in_h, in_w, out_h, out_w, x_stride_h * X_UNIT,
                                              y_stride_h * Y_UNIT, f_stride_h * F_UNIT, pad_top, KH, KW, DILATION_H,
                                              DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, WINDOW_OFF, WINDOW_LANE0,
-                                             WINDOW_VECS, Y_UNIT, False, True, weight_grads)
+                                             WINDOW_VECS, Y_UNIT, False, WIDEN_BF16, True, weight_grads)
         for tap in tl.static_range(KH * KW):  # (a flipped tap stored at the weight's own)
             tl.store(partial_ptr + pid.to(tl.int64) * (KH * KW) + (KH * KW - 1 - tap if FLIP_TAPS else tap),
                      tl.sum(weight_grads[tap]))
@@ -892,7 +896,7 @@ def depthwise_fwd_nchw_pixels_kernel(
         _nchw_pixels_tile(x_base, y_base, y_base, weights, start, first_row, first_col, group_cols, lanes, zero,
                           in_h, in_w, out_h, out_w, x_stride_h * X_UNIT, y_stride_h * Y_UNIT, 0, pad_top, KH, KW,
                           DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS,
-                          Y_UNIT, ODD_OUT_ALIGN, False, (start,))
+                          Y_UNIT, ODD_OUT_ALIGN, WIDEN_BF16, False, (start,))
 
 
 @dataclass(frozen=True)
@@ -1008,9 +1012,10 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
     if nchw_pixels_wins(geom, x, out):
         # Rows wider than 256 in whole-row tiles: a 32-byte sector of an output row is then never
         # written half by one program and half by another (#84 float32, H200, session 12, one run:
-        # 8 x 512 outputs a program, 4 warps, 2.192 ms against 2.235 at 8 x 128, one warp)
+        # 8 x 512 outputs a program, 4 warps, 2.192 ms against 2.235 at 8 x 128, one warp); half
+        # precision 16 rows (session 18 probe: #84 float16 1.086 ms against 1.155 at 8 rows)
         if geom.out_w > 256:
-            return ForwardConfig("nchw_pixels", 8, 512, 4)
+            return ForwardConfig("nchw_pixels", 8 if x.element_size() >= 4 else 16, 512, 4)
         return ForwardConfig("nchw_pixels", 8, 128, 1)
     return nchw_config(geom, x)
 
@@ -1018,9 +1023,12 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
 def nchw_pixels_wins(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
     """Where "nchw_pixels" beat the rows kernel (session 9 probe, H200, float32 3x3 stride 1 at 8 x 128
     outputs a program: #84 2.258 ms against 2.272, 64x144x56x56 0.069 against 0.081; bfloat16 was a
-    tie or a loss: #84 1.186 against 1.181). Not nchw_config's answer: the NCHW fused backward needs
+    tie or a loss: #84 1.186 against 1.181); half precision on rows over 256 wide since its aligned
+    odd-row stores (session 18 probe, #84 at 16 x 512: float16 1.086 against the rows kernel's
+    1.140, bfloat16 1.131 against 1.142). Not nchw_config's answer: the NCHW fused backward needs
     the rows kernel there."""
-    return (gpu_plan(x.device) and x.dtype == torch.float32 and geom.kernel_h == geom.kernel_w == 3
+    half_wide = x.dtype in (torch.float16, torch.bfloat16) and geom.out_w > 256
+    return (gpu_plan(x.device) and (x.dtype == torch.float32 or half_wide) and geom.kernel_h == geom.kernel_w == 3
             and geom.stride_h == geom.stride_w == 1 and geom.dilation_h == geom.dilation_w == 1
             and x.stride(3) == 1 and (out is None or out.stride(3) == 1))
 
@@ -1291,7 +1299,10 @@ def _nchw_pixels_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor
     constants = dict(common, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, BLOCK_H=config.block_h,
                      WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs,
                      X_UNIT=x_unit, Y_UNIT=y_unit, F_UNIT=f_unit, WEIGHT_GRAD=features is not None,
-                     ODD_OUT_ALIGN=odd_out_align, num_stages=1)
+                     ODD_OUT_ALIGN=odd_out_align, num_stages=1,
+                     # (the fused backward's widened: #84 bfloat16 backward 1.600 -> 1.626 ms, one run
+                     # each, std 0.04-0.06, session 18; left off there)
+                     WIDEN_BF16=WIDEN_BF16 and x.dtype == torch.bfloat16 and features is None)
     return LaunchPlan("nchw_pixels", (programs,), scalars, constants, partial_shape)
 
 
