@@ -96,6 +96,14 @@ for step in $steps; do
                   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                   --section WarpStateStats --section Occupancy --section InstructionStats --section SourceCounters \
                   python3 benchmarks/ncu_large.py k31 float32 $what 2>&1 | tee "$OUT/ncu_large_$what.log"
+                # the stall reasons a cycle (an instruction-fetch stall would show as no_instruction:
+                # k31's kernel-row loop is ~16 KB of sm_90 code); a separate run, so a metric name
+                # this ncu lacks costs only this table
+                ncu --clock-control none --kernel-name regex:large_fma --launch-skip 1 --launch-count 1 --metrics \
+                  $(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard \
+                    short_scoreboard no_instruction math_pipe_throttle wait not_selected selected mio_throttle \
+                    lg_throttle dispatch_stall branch_resolving barrier imc_miss drain | sed 's/,$//') \
+                  python3 benchmarks/ncu_large.py k31 float32 $what 2>&1 | tee "$OUT/ncu_large_stalls_$what.log"
               done ;;
     savecache) tar -cJf "$OUT/triton_cache.tar.xz" -C "$cache_dir" . && ls -l "$OUT/triton_cache.tar.xz"
                [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -lt 16000000 ] || { echo "cache too large to bring back"; rm -f "$OUT/triton_cache.tar.xz"; } ;;
