@@ -261,6 +261,7 @@ def test_channels_last_takes_the_nhwc_kernel():
         ((1, 1, 7, 7), (7, 7), 1, 3, 1, (4, 4)),  # k7 on an image smaller than the window
         ((1, 2, 10, 139), (3, 3), 1, 1, 1, (8, 128)),  # the GPU's float32 choice (nchw_pixels_wins), odd rows
         ((1, 2, 10, 302), (3, 3), 1, 0, 1, (8, 512)),  # its choice for rows over 256: whole rows, 300 of 512
+        ((1, 1, 20, 30), (3, 7), 1, 0, (1, 2), (2, 8)),  # 18-wide rows whose window leaves no room for odd-row shifts
     ],
     ids=str,
 )

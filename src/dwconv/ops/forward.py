@@ -1089,11 +1089,21 @@ def window_layout(geom: ConvGeometry, vec: int, max_shift: int = 0, left_shift: 
     left_shift: views may also start that many lanes left of window_lane0 (odd output rows)."""
     if vec == 1:
         return 0, 0, 1
+    layout = _window(geom, vec, max_shift, left_shift)
+    assert layout[2] <= 4, "the window holds at most four vectors"
+    return layout
+
+
+def window_fits(geom: ConvGeometry, vec: int, max_shift: int = 0, left_shift: int = 0) -> bool:
+    """Whether window_layout's window for these shifts holds at most four vectors (the odd-row
+    alignments widen it: wide or dilated kernels go without them)."""
+    return vec == 1 or _window(geom, vec, max_shift, left_shift)[2] <= 4
+
+
+def _window(geom: ConvGeometry, vec: int, max_shift: int, left_shift: int):
     window_off = cdiv(geom.pad_left + left_shift, vec) * vec
     window_lane0 = window_off - geom.pad_left
-    window_vecs = cdiv(window_lane0 + max_shift + (geom.kernel_w - 1) * geom.dilation_w + vec, vec)
-    assert window_vecs <= 4, "the window holds at most four vectors"
-    return window_off, window_lane0, window_vecs
+    return window_off, window_lane0, cdiv(window_lane0 + max_shift + (geom.kernel_w - 1) * geom.dilation_w + vec, vec)
 
 
 def odd_rows_alignable(x: torch.Tensor, geom: ConvGeometry) -> bool:
@@ -1240,11 +1250,11 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     vec = config.vec
     assert vec == 1 or (vec in (4, 8) and geom.stride_w == 1 and x.stride(3) == 1), "vec 4 needs unit column steps"
     x_unit = _stride_unit(x, vec, geom.in_w)
-    odd_row_align = int(vec == 4 and x_unit == 2 and odd_rows_alignable(x, geom))
+    odd_row_align = int(vec == 4 and x_unit == 2 and odd_rows_alignable(x, geom) and window_fits(geom, vec, 2))
     y_unit = _stride_unit(out, vec, geom.out_w)
     odd_out_align = int(ODD_OUT_ALIGN and vec == 4 and x_unit == 4 and y_unit == 2 and features is None
                         and (out.element_size() >= 4 or ODD_OUT_ALIGN_HALF) and ring_size(geom) % 2 == 0
-                        and odd_out_rows_alignable(out, geom))
+                        and odd_out_rows_alignable(out, geom) and window_fits(geom, vec, 2 * odd_row_align, 2))
     window_off, window_lane0, window_vecs = window_layout(geom, vec, 2 if odd_row_align else 0, 2 * odd_out_align)
     programs = planes * chunks * tiles_w
     taps = next_power_of_2(geom.kernel_h * geom.kernel_w)
@@ -1279,7 +1289,7 @@ def _nchw_pixels_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor
     assert config.block_w % 4 == 0 and config.block_h * geom.kernel_h * geom.kernel_w <= MAX_PIXEL_TAPS
     x_unit, y_unit = _stride_unit(x, 4, geom.in_w), _stride_unit(out, 4, geom.out_w)
     odd_out_align = int(NCHW_PIXELS_ODD_OUT_ALIGN and features is None and y_unit == 2 and config.block_h % 2 == 0
-                        and odd_out_rows_alignable(out, geom))
+                        and odd_out_rows_alignable(out, geom) and window_fits(geom, 4, 0, 2))
     window_off, window_lane0, window_vecs = window_layout(geom, 4, 0, 2 * odd_out_align)
     row_tiles = cdiv(geom.out_h, config.block_h)
     f_strides, f_unit, partial_shape = out.stride(), 1, None  # placeholders when WEIGHT_GRAD is off
