@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncularge|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncularge|native|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -105,6 +105,9 @@ for step in $steps; do
                     lg_throttle dispatch_stall branch_resolving barrier imc_miss drain | sed 's/,$//') \
                   python3 benchmarks/ncu_large.py k31 float32 $what 2>&1 | tee "$OUT/ncu_large_stalls_$what.log"
               done ;;
+    # host time of a forward launched from a C++ op (cuLaunchKernel on Triton's cubin) against dwconv's
+    # Python path and cuDNN (session 18; compiles a small extension first, ~1 min)
+    native) python3 benchmarks/probe_native_launch.py 2>&1 | tee "$OUT/probe_native.log" ;;
     savecache) tar -cJf "$OUT/triton_cache.tar.xz" -C "$cache_dir" . && ls -l "$OUT/triton_cache.tar.xz"
                [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -lt 16000000 ] || { echo "cache too large to bring back"; rm -f "$OUT/triton_cache.tar.xz"; } ;;
     models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;
