@@ -142,7 +142,7 @@ def crossover(dtypes):
                 f"{name} fwd {f:.3f} f+b {b:.3f} ms" for name, (f, b) in times.items()), flush=True)
 
 
-def fma(layers):
+def fma(layers, extra_blocks=()):
     """float32: the CUDA-core kernels (large_fma) against the Toeplitz products: the forward at the
     launcher's blocks, 28 outputs a thread and weight vectors (errors against float64), the weight gradient, then
     forward+backward through dwconv with large_fma off (large_fma.LARGE_FMA_MIN_TAPS beyond any kernel) and on."""
@@ -163,7 +163,7 @@ def fma(layers):
         groups = 1 if geom.out_w <= 28 else 2
         whole_rows = (32 // groups, 28 * groups, 1, 28)
         runs = {"toeplitz": lambda: toeplitz.toeplitz_forward(x, w, None, geom, out)}
-        for blocks in [default] + [b for b in [whole_rows] if b != default]:
+        for blocks in [default] + [b for b in [whole_rows, *extra_blocks] if b != default]:
             runs[f"fma {blocks}"] = lambda blocks=blocks: large_fma.large_fma_forward(x, w, None, geom, out,
                                                                                       blocks=blocks)
         runs["fma, weight vectors"] = lambda: with_weight_vectors(large_fma.large_fma_forward, x, w, None, geom, out)
@@ -242,11 +242,13 @@ def main():
     p.add_argument("--stages", type=int, help="num_stages of the Toeplitz kernels (toeplitz.NUM_STAGES)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "float16"])
     p.add_argument("--fma", action="store_true", help="only float32's CUDA-core kernel against the Toeplitz products")
+    p.add_argument("--fma-blocks", nargs=4, type=int, action="append", default=[],
+                   metavar=("BH", "BW", "WARPS", "VEC"), help="with --fma: more large_fma forward blocks to time")
     p.add_argument("--layers", type=int, nargs="+", help="indices into LAYERS (k31, k13, k51)")
     args = p.parse_args()
     layers = LAYERS[:1] if args.quick else [LAYERS[i] for i in args.layers] if args.layers else LAYERS
     if args.fma:
-        return fma(layers)
+        return fma(layers, [tuple(b) for b in args.fma_blocks])
     if args.stages:
         toeplitz.NUM_STAGES = args.stages
     dtypes = [getattr(torch, name) for name in args.dtype]
