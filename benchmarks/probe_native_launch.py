@@ -6,18 +6,17 @@ compiler, as Triton's own launchers need one) that registers `dwconv_probe::forw
 out_shape)`: a custom op whose CUDA kernel allocates the output and launches, with cuLaunchKernel,
 the cubin Triton compiled for dwconv's own forward plan, its parameters packed from the compiled
 kernel's signature (constexprs dropped; the scratch pointers Triton appends passed as null). Then,
-per layer, host time per call (perf_counter over back-to-back calls that do not fill the launch
-queue, then one synchronize) of:
+per layer, host time per call (host_overhead_gpu.per_call_us: back-to-back calls that do not fill
+the launch queue) of:
   dwconv.depthwise_conv2d (the user's call), ops.forward.conv_forward (the launcher alone),
   the C++ op, and F.conv2d (cuDNN) -- and the C++ op's output against dwconv's (it must match exactly).
 
-    python benchmarks/probe_native_launch.py [--calls 200] [--layers 0 1 2]
+    python benchmarks/probe_native_launch.py [--calls 50] [--layers 0 1 2]
 """
 
 import argparse
 import os
 import re
-import time
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +25,7 @@ import dwconv
 from dwconv._geometry import conv_geometry
 from dwconv.ops import forward as fwd
 from dwconv.ops import large_fma
+from host_overhead_gpu import per_call_us  # (benchmarks/ is on the path when run as a script)
 
 # (N, C, H, W), kernel, padding: issue #3's small layers (float32, NCHW)
 LAYERS = [((64, 144, 56, 56), 3, 1), ((64, 384, 14, 14), 7, 3), ((64, 240, 28, 28), 5, 2),
@@ -149,22 +149,9 @@ def register(x, w, out, geom):
                                                   meta.shared, kinds, values)
 
 
-def host_us(fn, calls):
-    """Host time a call, us: back-to-back calls after a synchronize, the last one synchronized."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--calls", type=int, default=50)
     p.add_argument("--layers", type=int, nargs="+", default=[0, 1, 2])
     args = p.parse_args()
     build_extension()
@@ -182,13 +169,13 @@ def main():
         expected = dwconv.depthwise_conv2d(x, w, None, 1, pad)
         torch.cuda.synchronize()
         error = (native - expected).abs().max().item()
-        times = {
-            "dwconv.depthwise_conv2d": host_us(lambda: dwconv.depthwise_conv2d(x, w, None, 1, pad), args.calls),
-            "conv_forward (launcher)": host_us(lambda: fwd.conv_forward(x, w, None, geom), args.calls),
-            "C++ op (cuLaunchKernel)": host_us(
-                lambda: torch.ops.dwconv_probe.forward(x, w, index, list(geom.output_shape)), args.calls),
-            "F.conv2d (cuDNN)": host_us(lambda: F.conv2d(x, w, None, 1, pad, 1, shape[1]), args.calls),
+        calls = {
+            "dwconv.depthwise_conv2d": lambda: dwconv.depthwise_conv2d(x, w, None, 1, pad),
+            "conv_forward (launcher)": lambda: fwd.conv_forward(x, w, None, geom),
+            "C++ op (cuLaunchKernel)": lambda: torch.ops.dwconv_probe.forward(x, w, index, list(geom.output_shape)),
+            "F.conv2d (cuDNN)": lambda: F.conv2d(x, w, None, 1, pad, 1, shape[1]),
         }
+        times = {name: per_call_us(fn, args.calls)[0] for name, fn in calls.items()}
         print(f"{shape} k{k} p{pad} float32: C++ op against dwconv max abs diff {error:.1e}")
         for name, us in times.items():
             print(f"  {name:26s} {us:7.1f} us a call (host)")
