@@ -446,6 +446,17 @@ def _row_under_tap(x_row, w0, w1, w2, w3, out_cols, row_ok, in_w, stride_w, pad_
     return x
 
 
+@triton.jit
+def _store_aligned_rows(ptrs, values, first, lanes, rows_ok, out_w, VEC: tl.constexpr, STORE_CACHE: tl.constexpr):
+    """Stores VEC-vectors whose lane 0 is row column `first` (ptrs: from the vector boundary at or
+    below each row's start, so every vector is aligned): whole where the vector lies inside the
+    row, else as the pairs inside it (rows of even width; the odd-row alignments' row ends)."""
+    tl.store(ptrs, values, mask=rows_ok & (first >= 0) & (first + VEC <= out_w), cache_modifier=STORE_CACHE)
+    pair_first = first + (lanes // 2) * 2
+    ends = rows_ok & ((first < 0) | (first + VEC > out_w)) & (pair_first >= 0) & (pair_first + 2 <= out_w)
+    tl.store(ptrs, values, mask=ends, cache_modifier=STORE_CACHE)
+
+
 @triton.jit(do_not_specialize=["pad_left"])
 def depthwise_fwd_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, f_ptr, partial_ptr,
@@ -611,13 +622,8 @@ def depthwise_fwd_rows_kernel(
         if ODD_OUT_ALIGN > 0:  # rows addressed from the vector boundary at or below their start
             y_row = y_ptr + ((y_plane_offset + done * (y_stride_h * Y_UNIT)) // 4) * 4
             first = group_cols - 2 * odd_slots  # the row column of the group's lane 0
-            rows_ok = (done >= first_row) & (done < last_row)
-            values = finished.to(y_ptr.dtype.element_ty)
-            whole = rows_ok & (first >= 0) & (first + VEC <= out_w)  # uniform over each vector
-            tl.store(y_row + out_cols, values, mask=whole, cache_modifier=STORE_CACHE)
-            pair_first = first + (lanes // 2) * 2  # the row ends: pairs (the width is even)
-            ends = rows_ok & ((first < 0) | (first + VEC > out_w)) & (pair_first >= 0) & (pair_first + 2 <= out_w)
-            tl.store(y_row + out_cols, values, mask=ends, cache_modifier=STORE_CACHE)
+            _store_aligned_rows(y_row + out_cols, finished.to(y_ptr.dtype.element_ty), first, lanes,
+                                (done >= first_row) & (done < last_row), out_w, VEC, STORE_CACHE)
         else:
             store_ok = col_ok & (done >= first_row) & (done < last_row)
             tl.store(y_base + done * (y_stride_h * Y_UNIT) + out_cols * y_stride_w,
@@ -735,13 +741,9 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
         y_row = y_base + out_row * y_stride_h
         if ODD_OUT_ALIGN:  # from the vector boundary at or below the row's start (a no-op on even rows)
             y_row = y_base + ((out_row * y_stride_h) // 4) * 4
-            first = group_cols - ODD_SHIFT * (j % 2)  # the row column of the thread's lane 0
-            row_ok = out_row < out_h
             value = _pack4(accs[j * 4], accs[j * 4 + 1], accs[j * 4 + 2], accs[j * 4 + 3]).to(y_base.dtype.element_ty)
-            tl.store(y_row + group_cols + lanes, value, mask=row_ok & (first >= 0) & (first + 4 <= out_w))
-            pair_first = first + (lanes // 2) * 2  # the row ends: pairs (the width is even)
-            ends = row_ok & ((first < 0) | (first + 4 > out_w)) & (pair_first >= 0) & (pair_first + 2 <= out_w)
-            tl.store(y_row + group_cols + lanes, value, mask=ends)
+            _store_aligned_rows(y_row + group_cols + lanes, value, group_cols - ODD_SHIFT * (j % 2), lanes,
+                                out_row < out_h, out_w, 4, "")
         elif Y_UNIT == 4:  # rows of whole vectors: one 16-byte store
             value = _pack4(accs[j * 4], accs[j * 4 + 1], accs[j * 4 + 2], accs[j * 4 + 3]).to(y_base.dtype.element_ty)
             if MASKED:
