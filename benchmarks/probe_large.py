@@ -16,7 +16,8 @@ from dwconv.ops import toeplitz
 from dwconv.ops.forward import ForwardConfig, band_rows, conv_forward
 from profile_model import events_ms  # (benchmarks/ is on the path when run as a script)
 
-LAYERS = [((32, 128, 56, 56), 31, 15), ((32, 256, 28, 28), 13, 6), ((32, 128, 56, 56), 51, 25)]
+LAYERS = [((32, 128, 56, 56), 31, 15), ((32, 256, 28, 28), 13, 6), ((32, 128, 56, 56), 51, 25),
+          ((32, 128, 56, 56), 13, 6)]  # (the last: where whole 56-wide rows a thread start to pay)
 
 
 def rel_err(out, ref):
@@ -156,14 +157,15 @@ def fma(layers, extra_blocks=()):
         geom = conv_geometry(x, w, None, 1, pad, 1)
         ref = F.conv2d(x.double(), w.double(), None, 1, pad, 1, groups=shape[1])
         out = torch.empty_like(x)
-        default = large_fma.large_fma_blocks(geom)
+        default = large_fma.large_fma_forward_blocks(geom, x)
         # (session 14 timed 8, 16 and 32 outputs a thread against the default's: docs/notes.md)
         # 28 outputs a thread: 56-wide rows in two groups, 28-wide in one (no wasted columns; rows
         # of 16 or 32 waste 8 of 64 or 4 of 32; sm_90 loop 86% FFMA on k31 against 78% at 16)
         groups = 1 if geom.out_w <= 28 else 2
         whole_rows = (32 // groups, 28 * groups, 1, 28)
         runs = {"toeplitz": lambda: toeplitz.toeplitz_forward(x, w, None, geom, out)}
-        for blocks in [default] + [b for b in [whole_rows, *extra_blocks] if b != default]:
+        # 32 outputs a thread at most: the weight gradient's blocks, the forward's before session 19
+        for blocks in dict.fromkeys([default, large_fma.large_fma_blocks(geom), whole_rows, *extra_blocks]):
             runs[f"fma {blocks}"] = lambda blocks=blocks: large_fma.large_fma_forward(x, w, None, geom, out,
                                                                                       blocks=blocks)
         runs["fma, weight vectors"] = lambda: with_weight_vectors(large_fma.large_fma_forward, x, w, None, geom, out)

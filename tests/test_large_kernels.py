@@ -7,7 +7,7 @@ import torch
 
 import dwconv
 from dwconv._geometry import conv_geometry
-from dwconv.ops import large_fma, toeplitz
+from dwconv.ops import _launch, large_fma, toeplitz
 from dwconv.ops.backward import fused_backward_applies
 from dwconv.ops.forward import ForwardConfig, forward_config
 from helpers import DEVICE, DTYPES, assert_close, randn
@@ -120,10 +120,12 @@ FMA_CASES = [
     ((2, 3, 12, 23), (3, 3), 2, 1, 1, 1, None),
     ((1, 2, 9, 30), (5, 5), (1, 3), 2, (1, 2), 2, None),
     ((1, 2, 8, 61), (3, 7), (2, 2), (1, 6), (2, 2), 1, (8, 16, 1, 8)),
+    # whole rows of 56 a thread (the large float32 forward's blocks): two such groups on 61 columns
+    ((1, 1, 6, 61), (11, 11), 1, 5, 1, 1, (16, 112, 1, 56)),
 ]
 FMA_IDS = ["k13-16", "k13-28", "k11-odd-rows", "k9x12-stride-dil-mult", "k11-pad10", "k5x11-28-a-thread",
            "k5-tiles-across-images", "k3-stride-dil-rows", "k3-2-wide-mult", "k3-1-wide", "k4-same", "k3-28-wide",
-           "k3-stride2", "k5-stride3-dil2-mult", "k3x7-stride2-dil2"]
+           "k3-stride2", "k5-stride3-dil2-mult", "k3x7-stride2-dil2", "k11-56-a-thread-61-wide"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -186,6 +188,24 @@ def test_large_fma_blocks():
         got = large_fma.large_fma_blocks(geom)
         assert got == blocks, (shape, got)
         assert got[0] * got[1] // got[3] == 32 * got[2]
+
+
+def test_large_fma_forward_blocks(monkeypatch):
+    """The float32 forward of kernels from 10x10 up to 31 columns: a whole row of up to 56 columns a
+    thread (k13 and k31 on 56 x 56); k51, smaller kernels and half precision as the weight gradient's."""
+    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)  # (the GPU's plans for tensors without one)
+    for shape, kernel, dtype, blocks in [((32, 128, 56, 56), 31, torch.float32, (32, 56, 1, 56)),
+                                         ((32, 128, 56, 56), 51, torch.float32, (16, 56, 1, 28)),
+                                         ((32, 128, 56, 56), 13, torch.float32, (32, 56, 1, 56)),
+                                         ((32, 128, 112, 112), 31, torch.float32, (16, 112, 1, 56)),
+                                         ((32, 128, 56, 56), 31, torch.bfloat16, (16, 56, 1, 28)),
+                                         ((32, 128, 56, 56), 9, torch.float32, (16, 56, 1, 28)),
+                                         ((32, 256, 28, 28), 13, torch.float32, (32, 28, 1, 28))]:
+        x = torch.empty(shape, device="meta", dtype=dtype)
+        geom = conv_geometry(x, torch.empty(shape[1], 1, kernel, kernel, device="meta", dtype=dtype), None, 1,
+                             kernel // 2, 1)
+        got = large_fma.large_fma_forward_blocks(geom, x)
+        assert got == blocks, (shape, kernel, dtype, got)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

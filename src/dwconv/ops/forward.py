@@ -28,7 +28,7 @@ from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, gpu_plan, launch, layout_key,
                       new_partial, plane_needs_int64)
 from ._lanes import _lane, _pack4
-from .large_fma import large_fma_applies, large_fma_blocks, large_fma_forward
+from .large_fma import large_fma_applies, large_fma_forward, large_fma_forward_blocks
 from .toeplitz import toeplitz_applies, toeplitz_block_m, toeplitz_block_w, toeplitz_forward
 
 
@@ -1004,8 +1004,8 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
     docs/notes.md): the large_fma kernel where large_fma_applies (5x5 up, and 3x3 up on narrow
     planes), else Toeplitz products on the tensor cores for large kernels, the NHWC kernel for
     channels_last tensors, else by the geometry. backward: the config of grad_input's flipped forward."""
-    if large_fma_applies(geom, x, backward):  # (the launcher takes its blocks: large_fma_blocks)
-        block_h, block_w, num_warps, out_vec = large_fma_blocks(geom, gpu_plan(x.device))
+    if large_fma_applies(geom, x, backward):  # (the launcher takes its blocks: large_fma_forward_blocks)
+        block_h, block_w, num_warps, out_vec = large_fma_forward_blocks(geom, x)
         return ForwardConfig("large_fma", block_h, block_w, num_warps, out_vec)
     if toeplitz_applies(geom, x.dtype):
         return ForwardConfig("toeplitz", toeplitz_block_m(x), toeplitz_block_w(geom, x), 4)

@@ -81,6 +81,16 @@ LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # (what the k
 # probe_large.py --fma: k31 float32 forward 0.513 -> 0.506 ms. Not below: the pad is a torch op of
 # host time a call, and the small kernels' layers are bound by host time (untimed there).
 WEIGHT_VECTORS_MIN_TAPS = TOEPLITZ_MIN_TAPS
+# The float32 forward (and grad_input's flipped forward) of kernels of LARGE_FMA_WHOLE_ROW_MIN_TAPS
+# taps up to LARGE_FMA_WHOLE_ROW_MAX_KERNEL_W columns: up to LARGE_FMA_WHOLE_ROW_MAX_VEC outputs a
+# thread (a whole 56-wide row) instead of 32, which makes the kernel-row loop longer and leaner
+# (k31's sm_90 loop 91.2% FFMA at 56 a thread, 87.7% at 28; 128 registers). H200, session 19, on
+# 32x128x56x56 (ncu: at 28 a thread the k31 forward was issue-bound, 85.6% of issue slots busy):
+# k31 0.507 -> 0.468 ms, k13 0.152 -> 0.128; but k51 1.341 -> 1.885 (158 registers: its window of
+# 106 columns a row no longer fits beside 56 sums). The weight gradient keeps 32 (not timed at 56).
+LARGE_FMA_WHOLE_ROW_MIN_TAPS = TOEPLITZ_MIN_TAPS
+LARGE_FMA_WHOLE_ROW_MAX_KERNEL_W = 31
+LARGE_FMA_WHOLE_ROW_MAX_VEC = 56
 
 
 @triton.jit
@@ -259,8 +269,15 @@ def large_fma_applies(geom: ConvGeometry, x: torch.Tensor, backward: bool = Fals
                                                     or geom.in_w <= max_width)
 
 
-def large_fma_blocks(geom: ConvGeometry, on_gpu: bool = True):
-    """(block_h, block_w, num_warps, out_vec): out_vec outputs a thread, a multiple of 4 up to 32
+def large_fma_forward_blocks(geom: ConvGeometry, x: torch.Tensor):
+    """The forward's blocks (large_fma_blocks), whole rows of up to 56 for large float32 kernels."""
+    whole_rows = (x.dtype == torch.float32 and geom.kernel_h * geom.kernel_w >= LARGE_FMA_WHOLE_ROW_MIN_TAPS
+                  and geom.kernel_w <= LARGE_FMA_WHOLE_ROW_MAX_KERNEL_W)
+    return large_fma_blocks(geom, gpu_plan(x.device), LARGE_FMA_WHOLE_ROW_MAX_VEC if whole_rows else 32)
+
+
+def large_fma_blocks(geom: ConvGeometry, on_gpu: bool = True, max_vec: int = 32):
+    """(block_h, block_w, num_warps, out_vec): out_vec outputs a thread, a multiple of 4 up to max_vec
     that wastes the fewest columns of a row (then the largest), one output row of a group a thread,
     the fewest wasted rows over batch x out_h (then the fewest warps) over 1, 2 or 4 warps. k31 /
     k51 on 56 x 56: 16 x 56 on one warp, 28 a thread (H200, session 14: k31 forward 0.505 ms
@@ -272,7 +289,7 @@ def large_fma_blocks(geom: ConvGeometry, on_gpu: bool = True):
         block_w = min(32, next_power_of_2(cdiv(geom.out_w, vec))) * vec
         return cdiv(geom.out_w, block_w) * block_w - geom.out_w
 
-    out_vec = min(range(4, 33, 4), key=lambda vec: (waste(vec), -vec))
+    out_vec = min(range(4, max_vec + 1, 4), key=lambda vec: (waste(vec), -vec))
     groups = min(32, next_power_of_2(cdiv(geom.out_w, out_vec)))
     total_rows = geom.batch * geom.out_h
     options = [(32 * warps // groups, warps) for warps in (1, 2, 4) if 32 * warps >= groups]
@@ -296,7 +313,7 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     plan = cached_plan(_PLANS, (geom, layout_key(x), layout_key(dst), bias is not None, flip_weight, blocks,
                                 weight_vectors),
                        lambda: _plan(geom, x, dst, bias is not None, flip_weight,
-                                     blocks or large_fma_blocks(geom, gpu_plan(x.device)), weight_vectors))
+                                     blocks or large_fma_forward_blocks(geom, x), weight_vectors))
     w_row = plan.constants["W_ROW"]
     weight = weight.contiguous() if w_row == geom.kernel_w else F.pad(weight, (0, w_row - geom.kernel_w))
     launch(depthwise_fwd_large_fma_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, dst)
