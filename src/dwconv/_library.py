@@ -114,21 +114,18 @@ def _(grad_out, input, weight, stride, padding, dilation):
 
 # ---- the backward formula, for both doors -------------------------------------------------------
 
-def _backward_formula(ctx, grad_out: Tensor, traced: bool):
-    """Gradients of input, weight and bias (None where not needed). traced: through the registered
+def _backward_formula(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry, want_input: bool,
+                      want_weight: bool, want_bias: bool, traced: bool):
+    """Gradients of input, weight and bias (None where not wanted). traced: through the registered
     ops (torch.compile's graphs); else straight to the launchers (eager)."""
-    input, weight = ctx.saved_tensors
-    geom = ctx.geom if not traced else _geometry(input, weight, None, *ctx.conv)
-    want_input, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    want_bias = ctx.has_bias and ctx.needs_input_grad[2]
-    ops = torch.ops.dwconv
+    ops, conv = torch.ops.dwconv, conv_arguments(geom) if traced else None
     grad_input = grad_weight = grad_bias = None
     # The fused pass does not sum grad_out for the bias; a separate sum would read grad_out again,
     # about what fusing saves, so with a bias gradient the two kernels run.
     if (_backward.FUSED_BACKWARD and want_input and want_weight and not want_bias and input.numel() > 0
             and _backward.fused_backward_applies(geom, input)):
         if traced:
-            grad_input, grad_weight = ops.conv2d_grad_input_weight(grad_out, input, weight, *ctx.conv)
+            grad_input, grad_weight = ops.conv2d_grad_input_weight(grad_out, input, weight, *conv)
         else:
             grad_input, grad_weight = _grad_input_weight(grad_out, input, weight, geom)
         return grad_input, grad_weight, None
@@ -136,14 +133,14 @@ def _backward_formula(ctx, grad_out: Tensor, traced: bool):
     # stays at PyTorch's (grad_input + grad_weight beside the saved tensors).
     if want_weight or want_bias:
         if traced:
-            grads = ops.conv2d_grad_weight(grad_out, input, weight, *ctx.conv, want_bias)
+            grads = ops.conv2d_grad_weight(grad_out, input, weight, *conv, want_bias)
         else:
             grads = _grad_weight(grad_out, input, weight, geom, want_bias)
         grad_weight = grads[0] if want_weight else None
         grad_bias = grads[1] if want_bias else None
     if want_input:
         if traced:
-            grad_input = ops.conv2d_grad_input(grad_out, input, weight, *ctx.conv)
+            grad_input = ops.conv2d_grad_input(grad_out, input, weight, *conv)
         else:
             grad_input = _grad_input(grad_out, input, weight, geom)
     return grad_input, grad_weight, grad_bias
@@ -156,8 +153,15 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
 
 
+def _wanted(ctx) -> Tuple[bool, bool, bool]:
+    """Which of input, weight and bias need a gradient."""
+    return ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+
+
 def _op_backward(ctx, grad_out):
-    return (*_backward_formula(ctx, grad_out, traced=True), None, None, None)
+    input, weight = ctx.saved_tensors
+    geom = _geometry(input, weight, None, *ctx.conv)
+    return (*_backward_formula(grad_out, input, weight, geom, *_wanted(ctx), traced=True), None, None, None)
 
 
 conv2d.register_autograd(_op_backward, setup_context=_setup_context)
@@ -174,7 +178,8 @@ class DepthwiseConv2dFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*_backward_formula(ctx, grad_out, traced=False), None)
+        input, weight = ctx.saved_tensors
+        return (*_backward_formula(grad_out, input, weight, ctx.geom, *_wanted(ctx), traced=False), None)
 
 
 __all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_input_weight", "conv_arguments",

@@ -98,7 +98,20 @@ def on_device_of(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
+# ops/program.py's recorder while it records a pass (None otherwise): it logs each launch, then
+# launches through launch_now with its dispatch mode off.
+RECORDER = None
+
+
 def launch(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
+    """Every kernel launch of dwconv goes through here (launch_now), or to the recorder while one records."""
+    if RECORDER is not None:
+        RECORDER.launch(kernel, plan, tensors)
+        return
+    launch_now(kernel, plan, *tensors)
+
+
+def launch_now(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
     """kernel[plan.grid](*tensors, *plan.scalars, **plan.constants). With FAST_LAUNCH, later launches
     of a plan on a device go straight to the compiled kernel that the first one returned, skipping
     Triton's per-call specialisation and cache lookup (Triton's run() was ~70 us of each launch's
@@ -108,7 +121,7 @@ def launch(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
     Runs on the first tensor's GPU (on_device_of)."""
     if tensors[0].is_cuda and tensors[0].get_device() != torch.cuda.current_device():
         with torch.cuda.device(tensors[0].device):
-            launch(kernel, plan, *tensors)
+            launch_now(kernel, plan, *tensors)
         return
     if not (FAST_LAUNCH and tensors[0].is_cuda):
         kernel[plan.grid](*tensors, *plan.scalars, **plan.constants)
