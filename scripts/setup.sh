@@ -10,9 +10,11 @@ if python3 -c 'import torch, triton, pytest; assert torch.cuda.is_available()' >
   exit 0
 fi
 venv=$root/.venv
-if ! "$venv/bin/python" -c 'import torch, triton, pytest, xdist, dwconv' >/dev/null 2>&1; then
+# (ninja: torch.utils.cpp_extension builds dwconv's C++ replayer, csrc/replay.cpp, with it)
+if ! "$venv/bin/python" -c 'import torch, triton, pytest, xdist, ninja, dwconv' >/dev/null 2>&1; then
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" >&2
-  "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "pytest>=8" "pytest-xdist>=3" numpy >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "pytest>=8" "pytest-xdist>=3" \
+    numpy ninja >&2
   "$venv/bin/pip" install -q --disable-pip-version-check --no-deps -e "$root" >&2
 fi
 # The GPU machine's Triton (3.6), beside the venv's, only to compile the kernels for sm_90 with it

@@ -1,0 +1,198 @@
+// Replays a recorded pass (dwconv/ops/program.py) without Python: each aten op through the
+// dispatcher (a boxed call on a stack built once), each Triton launch through cuLaunchKernel on
+// the cubin Triton compiled (DWCONV_CUDA_LAUNCH builds), or, for tests on the CPU, through a Python
+// callable. Built at first use by dwconv/ops/native.py. Session 19: the second stage of the C++
+// path (docs/notes.md); the third, an autograd node that runs these programs, is not written yet.
+
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#ifdef DWCONV_CUDA_LAUNCH
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+struct OpStep {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> stack;                       // every argument, tensors left None
+  std::vector<std::pair<size_t, int64_t>> tensor_args;  // (stack position, value index)
+  std::vector<int64_t> results;                         // value index of each return, -1: dropped
+};
+
+struct LaunchStep {
+  std::vector<int64_t> tensors;  // value indices, in the kernel's order
+  py::object callback;           // a Python launch (CPU tests), or None
+  // a native launch: the CUfunction, grid, threads, shared bytes, and one parameter a kind:
+  // 'p' a tensor's data pointer (values: its index into `tensors`), 'i' int32, 'l' int64, 's' null
+  int64_t function = 0;
+  std::vector<int64_t> grid;
+  int64_t threads = 0, shared = 0;
+  std::string kinds;
+  std::vector<int64_t> values;
+};
+
+class Program {
+ public:
+  explicit Program(int64_t n_inputs) : n_inputs_(n_inputs), n_values_(n_inputs) {}
+
+  // args: the op's every argument in schema order (tensor positions None); tensor_args name them.
+  void add_op(const std::string& name, const std::string& overload, const py::list& args,
+              const std::vector<std::pair<int64_t, int64_t>>& tensor_args, const std::vector<int64_t>& results) {
+    auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+    const auto& schema = handle.schema();
+    TORCH_CHECK(args.size() == schema.arguments().size(), name, ": ", args.size(), " arguments for ",
+                schema.arguments().size());
+    TORCH_CHECK(results.size() == schema.returns().size(), name, ": ", results.size(), " results for ",
+                schema.returns().size());
+    OpStep step{handle, {}, {}, results};
+    for (size_t i = 0; i < args.size(); ++i) {
+      step.stack.push_back(args[i].is_none() ? c10::IValue()
+                                             : torch::jit::toIValue(args[i], schema.arguments()[i].real_type()));
+    }
+    for (const auto& [position, index] : tensor_args) {
+      TORCH_CHECK(position >= 0 && position < static_cast<int64_t>(args.size()) && index >= 0 && index < n_values_,
+                  name, ": tensor argument ", position, " names value ", index, " of ", n_values_);
+      step.tensor_args.emplace_back(static_cast<size_t>(position), index);
+    }
+    for (int64_t index : results) {
+      TORCH_CHECK(index == -1 || index == n_values_, name, ": results must take the next values in order");
+      n_values_ += index != -1;
+    }
+    steps_.emplace_back(std::move(step));
+  }
+
+  void add_python_launch(py::object callback, const std::vector<int64_t>& tensors) {
+    check_values(tensors);
+    LaunchStep step;
+    step.tensors = tensors;
+    step.callback = std::move(callback);
+    steps_.emplace_back(std::move(step));
+  }
+
+  void add_native_launch(int64_t function, const std::vector<int64_t>& grid, int64_t threads, int64_t shared,
+                         const std::vector<int64_t>& tensors, const std::string& kinds,
+                         const std::vector<int64_t>& values) {
+#ifndef DWCONV_CUDA_LAUNCH
+    TORCH_CHECK(false, "this build of dwconv's replayer has no CUDA launches");
+#endif
+    check_values(tensors);
+    TORCH_CHECK(grid.size() == 3 && kinds.size() == values.size(), "a grid of 3 and one value a parameter");
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      TORCH_CHECK(std::string("pils").find(kinds[i]) != std::string::npos, "parameter kind ", kinds[i]);
+      TORCH_CHECK(kinds[i] != 'p' || (values[i] >= 0 && values[i] < static_cast<int64_t>(tensors.size())),
+                  "pointer parameter ", i, " names tensor ", values[i]);
+    }
+    LaunchStep step;
+    step.tensors = tensors;
+    step.callback = py::none();
+    step.function = function;
+    step.grid = grid;
+    step.threads = threads;
+    step.shared = shared;
+    step.kinds = kinds;
+    step.values = values;
+    steps_.emplace_back(std::move(step));
+  }
+
+  void set_outputs(const std::vector<int64_t>& outputs) {
+    for (int64_t index : outputs) TORCH_CHECK(index >= -1 && index < n_values_, "output names value ", index);
+    outputs_ = outputs;
+  }
+
+  std::vector<std::optional<at::Tensor>> replay(const std::vector<std::optional<at::Tensor>>& inputs) const {
+    TORCH_CHECK(static_cast<int64_t>(inputs.size()) == n_inputs_, "program takes ", n_inputs_, " inputs, got ",
+                inputs.size());
+    std::vector<c10::IValue> values(n_values_);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i]) values[i] = *inputs[i];
+    }
+    int64_t next = n_inputs_;
+    for (const auto& step : steps_) {
+      if (const auto* op = std::get_if<OpStep>(&step)) {
+        torch::jit::Stack stack = op->stack;
+        for (const auto& [position, index] : op->tensor_args) stack[position] = values[index];
+        op->op.callBoxed(stack);
+        for (size_t r = 0; r < op->results.size(); ++r) {
+          if (op->results[r] != -1) values[next++] = std::move(stack[r]);
+        }
+      } else {
+        launch(std::get<LaunchStep>(step), values);
+      }
+    }
+    std::vector<std::optional<at::Tensor>> out;
+    for (int64_t index : outputs_) {
+      out.push_back(index == -1 || values[index].isNone() ? std::nullopt
+                                                          : std::optional<at::Tensor>(values[index].toTensor()));
+    }
+    return out;
+  }
+
+  int64_t steps() const { return static_cast<int64_t>(steps_.size()); }
+
+ private:
+  void check_values(const std::vector<int64_t>& tensors) const {
+    for (int64_t index : tensors) TORCH_CHECK(index >= 0 && index < n_values_, "launch names value ", index);
+  }
+
+  static void launch(const LaunchStep& step, const std::vector<c10::IValue>& values) {
+    if (!step.callback.is_none()) {
+      py::gil_scoped_acquire gil;
+      py::list tensors;
+      for (int64_t index : step.tensors) tensors.append(values[index].toTensor());
+      step.callback(tensors);
+      return;
+    }
+#ifdef DWCONV_CUDA_LAUNCH
+    const at::Tensor& first = values[step.tensors.at(0)].toTensor();
+    c10::cuda::CUDAGuard guard(first.device());
+    std::vector<uint64_t> storage(step.kinds.size(), 0);
+    std::vector<void*> params(step.kinds.size());
+    for (size_t i = 0; i < step.kinds.size(); ++i) {
+      if (step.kinds[i] == 'p') {
+        storage[i] = reinterpret_cast<uint64_t>(values[step.tensors[step.values[i]]].toTensor().data_ptr());
+      } else if (step.kinds[i] == 'i') {
+        int32_t v = static_cast<int32_t>(step.values[i]);
+        std::memcpy(&storage[i], &v, sizeof v);
+      } else if (step.kinds[i] == 'l') {
+        storage[i] = static_cast<uint64_t>(step.values[i]);
+      }
+      params[i] = &storage[i];
+    }
+    CUresult status = cuLaunchKernel(reinterpret_cast<CUfunction>(step.function), step.grid[0], step.grid[1],
+                                     step.grid[2], step.threads, 1, 1, step.shared,
+                                     c10::cuda::getCurrentCUDAStream(first.get_device()).stream(), params.data(),
+                                     nullptr);
+    TORCH_CHECK(status == CUDA_SUCCESS, "cuLaunchKernel failed: ", static_cast<int>(status));
+#else
+    TORCH_CHECK(false, "no CUDA launches in this build");
+#endif
+  }
+
+  int64_t n_inputs_, n_values_;
+  std::vector<std::variant<OpStep, LaunchStep>> steps_;
+  std::vector<int64_t> outputs_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Program>(m, "Program")
+      .def(py::init<int64_t>())
+      .def("add_op", &Program::add_op)
+      .def("add_python_launch", &Program::add_python_launch)
+      .def("add_native_launch", &Program::add_native_launch)
+      .def("set_outputs", &Program::set_outputs)
+      .def("replay", &Program::replay)
+      .def("steps", &Program::steps);
+}

@@ -1,0 +1,142 @@
+"""Programs (ops/program.py) handed to the C++ replayer (csrc/replay.cpp), built at first use.
+
+`native_program(program)` converts a recorded program: each aten op becomes a boxed call with its
+arguments laid out in schema order once, each launch a cuLaunchKernel of the cubin Triton compiled
+for it (on the GPU: the function handle, grid, threads, shared memory and parameters read off the
+compiled kernel, as benchmarks/probe_native_launch.py checked bitwise on the H200 in session 19),
+or, with python_launches (CPU tests under the interpreter), a call back into `_launch.launch_now`.
+Not used by dwconv's eager path yet: the autograd node that runs forward and backward programs
+from C++ is the next stage (docs/notes.md, session 19).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import sys
+from typing import List, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import _launch
+from .program import LaunchStep, NotRecordable, OpStep, Program, Ref
+
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "replay.cpp")
+
+
+@functools.lru_cache(maxsize=None)
+def extension(cuda_launches: Optional[bool] = None):
+    """The compiled replayer (torch.utils.cpp_extension.load: cached on disk between processes).
+    cuda_launches: with cuLaunchKernel (needs CUDA's driver library; default: where CUDA is available)."""
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:  # (pip's ninja puts it beside the interpreter, maybe not on PATH)
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    if cuda_launches is None:
+        cuda_launches = torch.cuda.is_available()
+    flags, includes, ldflags = ["-O2"], [], []
+    if cuda_launches:
+        import triton
+        from triton.backends.nvidia.driver import libcuda_dirs
+
+        flags.append("-DDWCONV_CUDA_LAUNCH")
+        includes.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include"))
+        torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+        ldflags = [f"-L{d}" for d in libcuda_dirs()] + ["-lcuda", f"-L{torch_lib}", "-lc10_cuda"]
+    name = "dwconv_replay" + ("_cuda" if cuda_launches else "_cpu")
+    return load(name, [SOURCE], extra_cflags=flags, extra_include_paths=includes, extra_ldflags=ldflags,
+                verbose=False)
+
+
+class NativeProgram:
+    """A Program replayed by C++; replay(*inputs) returns what Program.replay returns."""
+
+    def __init__(self, program: Program, python_launches: bool = False):
+        self.native = extension().Program(program.n_inputs)
+        for step in program.steps:
+            if isinstance(step, OpStep):
+                self._add_op(step)
+            elif python_launches:
+                self.native.add_python_launch(
+                    lambda tensors, kernel=step.kernel, plan=step.plan: _launch.launch_now(kernel, plan, *tensors),
+                    [r.index for r in step.tensors])
+            else:
+                self._add_launch(step)
+        leaves, self.spec = tree_flatten(program.outputs)
+        if not all(leaf is None or isinstance(leaf, Ref) for leaf in leaves):
+            raise NotRecordable("a program output that is not a tensor")
+        self.native.set_outputs([-1 if leaf is None else leaf.index for leaf in leaves])
+
+    def replay(self, *inputs: Optional[torch.Tensor]):
+        return tree_unflatten(self.native.replay(list(inputs)), self.spec)
+
+    def _add_op(self, step: OpStep):
+        schema = step.op._schema
+        names = [a.name for a in schema.arguments]
+        unknown = set(step.kwargs) - set(names)
+        if unknown:
+            raise NotRecordable(f"{step.op}: keyword arguments {unknown} not in its schema")
+        args: List[object] = []
+        tensor_args = []
+        for position, argument in enumerate(schema.arguments):
+            if position < len(step.args):
+                value = step.args[position]
+            elif argument.name in step.kwargs:
+                value = step.kwargs[argument.name]
+            elif argument.has_default_value():
+                value = argument.default_value
+            else:
+                raise NotRecordable(f"{step.op}: no value for {argument.name}")
+            if isinstance(value, Ref):
+                tensor_args.append((position, value.index))
+                value = None
+            elif any(isinstance(v, Ref) for v in tree_flatten(value)[0]):
+                raise NotRecordable(f"{step.op}: a list of tensors ({argument.name})")
+            args.append(value)
+        self.native.add_op(schema.name, schema.overload_name, args, tensor_args,
+                           [-1 if r is None else r for r in step.results])
+
+    def _add_launch(self, step: LaunchStep):
+        tensors = [r.index for r in step.tensors]
+        entry = step.plan.compiled.get((step.kernel, torch.cuda.current_device()))
+        if entry is None:
+            raise NotRecordable("a launch without a compiled kernel (recorded without the fast launch)")
+        compiled, grid, scalars = entry[1], entry[2], entry[3]
+        compiled._init_handles()
+        meta = compiled.metadata
+        if getattr(meta, "global_scratch_size", 0) or getattr(meta, "num_ctas", 1) != 1:
+            raise NotRecordable("a launch that needs scratch memory or clusters")
+        # (the fast launch's arguments after the tensors: the plan's scalars, then its constants
+        # that are not constexpr in the signature)
+        args = dict(zip(step.kernel.arg_names, [None] * len(tensors) + list(scalars)))
+        kinds, values = "", []
+        for position, (name, kind) in enumerate(compiled.src.signature.items()):
+            if kind == "constexpr":
+                continue
+            if kind.startswith("*"):  # (the tensors are the kernel's first arguments)
+                assert position < len(tensors), (step.kernel, name)
+                kinds, values = kinds + "p", values + [position]
+            else:
+                kinds, values = kinds + ("l" if "64" in kind else "i"), values + [int(args[name])]
+        entry_params = _ptx_params(compiled.asm["ptx"])
+        extra = entry_params - len(kinds)
+        if not 0 <= extra <= 2:
+            raise NotRecordable(f"{extra} kernel parameters past the signature's")
+        self.native.add_native_launch(compiled.function, list(grid), 32 * meta.num_warps, meta.shared, tensors,
+                                      kinds + "s" * extra, values + [0] * extra)
+
+
+def _ptx_params(ptx: str) -> int:
+    """How many parameters the kernel's .entry takes (Triton appends its scratch pointers)."""
+    entry = ptx[ptx.index(".entry"):]
+    return len(re.findall(r"\.param\s", entry[:entry.index(")")]))
+
+
+def native_program(program: Program, python_launches: bool = False) -> NativeProgram:
+    return NativeProgram(program, python_launches)
+
+
+__all__ = ["NativeProgram", "native_program", "extension"]
