@@ -5,11 +5,12 @@ launches call back into Python (the interpreter); on a GPU they are cuLaunchKern
 import pytest
 import torch
 
+import dwconv
 from dwconv._geometry import conv_geometry
 from dwconv._library import _backward_formula
 from dwconv.ops import native, program
 from dwconv.ops.forward import conv_forward
-from helpers import DEVICE, randn
+from helpers import DEVICE, assert_close, randn
 from test_program import LAYOUTS, assert_same
 
 # (shape, kernel, stride, padding, dilation): 3x3 (the fused backward), strided, and a 7x7 on a
@@ -52,3 +53,37 @@ def test_native_program_checks_its_inputs():
     replay = native.native_program(prog, python_launches=DEVICE == "cpu")
     with pytest.raises(RuntimeError, match="program takes 2 inputs"):
         replay.replay(x)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("wanted,bias", [((True, True, True), True), ((True, True), False), ((False, True, False), True),
+                                         ((True, False), False)], ids=["all", "no-bias", "weight-only", "input-only"])
+def test_native_eager_path(monkeypatch, layout, wanted, bias):
+    """DWCONV_NATIVE=1: dwconv's eager calls through the C++ autograd Function: output and the wanted
+    gradients against float64 F.conv2d, a second call (replayed, not recorded) bitwise the first,
+    and a grad_out of other strides (y.sum()'s expanded ones: a second backward program)."""
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    memory_format = LAYOUTS[layout]
+    x = randn(2, 3, 8, 9).contiguous(memory_format=memory_format)
+    tensors = [x, randn(3, 1, 3, 3)] + ([randn(3)] if bias else [])
+    leaves = [t.clone().requires_grad_(want) for t, want in zip(tensors, wanted)]
+    ref_leaves = [t.detach().double().requires_grad_(want) for t, want in zip(tensors, wanted)]
+    ref = torch.nn.functional.conv2d(*ref_leaves, stride=1, padding=1, groups=3)
+    grad_out = randn(*ref.shape).contiguous(memory_format=memory_format)
+    ref_grads = torch.autograd.grad(ref, [t for t in ref_leaves if t.requires_grad], grad_out.double(),
+                                    retain_graph=True)
+    results = []
+    for _ in range(2):
+        out = dwconv.depthwise_conv2d(*leaves, stride=1, padding=1)
+        assert type(out.grad_fn).__name__ == "CppFunction" and out.is_contiguous(memory_format=memory_format)
+        grads = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], grad_out)
+        results.append((out, *grads))
+        assert_close(out, ref, torch.float32, "output")
+        for got, want, name in zip(grads, ref_grads, ["first", "second", "third"]):
+            assert_close(got, want, torch.float32, f"{name} wanted gradient")
+    assert_same(results[1], results[0], "second call")
+    summed = torch.autograd.grad(dwconv.depthwise_conv2d(*leaves, stride=1, padding=1).sum(),
+                                 [t for t in leaves if t.requires_grad])
+    ref_summed = torch.autograd.grad(ref.sum(), [t for t in ref_leaves if t.requires_grad])
+    for got, want in zip(summed, ref_summed):
+        assert_close(got, want, torch.float32, "gradient of a sum")

@@ -56,6 +56,10 @@ def depthwise_conv2d(
 
         return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
     function, conv_forward = _eager_path()
+    if _native_path():
+        from .ops import native
+
+        return native.conv(input, weight, bias, geom)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
         return function.apply(input, weight, bias, geom)
     return conv_forward(input, weight, bias, geom)
@@ -75,6 +79,11 @@ def _eager_path():
 
         _EAGER = (DepthwiseConv2dFunction, conv_forward)
     return _EAGER
+
+
+def _native_path() -> bool:
+    """DWCONV_NATIVE=1: eager calls through ops/native.py's C++ autograd Function (experimental)."""
+    return os.environ.get("DWCONV_NATIVE", "0") == "1"
 
 
 def _autocast(input, weight, bias):

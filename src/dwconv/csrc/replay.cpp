@@ -1,14 +1,19 @@
 // Replays a recorded pass (dwconv/ops/program.py) without Python: each aten op through the
 // dispatcher (a boxed call on a stack built once), each Triton launch through cuLaunchKernel on
 // the cubin Triton compiled (DWCONV_CUDA_LAUNCH builds), or, for tests on the CPU, through a Python
-// callable. Built at first use by dwconv/ops/native.py. Session 19: the second stage of the C++
-// path (docs/notes.md); the third, an autograd node that runs these programs, is not written yet.
+// callable; and an autograd Function in C++ (`conv`) whose forward and backward are such programs,
+// so that neither pass runs Python once a layer's programs are recorded. Built at first use by
+// dwconv/ops/native.py (docs/notes.md, session 19).
 
 #include <torch/extension.h>
+#include <torch/autograd.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -184,10 +189,112 @@ class Program {
   std::vector<int64_t> outputs_;
 };
 
+// One layer key (shapes, strides, dtypes, conv arguments: ops/native.py): its forward program and
+// its backward programs by (wanted gradients, grad_out's strides and 16-byte alignment), recorded by
+// a Python callable on first need.
+struct Layer {
+  std::shared_ptr<Program> forward;
+  py::object record_backward;  // (mask, grad_out, input, weight) -> Program
+  std::mutex mutex;
+  std::map<std::vector<int64_t>, std::shared_ptr<Program>> backward;
+
+  std::shared_ptr<Program> backward_for(int64_t mask, const at::Tensor& grad_out, const at::Tensor& input,
+                                        const at::Tensor& weight) {
+    std::vector<int64_t> key{mask, static_cast<int64_t>(reinterpret_cast<uintptr_t>(grad_out.data_ptr()) % 16)};
+    key.insert(key.end(), grad_out.strides().begin(), grad_out.strides().end());
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto found = backward.find(key);
+      if (found != backward.end()) return found->second;
+    }
+    std::shared_ptr<Program> program;
+    {
+      py::gil_scoped_acquire gil;
+      program = record_backward(mask, grad_out, input, weight).cast<std::shared_ptr<Program>>();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    return backward.emplace(key, program).first->second;
+  }
+};
+
+std::vector<std::shared_ptr<Layer>>& layers() {
+  // never destroyed: its Python callables must not be released after the interpreter has finalized
+  static auto* registry = new std::vector<std::shared_ptr<Layer>>();
+  return *registry;
+}
+
+int64_t register_layer(std::shared_ptr<Program> forward, py::object record_backward) {
+  auto layer = std::make_shared<Layer>();
+  layer->forward = std::move(forward);
+  layer->record_backward = std::move(record_backward);
+  layers().push_back(layer);
+  return static_cast<int64_t>(layers().size()) - 1;
+}
+
+// The passes of an autograd Function, with or without a bias argument (an undefined tensor in its
+// place is not accepted by torch::autograd::Function::apply).
+at::Tensor forward_pass(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, int64_t layer) {
+  ctx->saved_data["layer"] = layer;
+  ctx->save_for_backward({input, weight});  // only these, as the Python Function
+  return *layers().at(layer)->forward->replay({input, weight, bias}).at(0);
+}
+
+// grads of input, weight and bias (undefined where not wanted); mask bits: 1 input, 2 weight, 4 bias
+torch::autograd::variable_list backward_pass(torch::autograd::AutogradContext* ctx, const at::Tensor& grad_out,
+                                             int64_t mask) {
+  auto saved = ctx->get_saved_variables();
+  auto& layer = layers().at(ctx->saved_data["layer"].toInt());
+  auto result = layer->backward_for(mask, grad_out, saved[0], saved[1])->replay({grad_out, saved[0], saved[1]});
+  torch::autograd::variable_list out(3);
+  for (size_t i = 0; i < 3 && i < result.size(); ++i) {
+    if (result[i]) out[i] = *result[i];
+  }
+  return out;
+}
+
+int64_t wanted(torch::autograd::AutogradContext* ctx, bool has_bias) {
+  return (ctx->needs_input_grad(0) ? 1 : 0) | (ctx->needs_input_grad(1) ? 2 : 0) |
+         (has_bias && ctx->needs_input_grad(2) ? 4 : 0);
+}
+
+class ConvFunction : public torch::autograd::Function<ConvFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                            int64_t layer) {
+    return forward_pass(ctx, input, weight, std::nullopt, layer);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto out = backward_pass(ctx, grads[0], wanted(ctx, false));
+    return {out[0], out[1], at::Tensor()};
+  }
+};
+
+class ConvBiasFunction : public torch::autograd::Function<ConvBiasFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                            const at::Tensor& bias, int64_t layer) {
+    return forward_pass(ctx, input, weight, bias, layer);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto out = backward_pass(ctx, grads[0], wanted(ctx, true));
+    return {out[0], out[1], out[2], at::Tensor()};
+  }
+};
+
+at::Tensor conv(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                int64_t layer) {
+  return bias ? ConvBiasFunction::apply(input, weight, *bias, layer) : ConvFunction::apply(input, weight, layer);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<Program>(m, "Program")
+  m.def("register_layer", &register_layer);
+  m.def("conv", &conv);
+  py::class_<Program, std::shared_ptr<Program>>(m, "Program")
       .def(py::init<int64_t>())
       .def("add_op", &Program::add_op)
       .def("add_python_launch", &Program::add_python_launch)

@@ -5,8 +5,8 @@ arguments laid out in schema order once, each launch a cuLaunchKernel of the cub
 for it (on the GPU: the function handle, grid, threads, shared memory and parameters read off the
 compiled kernel, as benchmarks/probe_native_launch.py checked bitwise on the H200 in session 19),
 or, with python_launches (CPU tests under the interpreter), a call back into `_launch.launch_now`.
-Not used by dwconv's eager path yet: the autograd node that runs forward and backward programs
-from C++ is the next stage (docs/notes.md, session 19).
+`conv` (below) is dwconv's eager path through an autograd Function written in C++ whose forward and
+backward are such programs: opt-in with DWCONV_NATIVE=1 until measured on the GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _launch
-from .program import LaunchStep, NotRecordable, OpStep, Program, Ref
+from .program import LaunchStep, NotRecordable, OpStep, Program, Ref, program_key, record
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "replay.cpp")
 
@@ -101,7 +101,7 @@ class NativeProgram:
 
     def _add_launch(self, step: LaunchStep):
         tensors = [r.index for r in step.tensors]
-        entry = step.plan.compiled.get((step.kernel, torch.cuda.current_device()))
+        entry = step.compiled
         if entry is None:
             raise NotRecordable("a launch without a compiled kernel (recorded without the fast launch)")
         compiled, grid, scalars = entry[1], entry[2], entry[3]
@@ -139,4 +139,40 @@ def native_program(program: Program, python_launches: bool = False) -> NativePro
     return NativeProgram(program, python_launches)
 
 
-__all__ = ["NativeProgram", "native_program", "extension"]
+
+
+# ---- the eager path from C++ (opt-in: DWCONV_NATIVE=1) ------------------------------------------
+
+# Off by default until measured on the GPU (docs/notes.md, session 19): with DWCONV_NATIVE=1
+# (functional._native_path), dwconv's eager calls go through `conv`, an autograd Function written in
+# C++ whose passes are recorded programs.
+_LAYERS: dict = {}  # (program_key of the tensors, geometry) -> the extension's layer number
+
+
+def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom) -> torch.Tensor:
+    """depthwise_conv2d for a checked geometry, differentiable, run by the C++ replayer. A layer's
+    first call records its forward (running it once more); each backward combination is recorded at
+    its first backward, from C++ calling back into Python."""
+    key = (program_key((input, weight, bias)), geom)
+    layer = _LAYERS.get(key)
+    if layer is None:
+        if len(_LAYERS) >= 4096:  # (as the launch plans' caches)
+            _LAYERS.clear()
+        layer = _LAYERS[key] = _register(input, weight, bias, geom)
+    return extension().conv(input, weight, bias, layer)
+
+
+def _register(input, weight, bias, geom) -> int:
+    from .._library import _backward_formula
+    from .forward import conv_forward
+
+    python_launches = not input.is_cuda  # (CPU tensors: the interpreter, called back from C++)
+    _, forward = record(lambda x, w, b: conv_forward(x, w, b, geom), [input, weight, bias])
+
+    def record_backward(mask: int, grad_out: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+        def grads(grad_out, x, w):
+            return _backward_formula(grad_out, x, w, geom, bool(mask & 1), bool(mask & 2), bool(mask & 4),
+                                     traced=False)
+        return NativeProgram(record(grads, [grad_out, x, w])[1], python_launches).native
+
+    return extension().register_layer(NativeProgram(forward, python_launches).native, record_backward)

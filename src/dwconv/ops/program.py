@@ -52,6 +52,8 @@ class LaunchStep:
     kernel: Any  # a Triton JITFunction
     plan: _launch.LaunchPlan
     tensors: Tuple[Ref, ...]
+    # on a GPU: the fast launch's entry for this launch (pointers, compiled kernel, grid, arguments)
+    compiled: Optional[tuple] = None
 
 
 def program_key(tensors: Sequence[Optional[torch.Tensor]], *extra) -> tuple:
@@ -129,9 +131,15 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def launch(self, kernel, plan, tensors):
-        self.steps.append(LaunchStep(kernel, plan, tuple(self.ref(t) for t in tensors)))
+        refs = tuple(self.ref(t) for t in tensors)
         with _disable_current_modes():  # (the interpreter's own tensor ops are not the pass's)
             _launch.launch_now(kernel, plan, *tensors)
+        compiled = None
+        if tensors[0].is_cuda:  # (what launch_now just compiled or reused for these tensors' pointers)
+            compiled = plan.compiled.get((kernel, tensors[0].get_device()))
+            if compiled is not None and compiled[0] != tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors):
+                compiled = None
+        self.steps.append(LaunchStep(kernel, plan, refs, compiled))
 
 
 def record(fn: Callable, inputs: Sequence[Optional[torch.Tensor]], *args) -> Tuple[Any, Program]:
