@@ -87,3 +87,17 @@ def test_native_eager_path(monkeypatch, layout, wanted, bias):
     ref_summed = torch.autograd.grad(ref.sum(), [t for t in ref_leaves if t.requires_grad])
     for got, want in zip(summed, ref_summed):
         assert_close(got, want, torch.float32, "gradient of a sum")
+
+
+def test_native_eager_path_falls_back(monkeypatch):
+    """A layer whose passes cannot be recorded keeps the Python autograd Function."""
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+
+    def refuse(*args, **kwargs):
+        raise program.NotRecordable("refused for the test")
+
+    monkeypatch.setattr(native, "_register", refuse)
+    x, weight = randn(1, 2, 5, 7).requires_grad_(), randn(2, 1, 3, 3)
+    out = dwconv.depthwise_conv2d(x, weight, None, 1, 1)
+    assert type(out.grad_fn).__name__ != "CppFunction"
+    assert_close(out, torch.nn.functional.conv2d(x.double(), weight.double(), None, 1, 1, 1, 2), torch.float32)

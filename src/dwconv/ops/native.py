@@ -154,12 +154,26 @@ def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     first call records its forward (running it once more); each backward combination is recorded at
     its first backward, from C++ calling back into Python."""
     key = (program_key((input, weight, bias)), geom)
-    layer = _LAYERS.get(key)
-    if layer is None:
+    layer = _LAYERS.get(key, _NEW)
+    if layer is _NEW:
         if len(_LAYERS) >= 4096:  # (as the launch plans' caches)
             _LAYERS.clear()
-        layer = _LAYERS[key] = _register(input, weight, bias, geom)
+        try:
+            layer = _register(input, weight, bias, geom)
+        except NotRecordable:  # (this key keeps the Python path)
+            layer = None
+        _LAYERS[key] = layer
+    if layer is None:
+        from .._library import DepthwiseConv2dFunction
+        from .forward import conv_forward
+
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
+            return DepthwiseConv2dFunction.apply(input, weight, bias, geom)
+        return conv_forward(input, weight, bias, geom)
     return extension().conv(input, weight, bias, layer)
+
+
+_NEW = object()
 
 
 def _register(input, weight, bias, geom) -> int:
