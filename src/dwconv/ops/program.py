@@ -85,10 +85,8 @@ class Program:
             out = step.op(*tree_map(value, step.args), **tree_map(value, step.kwargs))
             if poison and step.op.overloadpacket in _FRESH and out.is_floating_point():
                 out.fill_(math.nan)
-            for index, result in zip(step.results, tree_flatten(out)[0]):
-                if index is not None:
-                    values.extend([None] * (index + 1 - len(values)))
-                    values[index] = result
+            # (an op's tensor results take the next value numbers, in order)
+            values.extend(result for index, result in zip(step.results, tree_flatten(out)[0]) if index is not None)
         return tree_map(value, self.outputs)
 
 
