@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncularge|native|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncularge|native|nativepath|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -108,6 +108,16 @@ for step in $steps; do
     # host time of a forward launched from a C++ op (cuLaunchKernel on Triton's cubin) against dwconv's
     # Python path and cuDNN (session 18; compiles a small extension first, ~1 min)
     native) python3 benchmarks/probe_native_launch.py 2>&1 | tee "$OUT/probe_native.log" ;;
+    # session 19's C++ path (DWCONV_NATIVE=1, never run on a GPU before): its tests and the gradient
+    # tests through it, then host time against the Python Function on small layers
+    nativepath) DWCONV_NATIVE=1 python3 -m pytest -v -rf $xdist tests/test_native.py tests/test_backward.py \
+                  -k "native or gradient_grid or gradient_dtypes or partial_requires or mixed_layouts or expanded or network or deterministic or through_autograd" \
+                  -p no:cacheprovider >"$OUT/native_tests.log" 2>&1
+                tests_summary "$OUT/native_tests.log"
+                for layer in "64 144 56 56 --kernel 3" "64 384 14 14 --kernel 7 --dtype bfloat16" \
+                             "64 960 7 7 --kernel 3 --dtype bfloat16" "32 256 28 28 --kernel 13"; do
+                  python3 benchmarks/probe_native_host.py --shape $layer
+                done 2>&1 | grep -v Warn | tee "$OUT/native_host.log" ;;
     savecache) tar -cJf "$OUT/triton_cache.tar.xz" -C "$cache_dir" . && ls -l "$OUT/triton_cache.tar.xz"
                [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -lt 16000000 ] || { echo "cache too large to bring back"; rm -f "$OUT/triton_cache.tar.xz"; } ;;
     models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;
