@@ -59,7 +59,9 @@ def depthwise_conv2d(
     if _native_path():
         from .ops import native
 
-        return native.conv(input, weight, bias, geom)
+        out = native.conv(input, weight, bias, geom)
+        if out is not None:
+            return out
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
         return function.apply(input, weight, bias, geom)
     return conv_forward(input, weight, bias, geom)

@@ -149,10 +149,11 @@ def native_program(program: Program, python_launches: bool = False) -> NativePro
 _LAYERS: dict = {}  # (program_key of the tensors, geometry) -> the extension's layer number
 
 
-def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom) -> torch.Tensor:
-    """depthwise_conv2d for a checked geometry, differentiable, run by the C++ replayer. A layer's
-    first call records its forward (running it once more); each backward combination is recorded at
-    its first backward, from C++ calling back into Python."""
+def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom) -> Optional[torch.Tensor]:
+    """depthwise_conv2d for a checked geometry, differentiable, run by the C++ replayer; None where
+    this layer's passes cannot be recorded (the caller keeps its Python path). A layer's first call
+    records its forward (running it once more); each backward combination is recorded at its first
+    backward, from C++ calling back into Python."""
     key = (program_key((input, weight, bias)), geom)
     layer = _LAYERS.get(key, _NEW)
     if layer is _NEW:
@@ -160,17 +161,10 @@ def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             _LAYERS.clear()
         try:
             layer = _register(input, weight, bias, geom)
-        except NotRecordable:  # (this key keeps the Python path)
+        except NotRecordable:
             layer = None
         _LAYERS[key] = layer
-    if layer is None:
-        from .._library import DepthwiseConv2dFunction
-        from .forward import conv_forward
-
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
-            return DepthwiseConv2dFunction.apply(input, weight, bias, geom)
-        return conv_forward(input, weight, bias, geom)
-    return extension().conv(input, weight, bias, layer)
+    return None if layer is None else extension().conv(input, weight, bias, layer)
 
 
 _NEW = object()
