@@ -2,8 +2,11 @@
 give bitwise what dwconv's Python path gives, forward and backward, both layouts. On the CPU the
 launches call back into Python (the interpreter); on a GPU they are cuLaunchKernel of Triton's cubins."""
 
+import contextlib
+
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import dwconv
 from dwconv._geometry import conv_geometry
@@ -101,3 +104,47 @@ def test_native_eager_path_falls_back(monkeypatch):
     out = dwconv.depthwise_conv2d(x, weight, None, 1, 1)
     assert type(out.grad_fn).__name__ != "CppFunction"
     assert_close(out, torch.nn.functional.conv2d(x.double(), weight.double(), None, 1, 1, 1, 2), torch.float32)
+
+
+class _PassThroughMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("setting", ["0", "1", "unset", "1-under-a-mode"])
+def test_native_path_selection(monkeypatch, setting):
+    """DWCONV_NATIVE=0: the Python Function; =1: the C++ one; unset: the C++ one on CUDA tensors once
+    built (CPU tensors: the Python one); never under a TorchDispatchMode. Right values every way."""
+    if setting == "unset":
+        monkeypatch.delenv("DWCONV_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("DWCONV_NATIVE", setting.split("-")[0])
+    monkeypatch.setattr(native, "_BACKGROUND", {"built": True})  # (as after the background build)
+    x, weight = randn(2, 3, 6, 7).requires_grad_(), randn(3, 1, 3, 3)
+    if setting == "1-under-a-mode":
+        with _PassThroughMode():
+            out = dwconv.depthwise_conv2d(x, weight, None, 1, 1)
+    else:
+        out = dwconv.depthwise_conv2d(x, weight, None, 1, 1)
+    through_cpp = setting == "1" or (setting == "unset" and DEVICE == "cuda")
+    assert (type(out.grad_fn).__name__ == "CppFunction") == through_cpp, type(out.grad_fn).__name__
+    assert_close(out, torch.nn.functional.conv2d(x.double(), weight.double(), None, 1, 1, 1, 3), torch.float32)
+
+
+@pytest.mark.parametrize("outcome", ["built", "fails"])
+def test_native_background_build(monkeypatch, outcome):
+    """The background build runs in a process of its own and reports success, or warns and leaves
+    the Python path on (here: the CPU build, and a build of a source that is not there)."""
+    build_arguments = native._build_arguments
+    if outcome == "built":
+        monkeypatch.setattr(native, "_build_arguments", lambda cuda_launches: build_arguments(False))
+    else:
+        monkeypatch.setattr(native, "_build_arguments",
+                            lambda cuda_launches: dict(build_arguments(False), name="dwconv_missing",
+                                                       sources=["/nonexistent/replay.cpp"]))
+    monkeypatch.setattr(native, "_BACKGROUND", {})
+    assert not native._built_in_background()  # (the first call only starts it)
+    with pytest.warns(RuntimeWarning, match="could not be built") if outcome == "fails" else contextlib.nullcontext():
+        native._BACKGROUND["thread"].join(timeout=900)
+    assert not native._BACKGROUND["thread"].is_alive(), "the build did not finish in 15 minutes"
+    assert native._built_in_background() == (outcome == "built")

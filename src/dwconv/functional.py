@@ -55,10 +55,8 @@ def depthwise_conv2d(
         from ._library import conv_arguments
 
         return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
-    function, conv_forward = _eager_path()
-    if _native_path():
-        from .ops import native
-
+    function, conv_forward, native = _eager_path()
+    if native.enabled(input):
         out = native.conv(input, weight, bias, geom)
         if out is not None:
             return out
@@ -71,21 +69,17 @@ _EAGER = None
 
 
 def _eager_path():
-    """(DepthwiseConv2dFunction, conv_forward), imported on first use (importing them imports Triton,
+    """(DepthwiseConv2dFunction, conv_forward, ops.native), imported on first use (importing them imports Triton,
     which must come after a caller such as the no-GPU demo sets TRITON_INTERPRET) and kept: an
     import statement costs ~2 us a call."""
     global _EAGER
     if _EAGER is None:
         from ._library import DepthwiseConv2dFunction
+        from .ops import native
         from .ops.forward import conv_forward
 
-        _EAGER = (DepthwiseConv2dFunction, conv_forward)
+        _EAGER = (DepthwiseConv2dFunction, conv_forward, native)
     return _EAGER
-
-
-def _native_path() -> bool:
-    """DWCONV_NATIVE=1: eager calls through ops/native.py's C++ autograd Function (experimental)."""
-    return os.environ.get("DWCONV_NATIVE", "0") == "1"
 
 
 def _autocast(input, weight, bias):

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef DWCONV_CUDA_LAUNCH
@@ -27,6 +28,29 @@
 namespace py = pybind11;
 
 namespace {
+
+// Error messages joined by hand, never by TORCH_CHECK's stream formatting: on the GPU machine's
+// toolchain any std::ostringstream in an extension segfaults (docs/notes.md, session 20), and a
+// failed check must raise. (The message is built only when the check fails.)
+template <typename T>
+std::string piece(const T& value) {
+  if constexpr (std::is_same_v<T, char>) {
+    return std::string(1, value);
+  } else if constexpr (std::is_integral_v<T>) {
+    return std::to_string(value);
+  } else {
+    return std::string(value);
+  }
+}
+
+template <typename... Parts>
+std::string message(const Parts&... parts) {
+  std::string out;
+  (out += ... += piece(parts));
+  return out;
+}
+
+#define DWCONV_CHECK(cond, ...) TORCH_CHECK(cond, message(__VA_ARGS__))
 
 struct OpStep {
   c10::OperatorHandle op;
@@ -56,9 +80,9 @@ class Program {
               const std::vector<std::pair<int64_t, int64_t>>& tensor_args, const std::vector<int64_t>& results) {
     auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
     const auto& schema = handle.schema();
-    TORCH_CHECK(args.size() == schema.arguments().size(), name, ": ", args.size(), " arguments for ",
+    DWCONV_CHECK(args.size() == schema.arguments().size(), name, ": ", args.size(), " arguments for ",
                 schema.arguments().size());
-    TORCH_CHECK(results.size() == schema.returns().size(), name, ": ", results.size(), " results for ",
+    DWCONV_CHECK(results.size() == schema.returns().size(), name, ": ", results.size(), " results for ",
                 schema.returns().size());
     OpStep step{handle, {}, {}, results};
     for (size_t i = 0; i < args.size(); ++i) {
@@ -66,12 +90,12 @@ class Program {
                                              : torch::jit::toIValue(args[i], schema.arguments()[i].real_type()));
     }
     for (const auto& [position, index] : tensor_args) {
-      TORCH_CHECK(position >= 0 && position < static_cast<int64_t>(args.size()) && index >= 0 && index < n_values_,
+      DWCONV_CHECK(position >= 0 && position < static_cast<int64_t>(args.size()) && index >= 0 && index < n_values_,
                   name, ": tensor argument ", position, " names value ", index, " of ", n_values_);
       step.tensor_args.emplace_back(static_cast<size_t>(position), index);
     }
     for (int64_t index : results) {
-      TORCH_CHECK(index == -1 || index == n_values_, name, ": results must take the next values in order");
+      DWCONV_CHECK(index == -1 || index == n_values_, name, ": results must take the next values in order");
       n_values_ += index != -1;
     }
     steps_.emplace_back(std::move(step));
@@ -89,13 +113,13 @@ class Program {
                          const std::vector<int64_t>& tensors, const std::string& kinds,
                          const std::vector<int64_t>& values) {
 #ifndef DWCONV_CUDA_LAUNCH
-    TORCH_CHECK(false, "this build of dwconv's replayer has no CUDA launches");
+    DWCONV_CHECK(false, "this build of dwconv's replayer has no CUDA launches");
 #endif
     check_values(tensors);
-    TORCH_CHECK(grid.size() == 3 && kinds.size() == values.size(), "a grid of 3 and one value a parameter");
+    DWCONV_CHECK(grid.size() == 3 && kinds.size() == values.size(), "a grid of 3 and one value a parameter");
     for (size_t i = 0; i < kinds.size(); ++i) {
-      TORCH_CHECK(std::string("pils").find(kinds[i]) != std::string::npos, "parameter kind ", kinds[i]);
-      TORCH_CHECK(kinds[i] != 'p' || (values[i] >= 0 && values[i] < static_cast<int64_t>(tensors.size())),
+      DWCONV_CHECK(std::string("pils").find(kinds[i]) != std::string::npos, "parameter kind ", kinds[i]);
+      DWCONV_CHECK(kinds[i] != 'p' || (values[i] >= 0 && values[i] < static_cast<int64_t>(tensors.size())),
                   "pointer parameter ", i, " names tensor ", values[i]);
     }
     LaunchStep step;
@@ -111,12 +135,12 @@ class Program {
   }
 
   void set_outputs(const std::vector<int64_t>& outputs) {
-    for (int64_t index : outputs) TORCH_CHECK(index >= -1 && index < n_values_, "output names value ", index);
+    for (int64_t index : outputs) DWCONV_CHECK(index >= -1 && index < n_values_, "output names value ", index);
     outputs_ = outputs;
   }
 
   std::vector<std::optional<at::Tensor>> replay(const std::vector<std::optional<at::Tensor>>& inputs) const {
-    TORCH_CHECK(static_cast<int64_t>(inputs.size()) == n_inputs_, "program takes ", n_inputs_, " inputs, got ",
+    DWCONV_CHECK(static_cast<int64_t>(inputs.size()) == n_inputs_, "program takes ", n_inputs_, " inputs, got ",
                 inputs.size());
     std::vector<c10::IValue> values(n_values_);
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -147,7 +171,7 @@ class Program {
 
  private:
   void check_values(const std::vector<int64_t>& tensors) const {
-    for (int64_t index : tensors) TORCH_CHECK(index >= 0 && index < n_values_, "launch names value ", index);
+    for (int64_t index : tensors) DWCONV_CHECK(index >= 0 && index < n_values_, "launch names value ", index);
   }
 
   static void launch(const LaunchStep& step, const std::vector<c10::IValue>& values) {
@@ -178,9 +202,9 @@ class Program {
                                      step.grid[2], step.threads, 1, 1, step.shared,
                                      c10::cuda::getCurrentCUDAStream(first.get_device()).stream(), params.data(),
                                      nullptr);
-    TORCH_CHECK(status == CUDA_SUCCESS, "cuLaunchKernel failed: ", static_cast<int>(status));
+    DWCONV_CHECK(status == CUDA_SUCCESS, "cuLaunchKernel failed: ", static_cast<int>(status));
 #else
-    TORCH_CHECK(false, "no CUDA launches in this build");
+    DWCONV_CHECK(false, "no CUDA launches in this build");
 #endif
   }
 

@@ -6,7 +6,8 @@ for it (on the GPU: the function handle, grid, threads, shared memory and parame
 compiled kernel, as benchmarks/probe_native_launch.py checked bitwise on the H200 in session 19),
 or, with python_launches (CPU tests under the interpreter), a call back into `_launch.launch_now`.
 `conv` (below) is dwconv's eager path through an autograd Function written in C++ whose forward and
-backward are such programs: opt-in with DWCONV_NATIVE=1 until measured on the GPU.
+backward are such programs: eager calls on CUDA tensors take it once the replayer is built
+(`enabled`); DWCONV_NATIVE=0 turns it off, DWCONV_NATIVE=1 forces it (also on CPU tensors).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import re
 import shutil
 import sys
+import threading
+import warnings
 from typing import List, Optional
 
 import torch
@@ -27,16 +30,9 @@ from .program import LaunchStep, NotRecordable, OpStep, Program, Ref, program_ke
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "replay.cpp")
 
 
-@functools.lru_cache(maxsize=None)
-def extension(cuda_launches: Optional[bool] = None):
-    """The compiled replayer (torch.utils.cpp_extension.load: cached on disk between processes).
-    cuda_launches: with cuLaunchKernel (needs CUDA's driver library; default: where CUDA is available)."""
-    from torch.utils.cpp_extension import load
-
-    if shutil.which("ninja") is None:  # (pip's ninja puts it beside the interpreter, maybe not on PATH)
-        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    if cuda_launches is None:
-        cuda_launches = torch.cuda.is_available()
+def _build_arguments(cuda_launches: bool) -> dict:
+    """torch.utils.cpp_extension.load's keyword arguments for the replayer (plain data: the
+    background build passes them to another process)."""
     flags, includes, ldflags = ["-O2"], [], []
     if cuda_launches:
         import triton
@@ -46,9 +42,87 @@ def extension(cuda_launches: Optional[bool] = None):
         includes.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include"))
         torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
         ldflags = [f"-L{d}" for d in libcuda_dirs()] + ["-lcuda", f"-L{torch_lib}", "-lc10_cuda"]
-    name = "dwconv_replay" + ("_cuda" if cuda_launches else "_cpu")
-    return load(name, [SOURCE], extra_cflags=flags, extra_include_paths=includes, extra_ldflags=ldflags,
-                verbose=False)
+    return dict(name="dwconv_replay" + ("_cuda" if cuda_launches else "_cpu"), sources=[SOURCE],
+                extra_cflags=flags, extra_include_paths=includes, extra_ldflags=ldflags, verbose=False)
+
+
+def _ninja_on_path() -> None:
+    if shutil.which("ninja") is None:  # (pip's ninja puts it beside the interpreter, maybe not on PATH)
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.lru_cache(maxsize=None)
+def extension(cuda_launches: Optional[bool] = None):
+    """The compiled replayer (torch.utils.cpp_extension.load: cached on disk between processes).
+    cuda_launches: with cuLaunchKernel (needs CUDA's driver library; default: where CUDA is available)."""
+    from torch.utils.cpp_extension import load
+
+    _ninja_on_path()
+    return load(**_build_arguments(torch.cuda.is_available() if cuda_launches is None else cuda_launches))
+
+
+# ---- when eager calls take this path ----------------------------------------------------------
+
+def enabled(input: torch.Tensor) -> bool:
+    """Whether dwconv's eager call on `input` goes through `conv` (below). DWCONV_NATIVE=0: never;
+    =1: always (the replayer is built now if it must be). Unset: CUDA tensors, once the replayer is
+    built: the first call starts the build in the background and calls keep the Python path, which
+    launches the same kernels, until it is done. Never under a TorchDispatchMode (a mode would see
+    the recorded ops but not the launches the Python path makes, and a recording would log its ops)."""
+    setting = os.environ.get("DWCONV_NATIVE")
+    if setting == "0" or torch._C._len_torch_dispatch_stack():
+        return False
+    return setting == "1" or (input.is_cuda and _built_in_background())
+
+
+_BACKGROUND: dict = {}  # "thread": the build's watcher; "built": the build finished and succeeded
+
+
+def prepare() -> bool:
+    """Build or load the CUDA replayer now, unless DWCONV_NATIVE=0: eager calls on CUDA tensors then
+    take the C++ path from the first (benchmarks, warm-up). False where it cannot be built (warned)."""
+    if os.environ.get("DWCONV_NATIVE") == "0":
+        return False
+    try:
+        extension(True)
+    except Exception as error:
+        warnings.warn(f"dwconv: the C++ replayer could not be built ({error!r}); eager calls keep the "
+                      "Python path", RuntimeWarning)
+        return False
+    _BACKGROUND["built"] = True
+    return True
+
+
+def _built_in_background() -> bool:
+    """True once the CUDA replayer is built; the first call starts building it in a detached process
+    (its first build on a machine takes about a minute, later ones find it on disk in seconds). A
+    process of its own, not a thread doing the build: torch's build holds a lock file that a process
+    ending mid-build would leave behind, and every later build would wait on it."""
+    if _BACKGROUND.get("built"):
+        return True
+    if "thread" not in _BACKGROUND:
+        _BACKGROUND["thread"] = threading.Thread(target=_build_detached, name="dwconv-native-build", daemon=True)
+        _BACKGROUND["thread"].start()
+    return False
+
+
+def _build_detached() -> None:
+    import json
+    import subprocess
+
+    _ninja_on_path()
+    script = "import json, sys; from torch.utils.cpp_extension import load; load(**json.loads(sys.argv[1]))"
+    try:
+        build = subprocess.run([sys.executable, "-c", script, json.dumps(_build_arguments(True))],
+                               capture_output=True, text=True, start_new_session=True)
+        failure = build.returncode and (build.stderr.strip().splitlines() or ["no message"])[-1]
+    except Exception as error:  # (no CUDA driver library, no interpreter to run)
+        failure = repr(error)
+    if failure:
+        warnings.warn(f"dwconv: the C++ replayer could not be built ({failure}); eager calls keep the "
+                      "Python path (docs: README, 'Launches on the GPU')", RuntimeWarning)
+    else:
+        _BACKGROUND["built"] = True  # (loaded by the next call: torch's loader finds it built)
 
 
 class NativeProgram:
@@ -141,11 +215,11 @@ def native_program(program: Program, python_launches: bool = False) -> NativePro
 
 
 
-# ---- the eager path from C++ (opt-in: DWCONV_NATIVE=1) ------------------------------------------
+# ---- the eager path from C++ ----------------------------------------------------------------------
 
-# Off by default until measured on the GPU (docs/notes.md, session 19): with DWCONV_NATIVE=1
-# (functional._native_path), dwconv's eager calls go through `conv`, an autograd Function written in
-# C++ whose passes are recorded programs.
+# dwconv's eager calls where `enabled` says so go through `conv`, an autograd Function written in
+# C++ whose passes are recorded programs (host time of a small layer's forward+backward on the H200
+# machine about half the Python Function's: docs/notes.md, session 20).
 _LAYERS: dict = {}  # (program_key of the tensors, geometry) -> the extension's layer number
 
 
