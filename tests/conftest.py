@@ -15,6 +15,13 @@ from dwconv.ops import large_fma  # noqa: E402
 # Every partial-sum buffer starts as NaN in the tests: an entry no program writes fails the test.
 dwconv.ops._launch.POISON_PARTIALS = True
 
+if torch.cuda.is_available():
+    # eager calls on CUDA take the C++ replayer once it is built (ops/native.py): built now, so that
+    # every GPU test takes the path users get, not whichever the background build allows
+    from dwconv.ops import native  # noqa: E402
+
+    native.prepare()
+
 
 @pytest.fixture(autouse=True)
 def default_kernels_on_small_images(request, monkeypatch):
