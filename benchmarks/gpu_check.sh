@@ -108,8 +108,8 @@ for step in $steps; do
     # host time of a forward launched from a C++ op (cuLaunchKernel on Triton's cubin) against dwconv's
     # Python path and cuDNN (session 18; compiles a small extension first, ~1 min)
     native) python3 benchmarks/probe_native_launch.py 2>&1 | tee "$OUT/probe_native.log" ;;
-    # session 19's C++ path (DWCONV_NATIVE=1, never run on a GPU before): its tests and the gradient
-    # tests through it, then host time against the Python Function on small layers
+    # the C++ eager path (ops/native.py; the default since session 20, forced here): its tests and
+    # the gradient tests through it, then host time against the Python Function on small layers
     nativepath) DWCONV_NATIVE=1 python3 -m pytest -v -rf $xdist tests/test_native.py tests/test_backward.py \
                   -k "native or gradient_grid or gradient_dtypes or partial_requires or mixed_layouts or expanded or network or deterministic or through_autograd" \
                   -p no:cacheprovider >"$OUT/native_tests.log" 2>&1
