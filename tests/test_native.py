@@ -148,3 +148,29 @@ def test_native_background_build(monkeypatch, outcome):
         native._BACKGROUND["thread"].join(timeout=900)
     assert not native._BACKGROUND["thread"].is_alive(), "the build did not finish in 15 minutes"
     assert native._built_in_background() == (outcome == "built")
+
+
+def test_native_known_calls_skip_the_checks_and_only_those(monkeypatch):
+    """A call whose tensors and arguments repeat an earlier recorded one goes straight to C++ (no
+    argument checks: conv_geometry is not called again); any other argument, even one equal to an
+    accepted one (True, 1.0 for 1), takes the full path: its checks raise, or it is a layer of its own."""
+    from dwconv import functional
+
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    checks = []
+    real = functional.conv_geometry
+    monkeypatch.setattr(functional, "conv_geometry", lambda *args: checks.append(args) or real(*args))
+    x, weight = randn(2, 3, 7, 8).requires_grad_(), randn(3, 1, 3, 3)
+    ref = {stride: torch.nn.functional.conv2d(x.double(), weight.double(), None, stride, 1, 1, 3) for stride in (1, 2)}
+    for stride, padding, checked in [(1, 1, True), (1, 1, False), ((1, 1), (1, 1), True), ((1, 1), (1, 1), False),
+                                     (2, 1, True), (2, 1, False), (1, 1, False)]:
+        checks.clear()
+        out = dwconv.depthwise_conv2d(x, weight, None, stride, padding)
+        assert bool(checks) == checked, (stride, padding, checks)
+        assert type(out.grad_fn).__name__ == "CppFunction"
+        assert_close(out, ref[stride if isinstance(stride, int) else stride[0]], torch.float32, f"stride {stride}")
+    for stride, padding in [(True, 1), (1, 1.0), (0, 1), ((1, 1.0), 1)]:
+        with pytest.raises((TypeError, ValueError)) as raised:
+            real(x, weight, None, stride, padding, 1)
+        with pytest.raises(type(raised.value), match=str(raised.value)[:20]):
+            dwconv.depthwise_conv2d(x, weight, None, stride, padding)

@@ -48,6 +48,11 @@ def depthwise_conv2d(
     """
     if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
         input, weight, bias = _autocast(input, weight, bias)
+    if _EAGER is not None and isinstance(input, torch.Tensor) and not torch.compiler.is_compiling() \
+            and _EAGER[2].enabled(input):
+        out = _EAGER[2].conv_known(input, weight, bias, stride, padding, dilation)  # (seen before: no checks)
+        if out is not None:
+            return out
     geom = conv_geometry(input, weight, bias, stride, padding, dilation)
     if not uses_triton(input):
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups=geom.in_channels)
@@ -57,7 +62,7 @@ def depthwise_conv2d(
         return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
     function, conv_forward, native = _eager_path()
     if native.enabled(input):
-        out = native.conv(input, weight, bias, geom)
+        out = native.conv(input, weight, bias, geom, (stride, padding, dilation))
         if out is not None:
             return out
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):

@@ -220,25 +220,49 @@ def native_program(program: Program, python_launches: bool = False) -> NativePro
 # dwconv's eager calls where `enabled` says so go through `conv`, an autograd Function written in
 # C++ whose passes are recorded programs (host time of a small layer's forward+backward on the H200
 # machine about half the Python Function's: docs/notes.md, session 20).
-_LAYERS: dict = {}  # (program_key of the tensors, geometry) -> the extension's layer number
+_LAYERS: dict = {}  # (program_key of the tensors, geometry) -> the extension's layer number, or None
+# (program_key of the tensors, repr of (stride, padding, dilation) as the caller gave them) -> layer
+# number: calls that passed the argument checks before and were recorded (`conv_known`). The repr,
+# not the values: 1, True and 1.0 are equal keys, and the checks accept only the first.
+_KNOWN: dict = {}
 
 
-def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom) -> Optional[torch.Tensor]:
+def conv_known(input, weight, bias, stride, padding, dilation) -> Optional[torch.Tensor]:
+    """The C++ path for a call whose tensors (shapes, strides, dtypes, devices, alignment) and
+    arguments are those of an earlier call that passed the checks and was recorded: no checks or
+    geometry again (about half of the Python host time of a small layer's forward on the CPU
+    machine). None for any other call: the caller takes the full path."""
+    try:
+        layer = _KNOWN.get((program_key((input, weight, bias)), repr((stride, padding, dilation))))
+    except (AttributeError, TypeError, RuntimeError):  # (not tensors, no storage: the full path decides)
+        return None
+    return None if layer is None else extension().conv(input, weight, bias, layer)
+
+
+def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom,
+         arguments: tuple = ()) -> Optional[torch.Tensor]:
     """depthwise_conv2d for a checked geometry, differentiable, run by the C++ replayer; None where
     this layer's passes cannot be recorded (the caller keeps its Python path). A layer's first call
     records its forward (running it once more); each backward combination is recorded at its first
-    backward, from C++ calling back into Python."""
-    key = (program_key((input, weight, bias)), geom)
+    backward, from C++ calling back into Python. arguments: (stride, padding, dilation) as the caller
+    gave them, under which `conv_known` will find this layer."""
+    tensors_key = program_key((input, weight, bias))
+    key = (tensors_key, geom)
     layer = _LAYERS.get(key, _NEW)
     if layer is _NEW:
         if len(_LAYERS) >= 4096:  # (as the launch plans' caches)
             _LAYERS.clear()
+            _KNOWN.clear()
         try:
             layer = _register(input, weight, bias, geom)
         except NotRecordable:
             layer = None
         _LAYERS[key] = layer
-    return None if layer is None else extension().conv(input, weight, bias, layer)
+    if layer is None:
+        return None
+    if arguments:
+        _KNOWN[(tensors_key, repr(arguments))] = layer
+    return extension().conv(input, weight, bias, layer)
 
 
 _NEW = object()
