@@ -261,6 +261,8 @@ def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if layer is None:
         return None
     if arguments:
+        if len(_KNOWN) >= 4096:  # (many spellings of the same arguments can name one layer)
+            _KNOWN.clear()
         _KNOWN[(tensors_key, repr(arguments))] = layer
     return extension().conv(input, weight, bias, layer)
 
