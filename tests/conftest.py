@@ -15,12 +15,28 @@ from dwconv.ops import large_fma  # noqa: E402
 # Every partial-sum buffer starts as NaN in the tests: an entry no program writes fails the test.
 dwconv.ops._launch.POISON_PARTIALS = True
 
+from dwconv.ops import native  # noqa: E402
+
 if torch.cuda.is_available():
     # eager calls on CUDA take the C++ replayer once it is built (ops/native.py): built now, so that
-    # every GPU test takes the path users get, not whichever the background build allows
-    from dwconv.ops import native  # noqa: E402
-
+    # the tests of the eager path take the path users get, not whichever the background build allows
     native.prepare()
+
+# Modules that test the eager path as users get it. The others test kernels and their dispatch,
+# some with dispatch knobs patched or launches spied on, which a program recorded by an earlier
+# test would not see: on a GPU they take the Python path unless the run sets DWCONV_NATIVE itself
+# (benchmarks/gpu_check.sh nativepath runs the gradient tests through the C++ path).
+EAGER_PATH_MODULES = ("test_native", "test_integration", "test_modules", "test_examples")
+NATIVE_SET_FOR_THE_RUN = "DWCONV_NATIVE" in os.environ
+
+
+@pytest.fixture(autouse=True)
+def eager_path(request, monkeypatch):
+    """Each test records its own programs (under its own knobs); kernel tests on the Python path."""
+    native._LAYERS.clear()
+    native._KNOWN.clear()
+    if torch.cuda.is_available() and not NATIVE_SET_FOR_THE_RUN and request.module.__name__ not in EAGER_PATH_MODULES:
+        monkeypatch.setenv("DWCONV_NATIVE", "0")
 
 
 @pytest.fixture(autouse=True)
