@@ -436,10 +436,9 @@ def test_grad_weight_channels_last_pixels(dtype, shape, kernel, stride, padding,
     assert_close_sum(grad_b, ref[2], torch.ones_like(x), grad_out, "grad_bias")
     again = conv_grad_weight(grad_out, x, geom, dtype, True, config)
     assert torch.equal(again[0], grad_w) and torch.equal(again[1], grad_b), "not deterministic"
-    taps = weight.shape[2] * weight.shape[3]
-    sums = _launch_nhwc_pixels_grad(geom, grad_out, x, None, None, config, 3, True)  # 3 runs a column
-    assert_close_sum(sums[:, :taps].reshape(weight.shape).to(dtype), ref[1], x, grad_out, "grad_weight, 3 runs")
-    assert_close_sum(sums[:, taps].to(dtype), ref[2], torch.ones_like(x), grad_out, "grad_bias, 3 runs")
+    grad_w, grad_b = _launch_nhwc_pixels_grad(geom, grad_out, x, None, None, config, 3, True, dtype)  # 3 runs a column
+    assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight, 3 runs")
+    assert_close_sum(grad_b, ref[2], torch.ones_like(x), grad_out, "grad_bias, 3 runs")
 
 
 def test_grad_weight_channels_last_pixels_through_autograd(monkeypatch):
@@ -502,3 +501,40 @@ def test_channels_last_pixel_grad_programs_on_the_gpu(monkeypatch):
     columns = (384 // config.block_c) * (14 // config.block_w)
     partial_mb = columns * runs * config.block_c * 49 * 4 / 2**20
     assert 8 <= partial_mb <= 17, partial_mb
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("bias_grad", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_weight_grad_sums(monkeypatch, weight_dtype, bias_grad, path):
+    """The second pass of every weight gradient: partial sums over (outer, inner) parts, in a layout
+    with padding between taps rows (as the kernels' padded taps), added per channel and tap in the
+    partial's precision and cast to the weight's dtype; 70 parts (more than a GPU step's 64); by the
+    kernel, and by torch's sum past KERNEL_MAX_PARTS."""
+    from dwconv.ops import weight_sums
+    from dwconv.ops.weight_sums import weight_grad_sums
+
+    launches = []
+    monkeypatch.setattr(weight_sums, "launch", lambda *a: launches.append(a[0]) or _launch.launch(*a))
+    monkeypatch.setattr(weight_sums, "KERNEL_MAX_PARTS", 70 if path == "kernel" else 69)
+
+    channels, kernel, outer, inner, padded = 5, (3, 2), 7, 10, 8
+    x = randn(1, channels, 4, 4)
+    geom = conv_geometry(x, randn(channels, 1, *kernel), None, 1, 1, 1)
+    values = kernel[0] * kernel[1] + bias_grad
+    partial_dtype = torch.float64 if weight_dtype == torch.float64 else torch.float32
+    # partial[o, c, i, tap]: value (c, t) of part (o, i) at o * s0 + i * s2 + c * s1 + t
+    partial = randn(outer, channels, inner, padded, dtype=partial_dtype)
+    sums = partial[..., :values].sum(dim=(0, 2))
+    grad_w, grad_b = weight_grad_sums(partial, geom, weight_dtype, bias_grad, partial.stride(1),
+                                      (inner, partial.stride(2)), (outer, partial.stride(0)))
+    assert grad_w.dtype == weight_dtype and grad_w.shape == (channels, 1, *kernel) and grad_w.is_contiguous()
+    tolerance = dict(rtol=1e-2, atol=1e-2) if weight_dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_w.double(), sums[:, :-1 if bias_grad else None].reshape(grad_w.shape).double()
+                               .to(weight_dtype).double(), **tolerance)
+    if bias_grad:
+        assert grad_b.dtype == weight_dtype and grad_b.shape == (channels,)
+        torch.testing.assert_close(grad_b.double(), sums[:, -1].to(weight_dtype).double(), **tolerance)
+    else:
+        assert grad_b is None
+    assert len(launches) == (path == "kernel")

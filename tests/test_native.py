@@ -49,6 +49,27 @@ def test_native_replay(shape, kernel, stride, padding, dilation, layout):
     assert_same(backward.replay(fresh_grad, *fresh[:2]), grads(fresh_grad, *fresh[:2]), "gradients")
 
 
+def test_native_program_elides_detach_and_alias():
+    """A detach or alias of a value the program made is replayed as that value (one dispatcher call
+    fewer each); of an input, or of an output, it stays."""
+    def fn(x):
+        doubled = x + x
+        again = torch.ops.aten.alias(torch.ops.aten.detach(doubled))
+        tripled = again + x
+        return tripled, torch.ops.aten.detach(x), torch.ops.aten.detach(tripled)
+
+    x = randn(3, 5)
+    _, prog = program.record(fn, [x])
+    assert [s.op.__name__ for s in prog.steps] == ["add.Tensor", "detach.default", "alias.default", "add.Tensor",
+                                                   "detach.default", "detach.default"]
+    replay = native.native_program(prog, python_launches=DEVICE == "cpu")
+    assert replay.native.steps() == 4  # (the first detach and the alias went)
+    fresh = randn(3, 5)
+    tripled, detached, detached_output = replay.replay(fresh)
+    assert_same([tripled, detached, detached_output], [fresh + fresh + fresh, fresh, fresh + fresh + fresh], "results")
+    assert detached is not fresh and detached_output is not tripled
+
+
 def test_native_program_checks_its_inputs():
     x, weight = randn(1, 2, 5, 5), randn(2, 1, 3, 3)
     geom = conv_geometry(x, weight, None, 1, 1, 1)

@@ -69,22 +69,6 @@ def new_partial(plan: LaunchPlan, device: torch.device) -> torch.Tensor:
     return torch.empty(plan.partial_shape, device=device, dtype=plan.partial_dtype)
 
 
-def sum_partials(partial: torch.Tensor, geom, weight_dtype: torch.dtype, bias_grad: bool):
-    """(grad_weight, grad_bias or None) from partial[out_c, program, tap] (the bias after the taps):
-    a fixed-order sum over each channel's programs (deterministic), cast to the weight's dtype."""
-    return split_tap_sums(partial.sum(dim=1), geom, weight_dtype, bias_grad)
-
-
-def split_tap_sums(sums: torch.Tensor, geom, weight_dtype: torch.dtype, bias_grad: bool):
-    """(grad_weight, grad_bias or None) from sums[out_c, tap] (the bias after the taps), in the
-    weight's dtype. Both contiguous (the strides the op's fake tensors promise) and apart: two views of
-    one buffer would alias, which a custom op's outputs must not (opcheck's test_aot_dispatch_dynamic
-    failed on it on the H200, session 14)."""
-    taps = geom.kernel_h * geom.kernel_w
-    grad_w = sums[:, :taps].to(weight_dtype).contiguous().view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w)
-    return grad_w, (sums[:, taps].to(weight_dtype, copy=True) if bias_grad else None)
-
-
 # On since session 10 (GPU tests passed with it; the launchers' host time halved on two of four
 # small layers, docs/notes.md); DWCONV_FAST_LAUNCH=0 turns it off (Triton's launch hooks, say).
 FAST_LAUNCH = os.environ.get("DWCONV_FAST_LAUNCH", "1") == "1"

@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ._launch import (LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plane_needs_int64,
-                      split_tap_sums)
+from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plane_needs_int64
 from .large_fma import large_fma_applies, large_fma_grad_weight
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
+from .weight_sums import sum_partials, weight_grad_sums
 from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
                       _stride_unit, _tap_weights, _tile_pixels, bf16_pairs_apply, channels_last_kernel_applies,
                       ForwardConfig, image_needs_int64, launch_forward, nchw_config, nhwc_pixels_config,
@@ -398,9 +398,12 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
     dx, partial = launch_forward(grad_out, weight, None, gi_geom, config, out=dx, weight_grad_from=x,
                                  flip_weight=True, runs=runs)
-    taps = geom.kernel_h * geom.kernel_w
-    grad_w = partial.view(geom.batch, geom.out_channels, -1, partial.shape[1])[..., :taps].sum(dim=(0, 2))
-    return dx, grad_w.view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight.dtype)
+    # partial[(image, channel, program of the plane), tap]
+    programs = partial.shape[0] // (geom.batch * geom.out_channels)
+    row = partial.stride(0)
+    grad_w, _ = weight_grad_sums(partial, geom, weight.dtype, False, programs * row, (programs, row),
+                                 (geom.batch, geom.out_channels * programs * row))
+    return dx, grad_w
 
 
 _FUSED_CONFIGS: dict = {}
@@ -442,17 +445,18 @@ def conv_grad_input_and_weight_nhwc(grad_out: torch.Tensor, x: torch.Tensor, wei
     assert geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and channels_last_kernel_applies(x), \
         "the channels_last fused backward needs stride 1, multiplier 1 and unit channel strides"
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
-    sums = _launch_nhwc_pixels_grad(geom, grad_out, x, dx, weight.contiguous(), config, runs, False)
-    return dx, sums.view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w).to(weight.dtype)
+    grad_w, _ = _launch_nhwc_pixels_grad(geom, grad_out, x, dx, weight.contiguous(), config, runs, False,
+                                         weight.dtype)
+    return dx, grad_w
 
 
 def _launch_nhwc_pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor,
                              dx: Optional[torch.Tensor], weight: Optional[torch.Tensor],
-                             config: Optional[ForwardConfig], runs: Optional[int], bias_grad: bool
-                             ) -> torch.Tensor:
+                             config: Optional[ForwardConfig], runs: Optional[int], bias_grad: bool,
+                             weight_dtype: torch.dtype) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Launches depthwise_grad_nhwc_pixels_kernel (the fused pass when dx is given, with the
-    contiguous weight; else the weight gradient alone) and returns the partial sums added over the
-    programs: [channels, taps (+ bias)] in the weight's tap order."""
+    contiguous weight; else the weight gradient alone) and returns grad_weight and grad_bias (or
+    None) from its partial sums."""
     if grad_out.stride(1) != 1:  # (autograd hands the output's layout back; this is the odd case)
         grad_out = grad_out.contiguous(memory_format=torch.channels_last)
     key = (geom, layout_key(grad_out), layout_key(x), dx is not None and layout_key(dx), config, runs, bias_grad)
@@ -463,7 +467,9 @@ def _launch_nhwc_pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torc
         launch(depthwise_grad_nhwc_pixels_kernel, plan, x, x, grad_out, x, partial)
     else:
         launch(depthwise_grad_nhwc_pixels_kernel, plan, grad_out, weight, x, dx, partial)
-    return partial.sum(dim=0)
+    # partial[slot, channel, tap]
+    return weight_grad_sums(partial, geom, weight_dtype, bias_grad, partial.stride(1),
+                            (partial.shape[0], partial.stride(0)))
 
 
 _NHWC_PIXELS_GRAD_PLANS: dict = {}
@@ -594,7 +600,6 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias (C*m,). config: a
     GradWeightConfig, or for channels_last tensors an "nhwc_pixels" ForwardConfig (the tiles of
     depthwise_grad_nhwc_pixels_kernel)."""
-    taps = geom.kernel_h * geom.kernel_w
     if grad_out.numel() == 0:
         grad_w = torch.zeros((geom.out_channels, 1, geom.kernel_h, geom.kernel_w), device=x.device, dtype=weight_dtype)
         return grad_w, (torch.zeros(geom.out_channels, device=x.device, dtype=weight_dtype) if bias_grad else None)
@@ -603,17 +608,13 @@ def conv_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry
     if config is None and toeplitz_applies(geom, x.dtype):
         return toeplitz_grad_weight(grad_out, x, geom, weight_dtype, bool(bias_grad))
     if isinstance(config, ForwardConfig) or (config is None and grad_weight_pixels_applies(geom, x, grad_out)):
-        sums = _launch_nhwc_pixels_grad(geom, grad_out, x, None, None, config, None, bool(bias_grad))
-        return split_tap_sums(sums, geom, weight_dtype, bool(bias_grad))
+        return _launch_nhwc_pixels_grad(geom, grad_out, x, None, None, config, None, bool(bias_grad), weight_dtype)
     plan = cached_plan(_GRAD_WEIGHT_PLANS, (geom, config, layout_key(grad_out), layout_key(x), bool(bias_grad)),
                        lambda: _grad_weight_plan(geom, config, grad_out, x, bool(bias_grad)))
     partial = new_partial(plan, x.device)
     kernel = depthwise_grad_weight_nhwc_kernel if plan.kernel == "grad_weight_nhwc" else depthwise_grad_weight_kernel
     launch(kernel, plan, grad_out, x, partial)
-    # Fixed-order reductions over the splits (deterministic), each one op into a fresh tensor.
-    grad_w = partial[:, :, :taps].sum(dim=1).view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w)
-    grad_b = partial[:, :, taps].sum(dim=1).to(weight_dtype) if bias_grad else None
-    return grad_w.to(weight_dtype), grad_b
+    return sum_partials(partial, geom, weight_dtype, bool(bias_grad))  # (partial[out_c, split, padded taps])
 
 
 _GRAD_WEIGHT_PLANS: dict = {}

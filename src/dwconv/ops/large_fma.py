@@ -35,8 +35,9 @@ import triton.language as tl
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._lanes import _lane, _pack4
 from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, gpu_plan, launch, layout_key,
-                      new_partial, plane_needs_int64, sum_partials)
+                      new_partial, plane_needs_int64)
 from .toeplitz import TOEPLITZ_MIN_TAPS
+from .weight_sums import sum_partials
 
 # Kernels of LARGE_FMA_WIDE_MIN_TAPS taps or more run here (forward, stride-1 grad_input, weight gradient):
 # float32 at any size, half types below LARGE_FMA_HALF_MAX_TAPS (the Toeplitz products win from k13

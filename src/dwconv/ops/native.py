@@ -130,19 +130,39 @@ class NativeProgram:
 
     def __init__(self, program: Program, python_launches: bool = False):
         self.native = extension().Program(program.n_inputs)
-        for step in program.steps:
-            if isinstance(step, OpStep):
-                self._add_op(step)
-            elif python_launches:
-                self.native.add_python_launch(
-                    lambda tensors, kernel=step.kernel, plan=step.plan: _launch.launch_now(kernel, plan, *tensors),
-                    [r.index for r in step.tensors])
-            else:
-                self._add_launch(step)
         leaves, self.spec = tree_flatten(program.outputs)
         if not all(leaf is None or isinstance(leaf, Ref) for leaf in leaves):
             raise NotRecordable("a program output that is not a tensor")
-        self.native.set_outputs([-1 if leaf is None else leaf.index for leaf in leaves])
+        outputs = {leaf.index for leaf in leaves if leaf is not None}
+        # the recorded value number -> the replayer's (values an elided op made are their source's)
+        self.number = {index: index for index in range(program.n_inputs)}
+        self.count = program.n_inputs
+        for step in program.steps:
+            if isinstance(step, OpStep):
+                if not self._elide(step, program.n_inputs, outputs):
+                    self._add_op(step)
+            elif python_launches:
+                self.native.add_python_launch(
+                    lambda tensors, kernel=step.kernel, plan=step.plan: _launch.launch_now(kernel, plan, *tensors),
+                    [self.number[r.index] for r in step.tensors])
+            else:
+                self._add_launch(step)
+        self.native.set_outputs([-1 if leaf is None else self.number[leaf.index] for leaf in leaves])
+
+    # Ops whose result is their argument as far as a replay can tell: under no_grad a detach or
+    # alias only makes another tensor object over the same storage (each `torch.empty` in a
+    # recording comes with one). Each costs a dispatcher call on every replay, so a later step
+    # reads their source instead; not where the source is an input or an output (a program must
+    # not hand back its input, or one tensor twice).
+    _ELIDED = ("aten::detach", "aten::alias")
+
+    def _elide(self, step: OpStep, n_inputs: int, outputs: set) -> bool:
+        source = step.args[0] if step.args else None
+        if (step.op._schema.name not in self._ELIDED or not isinstance(source, Ref) or source.index < n_inputs
+                or source.index in outputs or len(step.results) != 1):
+            return False
+        self.number[step.results[0]] = self.number[source.index]
+        return True
 
     def replay(self, *inputs: Optional[torch.Tensor]):
         return tree_unflatten(self.native.replay(list(inputs)), self.spec)
@@ -165,16 +185,21 @@ class NativeProgram:
             else:
                 raise NotRecordable(f"{step.op}: no value for {argument.name}")
             if isinstance(value, Ref):
-                tensor_args.append((position, value.index))
+                tensor_args.append((position, self.number[value.index]))
                 value = None
             elif any(isinstance(v, Ref) for v in tree_flatten(value)[0]):
                 raise NotRecordable(f"{step.op}: a list of tensors ({argument.name})")
             args.append(value)
-        self.native.add_op(schema.name, schema.overload_name, args, tensor_args,
-                           [-1 if r is None else r for r in step.results])
+        results = []
+        for index in step.results:
+            if index is not None:
+                self.number[index] = self.count
+                self.count += 1
+            results.append(-1 if index is None else self.number[index])
+        self.native.add_op(schema.name, schema.overload_name, args, tensor_args, results)
 
     def _add_launch(self, step: LaunchStep):
-        tensors = [r.index for r in step.tensors]
+        tensors = [self.number[r.index] for r in step.tensors]
         entry = step.compiled
         if entry is None:
             raise NotRecordable("a launch without a compiled kernel (recorded without the fast launch)")

@@ -36,8 +36,8 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..functional import triton_interpreter_enabled
-from ._launch import (LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plane_needs_int64,
-                      sum_partials)
+from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plane_needs_int64
+from .weight_sums import sum_partials
 
 # Kernels with at least this many taps take the Toeplitz path where large_fma does not (half
 # precision from 13x13, column strides; large_fma.large_fma_applies). H200, (32,128,56,56), forward against

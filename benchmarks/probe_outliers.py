@@ -1,0 +1,74 @@
+"""Developer probe (GPU): the spread of the benchmark's forward+backward times on one small layer.
+Session 20's suite rows of small channels_last layers had std as large as their mean (64x384x14x14
+k3 bfloat16: 0.384 +- 0.263 ms, forward 0.029 and backward 0.103 alone): this prints each path's
+per-call distribution under bench.Timer's protocol (L2 flushed before each call), with Python's
+garbage collector on and off, and the host time a call (no flush, no synchronisation).
+
+    python benchmarks/probe_outliers.py --shape 64 384 14 14 --kernel 3 --dtype bfloat16
+"""
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import dwconv
+from dwconv.bench import Timer, forward_backward
+from dwconv.ops import native
+
+
+def summary(times):
+    times = sorted(times)
+    median = statistics.median(times)
+    slow = [t for t in times if t > 2 * median]
+    return (f"mean {statistics.fmean(times):.4f} median {median:.4f} min {times[0]:.4f} "
+            f"p95 {times[int(0.95 * len(times))]:.4f} max {times[-1]:.4f} ms; {len(slow)} of {len(times)} "
+            f"over 2x median (sum of their excess {sum(t - median for t in slow):.3f} ms)")
+
+
+def host_us(fn, calls=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", type=int, nargs=4, default=[64, 384, 14, 14])
+    p.add_argument("--kernel", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--iters", type=int, default=300)
+    args = p.parse_args()
+    native.prepare()
+    dtype = getattr(torch, args.dtype)
+    n, c, h, w = args.shape
+    pad = args.kernel // 2
+    timer = Timer(3, args.iters)
+    for layout in (torch.contiguous_format, torch.channels_last):
+        x = torch.randn(args.shape, device="cuda", dtype=dtype).contiguous(memory_format=layout)
+        weight = torch.randn(c, 1, args.kernel, args.kernel, device="cuda", dtype=dtype).contiguous(memory_format=layout)
+        grad_out = torch.randn_like(x)
+        paths = {"dwconv": lambda x, w, b: dwconv.depthwise_conv2d(x, w, b, padding=pad),
+                 "torch": lambda x, w, b: F.conv2d(x, w, b, padding=pad, groups=c)}
+        for name, conv in paths.items():
+            fn = forward_backward(conv, (x, weight, None), grad_out)
+            label = f"{'channels_last' if layout is torch.channels_last else 'NCHW'} {name}"
+            print(f"{label}: host {host_us(fn):.1f} us a forward+backward", flush=True)
+            for collect in (True, False):
+                if not collect:
+                    gc.disable()
+                print(f"{label} gc {'on ' if collect else 'off'}: {summary(timer(fn))}", flush=True)
+                gc.enable()
+
+
+if __name__ == "__main__":
+    main()
