@@ -70,6 +70,38 @@ def test_native_program_elides_detach_and_alias():
     assert detached is not fresh and detached_output is not tripled
 
 
+def test_native_program_releases_values_after_their_last_use(monkeypatch):
+    """A value the program made is let go after the last step that reads it, not at the end of the
+    replay (a weight gradient's partial sums held to the end sat beside grad_input, above PyTorch's
+    peak memory); outputs are kept."""
+    import weakref
+
+    from dwconv.ops import _launch
+
+    seen = {}
+
+    def fake_launch(kernel, plan, *tensors):  # (the launches are Python callbacks, as on the CPU)
+        if kernel == "first":
+            seen["partial"] = weakref.ref(tensors[0])
+        else:
+            seen["partial alive"] = seen["partial"]() is not None
+
+    def fn(x):
+        partial = torch.empty(8)
+        _launch.launch("first", None, partial)
+        out = torch.empty(8)
+        _launch.launch("second", None, out)
+        return out + x
+
+    monkeypatch.setattr(_launch, "launch_now", fake_launch)
+    _, prog = program.record(fn, [randn(8, device="cpu")])
+    replay = native.native_program(prog, python_launches=True)
+    seen.clear()
+    result = replay.replay(randn(8, device="cpu"))
+    assert seen == {"partial": seen["partial"], "partial alive": False}, seen
+    assert seen["partial"]() is None and result.shape == (8,)
+
+
 def test_native_program_checks_its_inputs():
     x, weight = randn(1, 2, 5, 5), randn(2, 1, 3, 3)
     geom = conv_geometry(x, weight, None, 1, 1, 1)

@@ -134,9 +134,31 @@ class Program {
     steps_.emplace_back(std::move(step));
   }
 
+  // Also plans each made value's release after the last step that reads it: a replay holding every
+  // value to its end kept a weight gradient's partial sums beside grad_input, above PyTorch's peak
+  // memory (the Python path frees them when the launcher returns).
   void set_outputs(const std::vector<int64_t>& outputs) {
     for (int64_t index : outputs) DWCONV_CHECK(index >= -1 && index < n_values_, "output names value ", index);
     outputs_ = outputs;
+    std::vector<int64_t> last_use(n_values_, -1);
+    int64_t next = n_inputs_;
+    for (size_t s = 0; s < steps_.size(); ++s) {
+      if (const auto* op = std::get_if<OpStep>(&steps_[s])) {
+        for (const auto& [position, index] : op->tensor_args) last_use[index] = static_cast<int64_t>(s);
+        for (int64_t result : op->results) {
+          if (result != -1) last_use[next++] = static_cast<int64_t>(s);
+        }
+      } else {
+        for (int64_t index : std::get<LaunchStep>(steps_[s]).tensors) last_use[index] = static_cast<int64_t>(s);
+      }
+    }
+    for (int64_t index : outputs) {
+      if (index != -1) last_use[index] = -1;
+    }
+    release_after_.assign(steps_.size(), {});
+    for (int64_t index = n_inputs_; index < n_values_; ++index) {
+      if (last_use[index] != -1) release_after_[last_use[index]].push_back(index);
+    }
   }
 
   std::vector<std::optional<at::Tensor>> replay(const std::vector<std::optional<at::Tensor>>& inputs) const {
@@ -147,7 +169,8 @@ class Program {
       if (inputs[i]) values[i] = *inputs[i];
     }
     int64_t next = n_inputs_;
-    for (const auto& step : steps_) {
+    for (size_t s = 0; s < steps_.size(); ++s) {
+      const auto& step = steps_[s];
       if (const auto* op = std::get_if<OpStep>(&step)) {
         torch::jit::Stack stack = op->stack;
         for (const auto& [position, index] : op->tensor_args) stack[position] = values[index];
@@ -157,6 +180,9 @@ class Program {
         }
       } else {
         launch(std::get<LaunchStep>(step), values);
+      }
+      if (s < release_after_.size()) {
+        for (int64_t index : release_after_[s]) values[index] = c10::IValue();
       }
     }
     std::vector<std::optional<at::Tensor>> out;
@@ -211,6 +237,7 @@ class Program {
   int64_t n_inputs_, n_values_;
   std::vector<std::variant<OpStep, LaunchStep>> steps_;
   std::vector<int64_t> outputs_;
+  std::vector<std::vector<int64_t>> release_after_;  // by step: the values no later step reads
 };
 
 // One layer key (shapes, strides, dtypes, conv arguments: ops/native.py): its forward program and
