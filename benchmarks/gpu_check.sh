@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncularge|native|nativepath|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncularge|native|nativepath|outliers|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -118,6 +118,10 @@ for step in $steps; do
                              "64 960 7 7 --kernel 3 --dtype bfloat16" "32 256 28 28 --kernel 13"; do
                   python3 benchmarks/probe_native_host.py --shape $layer
                 done 2>&1 | grep -v Warn | tee "$OUT/native_host.log" ;;
+    # the spread of a small layer's forward+backward under the bench's protocol, each path's GPU and
+    # CPU time by kernel and a Chrome trace (session 21: channels_last measured 2x NCHW, unexplained)
+    outliers) python3 benchmarks/probe_outliers.py --shape 64 384 14 14 --kernel 3 --dtype bfloat16 --iters 200 \
+                --profile "$OUT/traces" 2>&1 | grep -v Warn | tee "$OUT/outliers.log" ;;
     savecache) tar -cJf "$OUT/triton_cache.tar.xz" -C "$cache_dir" . && ls -l "$OUT/triton_cache.tar.xz"
                [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -lt 16000000 ] || { echo "cache too large to bring back"; rm -f "$OUT/triton_cache.tar.xz"; } ;;
     models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;

@@ -2,13 +2,17 @@
 Session 20's suite rows of small channels_last layers had std as large as their mean (64x384x14x14
 k3 bfloat16: 0.384 +- 0.263 ms, forward 0.029 and backward 0.103 alone): this prints each path's
 per-call distribution under bench.Timer's protocol (L2 flushed before each call), with Python's
-garbage collector on and off, and the host time a call (no flush, no synchronisation).
+garbage collector on and off, and the host time a call (no flush, no synchronisation; where the
+GPU is the slower the launch queue fills and this is GPU time). --profile DIR: then 20 calls of
+each path under torch.profiler with CUDA activity: a table of GPU and CPU time by op and kernel,
+and a Chrome trace per path in DIR (where the GPU idles between a call's kernels).
 
     python benchmarks/probe_outliers.py --shape 64 384 14 14 --kernel 3 --dtype bfloat16
 """
 
 import argparse
 import gc
+import os
 import statistics
 import time
 
@@ -47,13 +51,16 @@ def main():
     p.add_argument("--kernel", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--layouts", nargs="+", default=["nchw", "channels_last"])
+    p.add_argument("--profile", metavar="DIR")
     args = p.parse_args()
     native.prepare()
     dtype = getattr(torch, args.dtype)
     n, c, h, w = args.shape
     pad = args.kernel // 2
     timer = Timer(3, args.iters)
-    for layout in (torch.contiguous_format, torch.channels_last):
+    for layout_name in args.layouts:
+        layout = torch.channels_last if layout_name == "channels_last" else torch.contiguous_format
         x = torch.randn(args.shape, device="cuda", dtype=dtype).contiguous(memory_format=layout)
         weight = torch.randn(c, 1, args.kernel, args.kernel, device="cuda", dtype=dtype).contiguous(memory_format=layout)
         grad_out = torch.randn_like(x)
@@ -68,6 +75,21 @@ def main():
                     gc.disable()
                 print(f"{label} gc {'on ' if collect else 'off'}: {summary(timer(fn))}", flush=True)
                 gc.enable()
+            if args.profile:
+                profile(fn, timer, os.path.join(args.profile, f"trace_{label.replace(' ', '_')}.json"))
+
+
+def profile(fn, timer, trace_path):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
+    short = Timer(0, 20)
+    short.flush_buffer = timer.flush_buffer
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        short(fn)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
+    prof.export_chrome_trace(trace_path)
 
 
 if __name__ == "__main__":
