@@ -2,8 +2,9 @@
 Session 20's suite rows of small channels_last layers had std as large as their mean (64x384x14x14
 k3 bfloat16: 0.384 +- 0.263 ms, forward 0.029 and backward 0.103 alone): this prints each path's
 per-call distribution under bench.Timer's protocol (L2 flushed before each call), with Python's
-garbage collector on and off, and the host time a call (no flush, no synchronisation; where the
-GPU is the slower the launch queue fills and this is GPU time). --profile DIR: then 20 calls of
+garbage collector on and off, and the host time a call (no flush; synchronised every 10 calls, as
+session 21's first version, which ran 300 calls in a row, measured the GPU once the launch queue
+filled). --profile DIR: then 20 calls of
 each path under torch.profiler with CUDA activity: a table of GPU and CPU time by op and kernel,
 and a Chrome trace per path in DIR (where the GPU idles between a call's kernels).
 
@@ -14,7 +15,6 @@ import argparse
 import gc
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import dwconv
 from dwconv.bench import Timer, forward_backward
 from dwconv.ops import native
+from probe_native_host import per_call_us  # (host time: synchronised every 10 calls)
 
 
 def summary(times):
@@ -31,18 +32,6 @@ def summary(times):
     return (f"mean {statistics.fmean(times):.4f} median {median:.4f} min {times[0]:.4f} "
             f"p95 {times[int(0.95 * len(times))]:.4f} max {times[-1]:.4f} ms; {len(slow)} of {len(times)} "
             f"over 2x median (sum of their excess {sum(t - median for t in slow):.3f} ms)")
-
-
-def host_us(fn, calls=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main():
@@ -69,7 +58,7 @@ def main():
         for name, conv in paths.items():
             fn = forward_backward(conv, (x, weight, None), grad_out)
             label = f"{'channels_last' if layout is torch.channels_last else 'NCHW'} {name}"
-            print(f"{label}: host {host_us(fn):.1f} us a forward+backward", flush=True)
+            print(f"{label}: host {per_call_us(fn, 200):.1f} us a forward+backward", flush=True)
             for collect in (True, False):
                 if not collect:
                     gc.disable()
