@@ -296,6 +296,27 @@ def test_nchw_pixels_odd_output_rows(dtype, shape, kernel, padding, dilation, bl
     check(x, weight, randn(shape[1], dtype=dtype), 1, padding, dilation, config=config)
 
 
+@pytest.mark.parametrize("taps_major", [False, True], ids=["weight-as-given", "taps-major"])
+@pytest.mark.parametrize("config", [ForwardConfig("nhwc_pixels", 2, 4, 1, block_c=8),
+                                    ForwardConfig("nhwc", 4, 4, 1, block_c=8)], ids=lambda c: c.kernel)
+@pytest.mark.parametrize("flip", [False, True], ids=["forward", "flipped"])
+def test_nhwc_weight_layouts(monkeypatch, taps_major, config, flip):
+    """The channels_last kernels read the weight taps-major (a copy made per call, for large inputs)
+    or as given ([C, taps], small inputs: NHWC_TAPS_MAJOR_MIN_BYTES), forward and flipped, a 5x3
+    kernel with a bias (and a multiplier of 2 unflipped)."""
+    import dwconv.ops.forward as forward
+
+    monkeypatch.setattr(forward, "NHWC_TAPS_MAJOR_MIN_BYTES", 0 if taps_major else 1 << 60)
+    multiplier = 1 if flip else 2
+    x = randn(2, 3, 11, 16).contiguous(memory_format=torch.channels_last)
+    weight, bias = randn(3 * multiplier, 1, 5, 3), randn(3 * multiplier)
+    assert forward.nhwc_weight_taps_major(x) == taps_major
+    geom = conv_geometry(x, weight, bias, 1, (2, 1), 1)
+    out = poisoned(geom.output_shape, x.dtype, memory_format=torch.channels_last)
+    out, _ = launch_forward(x, weight, bias, geom, config, out=out, flip_weight=flip)
+    assert_close(out, reference_conv(x, weight.flip(2, 3) if flip else weight, bias, 1, (2, 1), 1), x.dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "shape,kernel,multiplier,stride,padding,dilation,block",

@@ -281,8 +281,9 @@ def depthwise_fwd_tile_kernel(
     """One program = BLOCK_H output rows (any number, not only powers of 2) of a BLOCK_W x BLOCK_C
     strip (columns, output channels) of one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW
     (a strip of one plane); for channels_last a run of channels along the contiguous axis, with the
-    weight taps-major (w_stride_c 1: each tap's weights are one vector load; "nhwc" loads them once
-    a band row, "nhwc_pixels" once a program).
+    weight taps-major for large inputs (w_stride_c 1: each tap's weights are one vector load; "nhwc"
+    loads them once a band row, "nhwc_pixels" once a program), as given for small ones
+    (NHWC_TAPS_MAJOR_MIN_BYTES).
     PIXELS (channels_last, "nhwc_pixels"): the strip's columns unrolled (_conv_pixels), with the
     column stride and dilation PIXEL_STRIDE_W / PIXEL_DILATION_W and the pixel strides of x and y
     PIXEL_X_STRIDE_W / PIXEL_Y_STRIDE_W known to the compiler (pixel addresses become immediate
@@ -1194,12 +1195,10 @@ def launch_forward(
                                  (config.block_h, config.block_w, config.num_warps, config.vec)), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
            layout_key(weight_grad_from) if fused else None, flip_weight, runs, ODD_OUT_ALIGN, ODD_OUT_ALIGN_HALF,
-           NCHW_PIXELS_ODD_OUT_ALIGN, WIDEN_BF16)
+           NCHW_PIXELS_ODD_OUT_ALIGN, WIDEN_BF16, NHWC_TAPS_MAJOR_MIN_BYTES)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
                                                                   weight_grad_from, flip_weight, runs))
-    # taps-major: a tap's weights for a run of channels are one vector load (the strided loads of
-    # the weight as given cost "nhwc_pixels" 7% on #84 float32: docs/notes.md, session 10)
-    if plan.kernel in NHWC_KERNELS:
+    if plan.kernel in NHWC_KERNELS and nhwc_weight_taps_major(x):
         weight = weight.reshape(geom.out_channels, -1).t()
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # unused when HAS_BIAS is False
@@ -1348,12 +1347,25 @@ def bf16_pairs_apply(x: torch.Tensor, geom: ConvGeometry, block_c: int, num_warp
             and x.data_ptr() % 4 == 0)
 
 
-def _tile_weight_strides(kernel: str, geom: ConvGeometry, flipped: bool) -> Tuple[int, int, int]:
+# The channels_last kernels read the weight taps-major ([taps, C]: a tap's weights for a run of
+# channels are one vector load) for inputs of at least this many bytes: the strided loads of the
+# weight as given cost "nhwc_pixels" 7% on #84 float32 (docs/notes.md, session 10). The copy is
+# made on every call (three dispatcher calls and a copy launch), host time that smaller, host-bound
+# layers save by reading the weight as given (session 21; not yet timed on the GPU).
+NHWC_TAPS_MAJOR_MIN_BYTES = 64 << 20
+
+
+def nhwc_weight_taps_major(x: torch.Tensor) -> bool:
+    """Whether launch_forward hands the channels_last kernels the weight taps-major (a copy)."""
+    return x.numel() * x.element_size() >= NHWC_TAPS_MAJOR_MIN_BYTES
+
+
+def _tile_weight_strides(kernel: str, geom: ConvGeometry, flipped: bool, x: torch.Tensor) -> Tuple[int, int, int]:
     """(channel stride, tap stride, first tap's offset) of the weight depthwise_fwd_tile_kernel reads:
-    [C, taps] as given, or [taps, C] for the channels_last kernels (launch_forward transposes it); flipped: the taps
-    from the last one back."""
+    [C, taps] as given, or [taps, C] where the channels_last kernels take it taps-major (launch_forward
+    transposes it); flipped: the taps from the last one back."""
     taps = geom.kernel_h * geom.kernel_w
-    channel, tap = (1, geom.out_channels) if kernel in NHWC_KERNELS else (taps, 1)
+    channel, tap = (1, geom.out_channels) if kernel in NHWC_KERNELS and nhwc_weight_taps_major(x) else (taps, 1)
     return (channel, -tap, (taps - 1) * tap) if flipped else (channel, tap, 0)
 
 
@@ -1372,7 +1384,7 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
         common = dict(common, INDEX_64=image_needs_int64(x, out))
     tiles = cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
-               *_tile_weight_strides(config.kernel, geom, flip_weight), geom.stride_w, geom.pad_top, geom.pad_left,
+               *_tile_weight_strides(config.kernel, geom, flip_weight, x), geom.stride_w, geom.pad_top, geom.pad_left,
                geom.dilation_w)
     unroll = taps <= MAX_BAND_TAPS
     assert config.block_h * taps <= band_limit(x.device) or config.block_h == 1, "band too long to unroll"
