@@ -480,9 +480,10 @@ def test_fused_backward_channels_last_through_autograd(monkeypatch):
 
 def test_channels_last_pixel_grad_programs_on_the_gpu(monkeypatch):
     """nhwc_pixels_grad_config's GPU answer: #84's fused pass keeps the measured layout (one program
-    an image column of tiles); a 7x7 weight gradient on 14x14 images keeps its partial sums near
-    16 MB (one program an image column would write 38 MB, twice the tensors)."""
-    from dwconv.ops.backward import nhwc_pixels_grad_config
+    an image column of tiles, 128 channels); small layers keep their partial sums near a twelfth of
+    the tensors (session 22: 14 MB of them on 64x384x14x14, more than x, made the backward 3x
+    slower) with at least MIN_PIXEL_GRAD_PROGRAMS programs, and the fused pass takes 32 channels."""
+    from dwconv.ops.backward import MIN_PIXEL_GRAD_PROGRAMS, nhwc_pixels_grad_config
 
     monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)  # (the GPU's plans for tensors without one)
 
@@ -496,11 +497,17 @@ def test_channels_last_pixel_grad_programs_on_the_gpu(monkeypatch):
     kb84 = geometry((64, 128, 256, 512), 3, 0)
     config, runs = nhwc_pixels_grad_config(kb84, on_gpu((64, 128, 256, 512), torch.bfloat16), True)
     assert (config.block_h, config.block_w, config.block_c, runs) == (4, 4, 128, 64)
-    small = geometry((64, 384, 14, 14), 7, 3)
-    config, runs = nhwc_pixels_grad_config(small, on_gpu((64, 384, 14, 14), torch.bfloat16), False)
-    columns = (384 // config.block_c) * (14 // config.block_w)
-    partial_mb = columns * runs * config.block_c * 49 * 4 / 2**20
-    assert 8 <= partial_mb <= 17, partial_mb
+    tensor_mb = 2 * 64 * 384 * 14 * 14 * 2 / 2**20
+    for k, grad_input, block_c in [(3, True, 32), (7, False, 32), (7, True, 32)]:
+        small = geometry((64, 384, 14, 14), k, k // 2)
+        config, runs = nhwc_pixels_grad_config(small, on_gpu((64, 384, 14, 14), torch.bfloat16), grad_input)
+        columns = (384 // config.block_c) * -(-14 // config.block_w)
+        partial_mb = columns * runs * config.block_c * k * k * 4 / 2**20
+        assert config.block_c == block_c, (k, grad_input, config)
+        assert columns * runs >= MIN_PIXEL_GRAD_PROGRAMS, (k, grad_input, runs)
+        # (a program's tiles more where the floor of programs allows: 7x7's sums are larger)
+        assert partial_mb <= max(tensor_mb / 12 * 1.1, MIN_PIXEL_GRAD_PROGRAMS * 32 * k * k * 4 * 1.1 / 2**20), \
+            (k, grad_input, partial_mb)
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

@@ -409,30 +409,43 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
 _FUSED_CONFIGS: dict = {}
 
 
+# Programs of the channels_last pixel-tile backward (nhwc_pixels_grad_config): at least this many,
+# so small layers still fill the GPU (session 22 probe, H200, 7x7 on 64x384x14x14: 768 programs
+# 0.118 ms, 384 0.147, 1536 0.130), and partial sums at most 1/PARTIAL_SHARE of grad_out and x
+MIN_PIXEL_GRAD_PROGRAMS = 768
+PARTIAL_SHARE = 12
+# The fused pass's channel block under this input size: 32 channels a program, 1 warp (session 22
+# probe, 3x3 on 64x384x14x14, 64x960x7x7, 64x1152x7x7: 0.018-0.027 ms against 0.020-0.032 with
+# the forward's 128 on 2 warps at their best programs); #84 keeps the forward's blocks
+SMALL_FUSED_BYTES = 64 << 20
+
+
 def nhwc_pixels_grad_config(geom: ConvGeometry, x: torch.Tensor, grad_input: bool, bias_grad: bool = False
                             ) -> Tuple[ForwardConfig, int]:
     """Blocks and runs (programs a column of tiles) of depthwise_grad_nhwc_pixels_kernel, whose tiles
     cover grad_input for the fused pass and grad_out for the weight gradient alone: the forward's
     blocks, the fused pass with 4 x 4 outputs in half precision and 2 x 4 in float32 (session 9
     probe, H200, #84 and 64x144x56x56: bfloat16 1.99 / 0.148 ms at 4 x 4 against 2.10 / 0.164 at
-    2 x 4; float32 3.15 / 0.188 at 2 x 4 against 3.28 / 0.197). Programs: as many as image columns
-    of tiles and at least about 4096 (what those runs measured), but fewer where the partial sums
-    would pass max(16 MB, a sixteenth of grad_out and x): each program writes its tiles' sums for
-    every tap, which for 7x7 on 14x14 images was twice the tensors' bytes (not yet timed).
-    Under the interpreter one program a column."""
+    2 x 4; float32 3.15 / 0.188 at 2 x 4 against 3.28 / 0.197), and 32 channels on small inputs.
+    Programs: as many as image columns of tiles and at least 4096, but fewer where the partial
+    sums would pass a twelfth of grad_out and x, and never under MIN_PIXEL_GRAD_PROGRAMS: each
+    program writes its tiles' sums for every tap, and the second pass reads them all (session 22:
+    with the earlier floor of 16 MB, 3x3 on 64x384x14x14 wrote 14 MB of partial sums, more than x,
+    and the backward took 0.066 ms where 1.8 MB take 0.023). Under the interpreter one program a column."""
     tile_geom = input_grad_geometry(geom) if grad_input else geom
     config = nhwc_pixels_config(tile_geom)
     if grad_input:
         block_h = min(config.block_h, 4 if x.element_size() < 4 else 2)
-        config = ForwardConfig("nhwc_pixels", block_h, 4, config.num_warps, block_c=config.block_c)
+        block_c = 32 if x.numel() * x.element_size() < SMALL_FUSED_BYTES else config.block_c
+        config = ForwardConfig("nhwc_pixels", block_h, 4, max(1, block_c // 64), block_c=block_c)
     columns = cdiv(geom.out_channels, config.block_c) * cdiv(tile_geom.out_w, config.block_w)
     tiles = geom.batch * cdiv(tile_geom.out_h, config.block_h)
     if not gpu_plan(x.device):
         return config, 1
     tensor_bytes = (x.numel() + geom.batch * geom.out_channels * geom.out_h * geom.out_w) * x.element_size()
-    partial_budget = max(16 << 20, tensor_bytes // 16)
     sums_a_program = config.block_c * (geom.kernel_h * geom.kernel_w + int(bias_grad)) * 4
-    programs = min(max(4096, geom.batch * columns), max(columns, partial_budget // sums_a_program))
+    programs = min(max(4096, geom.batch * columns),
+                   max(MIN_PIXEL_GRAD_PROGRAMS, tensor_bytes // PARTIAL_SHARE // sums_a_program))
     return config, max(1, min(tiles, cdiv(programs, columns)))
 
 

@@ -20,9 +20,9 @@ from ._launch import LaunchPlan, cached_plan, gpu_plan, launch
 
 
 # Past this many parts a channel torch's reduction, which splits the parts over programs, takes over:
-# each program here walks all parts of 32 outputs (the 8192 slots of #84's channels_last partial
-# sums, 36 MB, on 36 programs). Sizes where the launch's host time matters have fewer
-# (64x384x14x14: 1024).
+# each program here walks all parts of 8 outputs (the 8192 slots of #84's channels_last partial
+# sums, 36 MB, on 144 programs). Sizes where the launch's host time matters have fewer
+# (64x384x14x14: 120).
 KERNEL_MAX_PARTS = 2048
 
 
@@ -84,11 +84,13 @@ _PLANS: dict = {}
 
 def _plan(channels: int, taps: int, bias_grad: bool, channel_stride: int, inner: Tuple[int, int],
           outer: Tuple[int, int], gpu: bool) -> LaunchPlan:
-    # 32 outputs by 64 parts a step on the GPU (C*taps / 32 programs, e.g. 108 for 384 channels
-    # of 3x3); under the interpreter few programs
+    # 8 outputs by up to 256 parts a step on the GPU: many programs (C*taps / 8), few steps each
+    # (session 22 probe, H200, 256-1216 parts of 1296-10368 outputs: 7.6-23 us against 14-25 with
+    # 32 x 64; the time is the programs' serial steps, not bytes); under the interpreter few programs
     outputs = channels * (taps + int(bias_grad))
-    block_e = 32 if gpu else triton.next_power_of_2(min(outputs, 256))
-    block_r = 64 if gpu else triton.next_power_of_2(min(outer[0] * inner[0], 64))
+    parts = outer[0] * inner[0]
+    block_e = 8 if gpu else triton.next_power_of_2(min(outputs, 256))
+    block_r = triton.next_power_of_2(min(parts, 256 if gpu else 64))
     scalars = (outputs, outer[0], inner[0], outer[1], inner[1], channel_stride)
     constants = dict(TAPS=taps, BIAS_GRAD=bias_grad, BLOCK_E=block_e, BLOCK_R=block_r, num_warps=4)
     return LaunchPlan("weight_grad_sums", (triton.cdiv(outputs, block_e),), scalars, constants)
