@@ -9,7 +9,7 @@ from dwconv._geometry import conv_geometry
 from dwconv._library import _backward_formula
 from dwconv.ops import program
 from dwconv.ops.forward import conv_forward
-from helpers import randn
+from helpers import assert_close, randn
 
 LAYOUTS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
 # (shape, kernel, stride, padding, dilation, multiplier, dtype): the kernels' families (rows / pixels,
@@ -93,3 +93,28 @@ def test_refuses_what_it_cannot_replay():
     with pytest.raises(program.NotRecordable, match="made before recording"):
         program.record(lambda x: x + made_before.view(1, 2, 1, 1), [x])
     assert program._launch.RECORDER is None  # (a failed recording leaves none behind)
+
+
+def test_recording_frees_what_the_pass_frees():
+    """The recording call lets an intermediate go when the pass does (the first call's peak memory
+    is then the replay's), and a tensor made later in the freed one's memory or id is still told
+    apart from it in the program."""
+    import weakref
+
+    freed_during_recording = []
+
+    def fn(x):
+        temp = x + 1
+        product = temp * 3
+        dead = weakref.ref(temp)
+        del temp
+        freed_during_recording.append(dead() is None)
+        later = x - 5  # (may take temp's id)
+        return product + later
+
+    x = randn(4, 6)
+    out, prog = program.record(fn, [x])
+    assert freed_during_recording == [True], "the recording held an intermediate the pass let go"
+    fresh = randn(4, 6)
+    assert_close(prog.replay(fresh), (fresh + 1) * 3 + (fresh - 5), torch.float32, "replay")
+    assert_close(out, (x + 1) * 3 + (x - 5), torch.float32, "recorded result")

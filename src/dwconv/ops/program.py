@@ -19,6 +19,7 @@ before recording and not one of the inputs).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -96,11 +97,22 @@ _FRESH = (torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.emp
 class _Recorder(TorchDispatchMode):
     def __init__(self, inputs: Sequence[Optional[torch.Tensor]]):
         super().__init__()
-        # id(tensor) -> value index: inputs are values 0 .. len - 1 (an absent one keeps its number)
-        self.index: Dict[int, int] = {id(t): number for number, t in enumerate(inputs) if t is not None}
-        self.alive: List[torch.Tensor] = [t for t in inputs if t is not None]  # (no id reused while recording)
+        # id(tensor) -> value index: inputs are values 0 .. len - 1 (an absent one keeps its number).
+        # A tensor the pass lets go leaves the map as it dies, so a later tensor reusing its id is not
+        # taken for it; the recording pass frees what it frees (session 22: holding every
+        # intermediate to the end put the first call's peak memory a weight gradient's partial sums
+        # above PyTorch's).
+        self.index: Dict[int, int] = {}
         self.count = len(inputs)
         self.steps: List = []
+        self.finalizers: List[weakref.finalize] = []
+        for number, t in enumerate(inputs):
+            if t is not None:
+                self.number(t, number)
+
+    def number(self, tensor: torch.Tensor, number: int) -> None:
+        self.index[id(tensor)] = number
+        self.finalizers.append(weakref.finalize(tensor, self.index.pop, id(tensor), None))
 
     def ref(self, a):
         if not isinstance(a, torch.Tensor):
@@ -117,8 +129,7 @@ class _Recorder(TorchDispatchMode):
         results = []
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
-                self.index[id(leaf)] = self.count
-                self.alive.append(leaf)
+                self.number(leaf, self.count)
                 results.append(self.count)
                 self.count += 1
             elif leaf is None:
@@ -153,4 +164,6 @@ def record(fn: Callable, inputs: Sequence[Optional[torch.Tensor]], *args) -> Tup
         _launch.RECORDER = None
     leaves, spec = tree_flatten(out)
     outputs = tree_unflatten([recorder.ref(t) if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+    for finalizer in recorder.finalizers:  # (the map is done with: no callbacks when these tensors die)
+        finalizer.detach()
     return out, Program(len(inputs), recorder.steps, outputs)
