@@ -374,7 +374,9 @@ def test_fused_backward_through_autograd(monkeypatch):
 @pytest.mark.parametrize(
     "shape,kernel,padding,dilation,block,runs",
     [
-        ((2, 64, 7, 9), (3, 3), 1, 1, None, None),  # the default blocks (2 x 4 outputs, 64 channels: bf16 pairs)
+        ((2, 64, 7, 9), (3, 3), 1, 1, None, None),  # the default blocks (small inputs: 32 channels)
+        ((2, 64, 7, 9), (3, 3), 1, 1, (2, 4, 64), None),  # 64 channels a warp: bf16 pairs
+        ((1, 128, 6, 7), (3, 3), 1, 1, (4, 4, 128), 2),  # #84's blocks: 128 channels on 2 warps
         ((1, 40, 6, 11), (5, 5), 2, 1, (2, 4, 16), 2),  # channels not a block multiple, two runs a column
         ((2, 64, 9, 8), (3, 3), 0, 2, (3, 4, 64), 2),  # dilation 2, no padding, rows not a block multiple
         ((3, 8, 7, 6), (3, 3), 1, 1, (2, 4, 8), 5),  # runs that cross from one image into the next
@@ -394,7 +396,7 @@ def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, b
     weight = randn(shape[1], 1, *kernel, dtype=dtype)
     geom = conv_geometry(x, weight, None, 1, padding, dilation)
     grad_out = randn(*geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
-    config = ForwardConfig("nhwc_pixels", block[0], block[1], 1, block_c=block[2]) if block else None
+    config = ForwardConfig("nhwc_pixels", block[0], block[1], max(1, block[2] // 64), block_c=block[2]) if block else None
     grad_x, grad_w = conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config, runs)
     assert grad_x.is_contiguous(memory_format=torch.channels_last) and grad_w.dtype == dtype
     ref = reference_grads(x, weight, None, grad_out, 1, padding, dilation)
