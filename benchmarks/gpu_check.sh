@@ -8,13 +8,17 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee -a "$OUT/env.txt"
 steps=${*:-all}
-# Triton's cache from an earlier call of this session, if carried (.tcache, ignored by git): the
-# step `savecache` (last) writes $OUT/triton_cache.tar.xz; here: mkdir -p .tcache && cp it there,
-# then name .tcache in the next call's carry. Compiles took 140-190 s of a suite or probe call.
+# A Triton cache, if carried (.tcache, ignored by git; name .tcache in the call's carry):
+# benchmarks/device_triton_cache.py compiles it on the CPU machine for this one's Triton (session
+# 22; then tar -cJf .tcache/triton_cache.tar.xz -C DIR .), or the step `savecache` brings one back.
+# Compiles took 140-200 s of a suite or probe call.
 cache_dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 if [ -f .tcache/triton_cache.tar.xz ]; then
   mkdir -p "$cache_dir" && tar -xJf .tcache/triton_cache.tar.xz -C "$cache_dir" && echo "Triton cache restored: $(ls "$cache_dir" | wc -l) entries"
 fi
+cached_entries=$(ls "$cache_dir" 2>/dev/null | wc -l)
+# (how many kernels this call compiled itself: those the carried cache lacked)
+trap 'echo "Triton cache: $(( $(ls "$cache_dir" 2>/dev/null | wc -l) - cached_entries )) new entries (compiled in this call)"' EXIT
 # 8 workers where pytest-xdist is installed (the GPU image has it, and 16 cores): the tests are compile-bound
 xdist=$(python3 -c 'import xdist' 2>/dev/null && printf -- '-n 8')
 # -v: each result is logged with its name as it finishes, so a call cut by its time limit still

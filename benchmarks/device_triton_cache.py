@@ -1,0 +1,112 @@
+"""Developer tool (no GPU needed): a Triton cache for the GPU machine, compiled on this one.
+
+Compiles took 150-200 s of several device calls in session 22 (every layer's kernels, each call on
+a fresh machine). This runs dwconv's public forward and forward+backward of benchmark suites' layers
+on CPU tensors, with the kernels compiled for sm_90 and never launched (tests/compile_check.py's
+harness, the launchers' GPU plans), into a cache directory that the device call copies to
+~/.triton/cache before it starts.
+
+The cache key: Triton hashes its own files, libtriton.so among them. The GPU machine runs CPython
+3.12 and this one 3.11; the two Triton 3.6.0 wheels differ only in their .so files (every Python
+file, ptxas and libdevice are the same; session 22, `diff -r` of the wheels), so triton_key() is
+patched to hash the 3.12 wheel's libtriton.so instead of the local one (its SHA-256 below, or
+--libtriton FILE). Group files name their members by absolute path; they are rewritten to the
+device's /root/.triton/cache. Whether the device then finds the kernels: `gpu_check.sh` prints
+"Triton cache: N new kernel entries" after its steps (0 when every kernel came from here).
+
+    PYTHONPATH=.triton36:src python benchmarks/device_triton_cache.py --suite models --dtype bfloat16 --out .tcache/kernels
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+# the GPU machine's Triton 3.6.0 (triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl)
+DEVICE_LIBTRITON_SHA256 = "28daaa70a904e4f8add754e518533e8a69b94ab8b16431ce77d45f1f25282b87"
+DEVICE_CACHE_DIR = "/root/.triton/cache"
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--suite", nargs="+", default=["models"], help="bench suites (models, large, forward, 84)")
+    p.add_argument("--dtype", nargs="+", default=["float32", "float16", "bfloat16"])
+    p.add_argument("--cases", nargs="+", type=int, help="indices among the suite's rows of each dtype")
+    p.add_argument("--layouts", nargs="+", default=["nchw", "channels_last"])
+    p.add_argument("--out", required=True, help="the cache directory to fill (created)")
+    p.add_argument("--libtriton", help="the device's libtriton.so, to hash instead of the constant")
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    os.environ["TRITON_CACHE_DIR"] = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import compile_check  # noqa: F401  (compile-only sm_90 driver, GPU plans; before dwconv's kernels)
+    import torch
+    import triton
+    from triton.runtime import cache
+
+    assert triton.__version__ == "3.6.0", f"the device runs Triton 3.6.0, this is {triton.__version__}"
+    local_lib = os.path.join(os.path.dirname(triton.__file__), "_C", "libtriton.so")
+    device_lib = DEVICE_LIBTRITON_SHA256
+    if args.libtriton:
+        device_lib = hashlib.sha256(open(args.libtriton, "rb").read()).hexdigest()
+    local_key = cache.triton_key()
+    device_key = local_key.replace(hashlib.sha256(open(local_lib, "rb").read()).hexdigest(), device_lib)
+    assert device_key != local_key or device_lib in local_key, "libtriton's hash not found in triton_key()"
+    cache.triton_key = lambda: device_key  # (get_cache_key reads the module's global at each call)
+
+    import dwconv
+    from dwconv import bench, functional
+
+    functional.uses_triton = lambda x: True  # CPU tensors take the Triton path (kernels compile only)
+    started = time.time()
+    for suite in args.suite:
+        for dtype_name in args.dtype:
+            rows = [c for c in bench.SUITES[suite] if c.dtype == dtype_name]
+            for index in args.cases or range(len(rows)):
+                if index < len(rows):
+                    compile_case(rows[index], args.layouts, torch, dwconv, bench)
+    relocate_groups(args.out)
+    print(f"{len(os.listdir(args.out))} cache entries in {args.out} ({time.time() - started:.0f} s)")
+
+
+def compile_case(case, layouts, torch, dwconv, bench):
+    """The kernels of the bench's dwconv calls on this layer: forward and forward+backward with
+    every tensor requiring grad, NCHW, and channels_last with the weight contiguous (the values
+    check) and channels_last (the timed calls). Tensors are never written: torch.empty."""
+    dtype = bench.DTYPES[case.dtype]
+    conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
+    started = time.time()
+    for layout in layouts:
+        fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+        x = torch.empty(case.n, case.c, case.h, case.w, dtype=dtype, memory_format=fmt)
+        weight = torch.empty(case.c * case.multiplier, 1, case.kernel, case.kernel, dtype=dtype)
+        bias = torch.empty(case.c * case.multiplier, dtype=dtype) if case.bias else None
+        weights = [weight] + ([weight.contiguous(memory_format=fmt)] if layout == "channels_last" else [])
+        for w in weights:
+            leaves = [t.detach().requires_grad_() for t in (x, w, bias) if t is not None]
+            out = dwconv.depthwise_conv2d(*leaves[:2], leaves[2] if bias is not None else None, **conv)
+            torch.autograd.grad(out, leaves, torch.empty_like(out))
+            del out, leaves
+    print(f"{case.label}: {time.time() - started:.1f} s", flush=True)
+
+
+def relocate_groups(directory):
+    """Rewrites each group file's member paths from this directory to the device's cache."""
+    here = os.path.abspath(directory)
+    for entry in os.listdir(directory):
+        for name in os.listdir(os.path.join(directory, entry)):
+            if name.startswith("__grp__") and name.endswith(".json"):
+                path = os.path.join(directory, entry, name)
+                group = json.load(open(path))
+                group["child_paths"] = {k: v.replace(here, DEVICE_CACHE_DIR, 1) for k, v in group["child_paths"].items()}
+                json.dump(group, open(path, "w"))
+
+
+if __name__ == "__main__":
+    main()
