@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncularge|native|nativepath|outliers|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncularge|native|nativepath|outliers|clsmall|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -124,8 +124,17 @@ for step in $steps; do
                 done 2>&1 | grep -v Warn | tee "$OUT/native_host.log" ;;
     # the spread of a small layer's forward+backward under the bench's protocol, each path's GPU and
     # CPU time by kernel and a Chrome trace (session 21: channels_last measured 2x NCHW, unexplained)
-    outliers) python3 benchmarks/probe_outliers.py --shape 64 384 14 14 --kernel 3 --dtype bfloat16 --iters 200 \
-                --profile "$OUT/traces" 2>&1 | grep -v Warn | tee "$OUT/outliers.log" ;;
+    # (OUTLIER_ARGS: another layer, e.g. "--shape 64 1152 7 7 --kernel 3 --dtype bfloat16")
+    outliers) python3 benchmarks/probe_outliers.py ${OUTLIER_ARGS:---shape 64 384 14 14 --kernel 3 --dtype bfloat16} \
+                --iters 200 --profile "$OUT/traces" 2>&1 | grep -v Warn | tee "$OUT/outliers.log" ;;
+    # session 22's channels_last backward rule on the layers and dtypes it was not measured on
+    # (GPU time, CUDA graphs): float32 takes 2 x 4 tiles by default, the sweep ran 4 x 4; the 7x7
+    # rows run two kernels (FUSED_NHWC_TAPS = 9)
+    clsmall) (cd benchmarks && for d in float32 float16; do
+                timeout 280 python3 probe_nhwc_backward.py --graphs --dtype $d --shape 64 384 14 14 3 1 \
+                  --shape 64 1152 7 7 3 1 --shape 64 192 28 28 3 1 --shape 64 32 112 112 3 1 \
+                  --fused 4 4 32 1 32 --fused 4 4 32 1 64 --fused 2 4 32 1 64 --fused 2 4 32 1 128
+              done) 2>&1 | grep -v Warn | tee "$OUT/clsmall.log" ;;
     savecache) tar -cJf "$OUT/triton_cache.tar.xz" -C "$cache_dir" . && ls -l "$OUT/triton_cache.tar.xz"
                [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -lt 16000000 ] || { echo "cache too large to bring back"; rm -f "$OUT/triton_cache.tar.xz"; } ;;
     models) python3 -m dwconv bench --model mobilenet_v2 --model efficientnet_b0 --model convnext_tiny --csv "$OUT/models.csv" 2>&1 | tee "$OUT/models.log" ;;
