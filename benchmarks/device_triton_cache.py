@@ -11,10 +11,12 @@ The cache key: Triton hashes its own files, libtriton.so among them. The GPU mac
 file, ptxas and libdevice are the same; session 22, `diff -r` of the wheels), so triton_key() is
 patched to hash the 3.12 wheel's libtriton.so instead of the local one (its SHA-256 below, or
 --libtriton FILE). Group files name their members by absolute path; they are rewritten to the
-device's /root/.triton/cache. Whether the device then finds the kernels: `gpu_check.sh` prints
-"Triton cache: N new kernel entries" after its steps (0 when every kernel came from here).
+device's /root/.triton/cache in the packed copy (--pack; the directory itself keeps local paths,
+so later runs here, several at once included, find what is already compiled). Whether the device
+then finds the kernels: `gpu_check.sh` prints "Triton cache: N new entries" after its steps.
 
-    PYTHONPATH=.triton36:src python benchmarks/device_triton_cache.py --suite models --dtype bfloat16 --out .tcache/kernels
+    PYTHONPATH=.triton36:src python benchmarks/device_triton_cache.py --suite models --dtype bfloat16 --out /tmp/kbuild
+    python benchmarks/device_triton_cache.py --out /tmp/kbuild --pack .tcache/triton_cache.tar.xz
 """
 
 import argparse
@@ -37,11 +39,15 @@ def parse_args():
     p.add_argument("--layouts", nargs="+", default=["nchw", "channels_last"])
     p.add_argument("--out", required=True, help="the cache directory to fill (created)")
     p.add_argument("--libtriton", help="the device's libtriton.so, to hash instead of the constant")
+    p.add_argument("--pack", metavar="FILE.tar.xz", help="only pack --out for the device (no compiles)")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
+    if args.pack:
+        pack(args.out, args.pack)
+        return
     os.environ["TRITON_CACHE_DIR"] = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -71,7 +77,6 @@ def main():
             for index in args.cases or range(len(rows)):
                 if index < len(rows):
                     compile_case(rows[index], args.layouts, torch, dwconv, bench)
-    relocate_groups(args.out)
     print(f"{len(os.listdir(args.out))} cache entries in {args.out} ({time.time() - started:.0f} s)")
 
 
@@ -96,16 +101,28 @@ def compile_case(case, layouts, torch, dwconv, bench):
     print(f"{case.label}: {time.time() - started:.1f} s", flush=True)
 
 
-def relocate_groups(directory):
-    """Rewrites each group file's member paths from this directory to the device's cache."""
+def pack(directory, archive):
+    """A copy of the cache whose group files name their members under the device's cache, as
+    archive (tar.xz: what gpu_check.sh unpacks into ~/.triton/cache)."""
+    import shutil
+    import subprocess
+    import tempfile
+
     here = os.path.abspath(directory)
-    for entry in os.listdir(directory):
-        for name in os.listdir(os.path.join(directory, entry)):
-            if name.startswith("__grp__") and name.endswith(".json"):
-                path = os.path.join(directory, entry, name)
-                group = json.load(open(path))
-                group["child_paths"] = {k: v.replace(here, DEVICE_CACHE_DIR, 1) for k, v in group["child_paths"].items()}
-                json.dump(group, open(path, "w"))
+    with tempfile.TemporaryDirectory() as staging:
+        copy = os.path.join(staging, "cache")
+        shutil.copytree(here, copy)
+        for entry in os.listdir(copy):
+            for name in os.listdir(os.path.join(copy, entry)):
+                if name.startswith("__grp__") and name.endswith(".json"):
+                    path = os.path.join(copy, entry, name)
+                    group = json.load(open(path))
+                    group["child_paths"] = {k: v.replace(here, DEVICE_CACHE_DIR, 1)
+                                            for k, v in group["child_paths"].items()}
+                    json.dump(group, open(path, "w"))
+        os.makedirs(os.path.dirname(os.path.abspath(archive)), exist_ok=True)
+        subprocess.run(["tar", "-cJf", os.path.abspath(archive), "-C", copy, "."], check=True)
+    print(f"{archive}: {len(os.listdir(here))} entries, {os.path.getsize(archive) / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 steps=${*:-all}
 # A Triton cache, if carried (.tcache, ignored by git; name .tcache in the call's carry):
 # benchmarks/device_triton_cache.py compiles it on the CPU machine for this one's Triton (session
-# 22; then tar -cJf .tcache/triton_cache.tar.xz -C DIR .), or the step `savecache` brings one back.
+# 22; its --pack writes .tcache/triton_cache.tar.xz), or the step `savecache` brings one back.
 # Compiles took 140-200 s of a suite or probe call.
 cache_dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 if [ -f .tcache/triton_cache.tar.xz ]; then
