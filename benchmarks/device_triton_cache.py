@@ -83,7 +83,10 @@ def main():
 def compile_case(case, layouts, torch, dwconv, bench):
     """The kernels of the bench's dwconv calls on this layer: forward and forward+backward with
     every tensor requiring grad, NCHW, and channels_last with the weight contiguous (the values
-    check) and channels_last (the timed calls). Tensors are never written: torch.empty."""
+    check) and channels_last (the timed calls), each also on the first 4 images (the bench's
+    gradient check: Triton specialises integer arguments by divisibility by 16, so a batch of 4
+    compiles other kernels; session 23's first call compiled 61 of them, 50 s a stride-2 row).
+    Tensors are never written: torch.empty."""
     dtype = bench.DTYPES[case.dtype]
     conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
     started = time.time()
@@ -93,8 +96,8 @@ def compile_case(case, layouts, torch, dwconv, bench):
         weight = torch.empty(case.c * case.multiplier, 1, case.kernel, case.kernel, dtype=dtype)
         bias = torch.empty(case.c * case.multiplier, dtype=dtype) if case.bias else None
         weights = [weight] + ([weight.contiguous(memory_format=fmt)] if layout == "channels_last" else [])
-        for w in weights:
-            leaves = [t.detach().requires_grad_() for t in (x, w, bias) if t is not None]
+        for w, images in [(w, images) for w in weights for images in (x, x[:4].clone())]:
+            leaves = [t.detach().requires_grad_() for t in (images, w, bias) if t is not None]
             out = dwconv.depthwise_conv2d(*leaves[:2], leaves[2] if bias is not None else None, **conv)
             torch.autograd.grad(out, leaves, torch.empty_like(out))
             del out, leaves

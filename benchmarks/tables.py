@@ -8,6 +8,7 @@ cuDNN on the same; peak memory when the file has it (forward+backward runs).
 """
 
 import csv
+import math
 import sys
 
 NAMES = {"eager": "eager", "cudnn_cl": "cuDNN channels_last", "compile": "torch.compile"}
@@ -42,10 +43,30 @@ def table(path):
             peak = ours["peak_mb"]
             cells.append(f"{float(peak):.1f} / {float(eager['peak_mb']):.1f}" if peak not in ("", "nan") and eager else "")
         lines.append("| " + " | ".join(cells) + " |")
+    if has_cl:
+        lines += ["", cl_summary(rows)]
     copy = {round(float(r["copy_gbps"])) for r in rows}
     lines.append("")
     lines.append(f"Copy rate in the run: {min(copy)}-{max(copy)} GB/s; {rows[0]['device']}.")
     return "\n".join(lines)
+
+
+def cl_summary(rows):
+    """Issue #4's criteria: per pass, on how many layers dwconv on channels_last tensors beats cuDNN
+    on the same, and the geometric mean of the ratios, by mean time (the bench's statistic) and
+    by median (the small layers' host-bound calls are spread wide: session 23)."""
+    keyed = {(r["layer"], r["pass"], r["path"]): r for r in rows}
+    parts = []
+    for pass_ in dict.fromkeys(r["pass"] for r in rows):
+        for stat in ("ms", "median"):
+            ratios = [float(keyed[(layer, p_, "cudnn_cl")][stat]) / float(keyed[(layer, p_, "dwconv_cl")][stat])
+                      for (layer, p_, path) in keyed if p_ == pass_ and path == "dwconv_cl"
+                      and (layer, p_, "cudnn_cl") in keyed and keyed[(layer, p_, path)].get(stat, "") not in ("", "nan")]
+            if ratios:
+                geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+                parts.append(f"{pass_} by {'mean' if stat == 'ms' else 'median'}: faster on {sum(r > 1 for r in ratios)} "
+                             f"of {len(ratios)}, geometric mean {geomean:.2f}x")
+    return "dwconv channels_last against cuDNN channels_last: " + "; ".join(parts) + "."
 
 
 if __name__ == "__main__":

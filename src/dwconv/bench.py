@@ -334,6 +334,7 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
             gbps = pass_bytes / mean / 1e6
             flops = case.flops(backward=pass_name == "backward") + (case.flops(True) if pass_name == "fwd+bwd" else 0)
             rows.append(dict(layer=case.label, path=name, **{"pass": pass_name}, ms=mean, std=statistics.pstdev(times),
+                             median=statistics.median(times),
                              gbps=gbps, pct_copy=100 * gbps / copy_gbps, tflops=flops / mean / 1e9, peak_mb=peak_mb,
                              max_err=max_err if name.startswith("dwconv") else float("nan"),
                              cuda_graph=bool(args.cuda_graphs)))
@@ -492,7 +493,7 @@ def read_csv_rows(path: str) -> List[Dict]:
     with open(path, newline="") as f:
         rows = [{k: v for k, v in row.items() if k != "device"} for row in csv.DictReader(f)]
     for row in rows:
-        for key in ("ms", "std", "gbps", "pct_copy", "tflops", "peak_mb", "max_err", "dwconv_speedup", "copy_gbps"):
+        for key in ("ms", "std", "median", "gbps", "pct_copy", "tflops", "peak_mb", "max_err", "dwconv_speedup", "copy_gbps"):
             if key in row:
                 row[key] = float(row[key])
         if "cuda_graph" in row:
