@@ -62,6 +62,10 @@ def main():
     p.add_argument("--pixels", nargs=4, type=int, action="append", metavar=("BH", "BW", "BC", "WARPS"))
     p.add_argument("--layers", type=int, nargs="+", help="indices into LAYERS (default: all)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (GPU time alone)")
+    p.add_argument("--masked-channels", action="store_true",
+                   help="--pixels channel blocks as given, the last one masked (else at most the largest "
+                        "power of two dividing the channels)")
     args = p.parse_args()
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
     for dtype_name, shape, k, pad, dil, x, w, geom in channels_last_layers(args.dtype, args.layers):
@@ -69,9 +73,10 @@ def main():
         configs = [None] + [ForwardConfig("nhwc", band_rows(geom, bh, x.device), bw, warps, block_c=bc)
                             for bh, bw, bc, warps in args.config or []]
         configs += [ForwardConfig("nhwc_pixels", min(bh, max(1, MAX_PIXEL_TAPS // (bw * k * k))), bw, warps,
-                                  block_c=min(bc, shape[1] & -shape[1]))
+                                  block_c=bc if args.masked_channels else min(bc, shape[1] & -shape[1]))
                     for bh, bw, bc, warps in args.pixels or []]
-        time_configs(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}", x, w, geom, configs, "cuDNN CL")
+        time_configs(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}", x, w, geom, configs, "cuDNN CL",
+                      args.graphs)
 
 
 if __name__ == "__main__":

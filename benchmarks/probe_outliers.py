@@ -4,7 +4,7 @@ k3 bfloat16: 0.384 +- 0.263 ms, forward 0.029 and backward 0.103 alone): this pr
 per-call distribution under bench.Timer's protocol (L2 flushed before each call), with Python's
 garbage collector on and off, and the host time a call (no flush; synchronised every 10 calls, as
 session 21's first version, which ran 300 calls in a row, measured the GPU once the launch queue
-filled). --profile DIR: then 20 calls of
+filled). --parts: first the passes apart, as the bench times them. --profile DIR: then 20 calls of
 each path under torch.profiler with CUDA activity: a table of GPU and CPU time by op and kernel,
 and a Chrome trace per path in DIR (where the GPU idles between a call's kernels).
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import dwconv
-from dwconv.bench import Timer, forward_backward
+from dwconv.bench import Timer, backward_only, forward_backward
 from dwconv.ops import native
 from probe_native_host import per_call_us  # (host time: synchronised every 10 calls)
 
@@ -42,6 +42,9 @@ def main():
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--layouts", nargs="+", default=["nchw", "channels_last"])
     p.add_argument("--profile", metavar="DIR")
+    p.add_argument("--parts", action="store_true",
+                   help="first the forward+backward as the bench times it (3 warm-up calls), then the "
+                        "forward with and without an autograd graph and the backward alone")
     args = p.parse_args()
     native.prepare()
     dtype = getattr(torch, args.dtype)
@@ -58,6 +61,14 @@ def main():
         for name, conv in paths.items():
             fn = forward_backward(conv, (x, weight, None), grad_out)
             label = f"{'channels_last' if layout is torch.channels_last else 'NCHW'} {name}"
+            if args.parts:  # the bench's order: forward+backward timed after 3 warm-up calls only
+                print(f"{label} fwd+bwd, 3 warm-up calls: {summary(timer(fn))}", flush=True)
+                leaves = [t.detach().requires_grad_() for t in (x, weight)]
+                parts = {"forward": lambda: conv(x, weight, None),
+                         "forward with autograd graph": lambda: conv(*leaves, None),
+                         "backward only": backward_only(conv, (x, weight, None), grad_out)}
+                for part, part_fn in parts.items():
+                    print(f"{label} {part}: {summary(timer(part_fn))}", flush=True)
             print(f"{label}: host {per_call_us(fn, 200):.1f} us a forward+backward", flush=True)
             for collect in (True, False):
                 if not collect:

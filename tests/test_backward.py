@@ -96,7 +96,7 @@ def test_channels_last_gradients_with_the_gpu_forward_choice(monkeypatch, kernel
     the interpreter: grad_input's geometry (padding k-1-p, flipped taps) runs the same kernel."""
     from dwconv.ops import forward
 
-    monkeypatch.setattr(forward, "nhwc_config", lambda geom, x: forward.nhwc_pixels_config(geom))
+    monkeypatch.setattr(forward, "nhwc_config", lambda geom, x: forward.nhwc_pixels_config(geom, x))
     x = randn(2, 64, 7, 9).contiguous(memory_format=torch.channels_last)
     weight = randn(64, 1, kernel, kernel)
     assert forward.forward_config(conv_geometry(x, weight, None, stride, padding, 1), x).kernel == "nhwc_pixels"

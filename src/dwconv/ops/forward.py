@@ -973,20 +973,22 @@ def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
         return ForwardConfig("nhwc", band_rows(geom, 64, x.device), min(32, next_power_of_2(geom.out_w)), 1,
                              block_c=block_c)
     if geom.kernel_h * geom.kernel_w <= PIXEL_KERNEL_TAPS:
-        return nhwc_pixels_config(geom)
+        return nhwc_pixels_config(geom, x)
     per_thread = 2 if half else 4
     block_w = max(1, min(next_power_of_2(geom.out_w), per_thread * 128 // block_c))
     return ForwardConfig("nhwc", band_rows(geom, 16 if half else 8, x.device), block_w, 4, block_c=block_c)
 
 
-def nhwc_pixels_config(geom: ConvGeometry) -> ForwardConfig:
+def nhwc_pixels_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     """Blocks of "nhwc_pixels", from the session 8 probe on the H200 (docs/notes.md): a channel pair
     a thread; 3x3 kernels take 4 x 8 outputs by 128 channels on 2 warps where the channels come in
     runs of 128 (#84: 2.08 ms float32, 1.10 bfloat16, against 2.12 and 1.11 with 64 on 1 warp),
-    else 64 or 32 on 1 warp; larger kernels 4 x 4 outputs by 32 channels, or 16 where the channels
-    come in runs of 16 (7x7 at 14x14 x 384: 0.069 ms with 32, 0.080 with 64; 5x5 at 28x28 x 240:
-    0.075 ms with 4 x 4 x 16, 0.107 with 4 x 8 x 32). Blocks of 64 channels a warp load bfloat16
-    channel pairs as 32-bit words (bf16_pairs_apply)."""
+    else 64 or 32 on 1 warp; larger kernels 4 x 4 outputs by 32 channels (7x7 at 14x14 x 384:
+    0.069 ms with 32, 0.080 with 64). float32 takes 16 where the channels come in runs of 16 (5x5 at
+    28x28 x 240: 0.075 ms with 4 x 4 x 16, 0.107 with 4 x 8 x 32); half precision 32, the last block
+    masked (session 23 probe, same layer, GPU time: bfloat16 0.039 ms against 0.067 with 16, float16
+    0.037 against 0.064; cuDNN 0.054 and 0.039). Blocks of 64 channels a warp load bfloat16 channel
+    pairs as 32-bit words (bf16_pairs_apply)."""
     taps = geom.kernel_h * geom.kernel_w
     channels = geom.out_channels
     if taps <= 9:
@@ -994,7 +996,8 @@ def nhwc_pixels_config(geom: ConvGeometry) -> ForwardConfig:
         block_c = next(c for c in (128, 64, 32) if channels % c == 0 or c == 32)
     else:
         block_h, block_w = 4, 4
-        block_c = 16 if channels % 32 != 0 and channels % 16 == 0 else 32
+        runs_of_16 = channels % 32 != 0 and channels % 16 == 0
+        block_c = 16 if runs_of_16 and x.element_size() >= 4 else 32
     block_h = max(1, min(block_h, MAX_PIXEL_TAPS // (block_w * taps)))
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
 
