@@ -17,8 +17,18 @@ if [ -f .tcache/triton_cache.tar.xz ]; then
   mkdir -p "$cache_dir" && tar -xJf .tcache/triton_cache.tar.xz -C "$cache_dir" && echo "Triton cache restored: $(ls "$cache_dir" | wc -l) entries"
 fi
 cached_entries=$(ls "$cache_dir" 2>/dev/null | wc -l)
-# (how many kernels this call compiled itself: those the carried cache lacked)
-trap 'echo "Triton cache: $(( $(ls "$cache_dir" 2>/dev/null | wc -l) - cached_entries )) new entries (compiled in this call)"' EXIT
+cache_marker=$(mktemp)  # (the restored entries keep their archived times: older than this file)
+# How many kernels this call compiled itself (those the carried cache lacked), and their names in
+# $OUT/new_kernels.txt (session 23: 33-61 kernels a suite call, not all traced to their calls)
+new_kernels() {
+  echo "Triton cache: $(( $(ls "$cache_dir" 2>/dev/null | wc -l) - cached_entries )) new entries (compiled in this call)"
+  find "$cache_dir" -newer "$cache_marker" -name "*.json" ! -name "__grp__*" -print0 2>/dev/null \
+    | xargs -0 -r python3 -c 'import json, sys
+for f in sys.argv[1:]:
+    m = json.load(open(f)); print(m.get("name"), "warps", m.get("num_warps"), "shared", m.get("shared"))' \
+    | sort | uniq -c > "$OUT/new_kernels.txt"
+}
+trap new_kernels EXIT
 # 8 workers where pytest-xdist is installed (the GPU image has it, and 16 cores): the tests are compile-bound
 xdist=$(python3 -c 'import xdist' 2>/dev/null && printf -- '-n 8')
 # -v: each result is logged with its name as it finishes, so a call cut by its time limit still
