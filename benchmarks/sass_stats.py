@@ -7,6 +7,7 @@ A CPU-side proxy for what the device time measures (the loop body runs kernel_h 
     python benchmarks/sass_stats.py                  # k13 / k31 / k51 layers of issue #6
     python benchmarks/sass_stats.py --worst-shift    # as before session 11: windows sized for any shift
     python benchmarks/sass_stats.py --fma            # float32 on the CUDA cores (large_fma.py) instead
+    python benchmarks/sass_stats.py --fused-backward --dtype bfloat16  # #84's 3x3 fused backward
 """
 
 import argparse
@@ -100,6 +101,30 @@ def fma_stats(names, given=None):
                       flush=True)
 
 
+def fused_backward_stats(dtype_name):
+    """The 3x3 fused backward of #84's channels (128, 2 warps: its channels_last blocks, 4 x 4 x 128)
+    against the NCHW fused pass, on a small image (the code is #84's but for integer
+    specialisations): registers bound the resident warps (64 threads a program on channels_last)."""
+    from dwconv.ops.backward import conv_grad_input_and_weight, conv_grad_input_and_weight_nhwc
+    from dwconv.ops.forward import ForwardConfig
+
+    dtype = getattr(torch, dtype_name)
+    for name, layout in (("channels_last", torch.channels_last), ("NCHW", torch.contiguous_format)):
+        x, weight, geom, grad_out = compile_check.tensors((2, 128, 64, 512), (3, 3), dtype, layout=layout)
+        before = len(compile_check.COMPILED)
+        if layout is torch.channels_last:
+            conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom,
+                                            ForwardConfig("nhwc_pixels", 4, 4, 2, block_c=128), 64)
+        else:
+            conv_grad_input_and_weight(grad_out, x, weight, geom)
+        for kernel, compiled in compile_check.COMPILED[before:]:
+            s = stats(compiled, "FFMA")
+            other = " ".join(f"{op} {n}" for op, n in sorted(s["loop"].items()) if op not in ("total", "FFMA"))
+            print(f"#84 {dtype_name} {name} {getattr(kernel, '__name__', kernel)}: {s['registers']} registers, "
+                  f"{compiled.metadata.num_warps} warps, stack {s['stack']} B; loop {s['loop']['total']} "
+                  f"instructions, FFMA {s['loop']['FFMA']} ({other})", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worst-shift", action="store_true", help="size windows for any shift (before session 11)")
@@ -108,7 +133,14 @@ def main():
     ap.add_argument("--fma", action="store_true", help="the float32 CUDA-core kernel (large_fma.py)")
     ap.add_argument("--fma-blocks", type=int, nargs=4, metavar=("H", "W", "WARPS", "VEC"),
                     help="--fma at these blocks instead of the launcher's")
+    ap.add_argument("--fused-backward", action="store_true",
+                    help="the 3x3 fused backward at #84's blocks, channels_last against NCHW (--dtype)")
     args = ap.parse_args()
+    if args.fused_backward:
+        print(f"triton {triton.__version__}, sm_90")
+        for dtype in args.dtype:
+            fused_backward_stats(dtype)
+        return
     if args.fma or args.fma_blocks:
         print(f"triton {triton.__version__}, sm_90")
         return fma_stats(args.layers, args.fma_blocks)
