@@ -8,7 +8,8 @@ programs a column of tiles, across the images). --shape N C H W K PAD: layers of
 LAYERS (stride 1, dilation 1). --graphs: each timed as replays of a CUDA graph (the GPU's time: the
 small layers' backward is otherwise host-bound). --sums BLOCK_E BLOCK_R WARPS: then the weight
 gradient's second pass (ops/weight_sums.py) alone on the default fused pass's partial sums, with
-those blocks (session 22: 23 us of a 65 us backward on 64x384x14x14).
+those blocks (session 22: 23 us of a 65 us backward on 64x384x14x14). --maxnreg N: the fused
+passes' register cap (backward.NHWC_FUSED_MAXNREG; session 23: 168 registers uncapped on #84).
 Bytes counted: grad_out and x read, grad_input written (the floor of either path).
 
     PYTHONPATH=src python benchmarks/probe_nhwc_backward.py [--fused BH BW BC WARPS [RUNS]]... [--layers 0 1]
@@ -94,8 +95,11 @@ def main():
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--shape", nargs=6, type=int, action="append", metavar="N C H W K PAD".split())
     p.add_argument("--graphs", action="store_true")
+    p.add_argument("--maxnreg", type=int, help="backward.NHWC_FUSED_MAXNREG for this run's fused passes")
     p.add_argument("--sums", nargs=3, type=int, action="append", metavar=("BLOCK_E", "BLOCK_R", "WARPS"))
     args = p.parse_args()
+    if args.maxnreg:
+        backward.NHWC_FUSED_MAXNREG = args.maxnreg
     timed = (lambda fn: time_ms(graphed(fn), 50)) if args.graphs else time_ms
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
     layers = shape_layers(args.dtype, args.shape) if args.shape else channels_last_layers(args.dtype, args.layers)

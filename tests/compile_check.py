@@ -87,6 +87,22 @@ def fused_backward(shape, kernel, dtype, config, **conv):
     conv_grad_input_and_weight(grad_out, x, weight, geom, config)
 
 
+def capped_fused_backward(shape, kernel, dtype, config, **conv):
+    """The fused channels_last pass under backward.NHWC_FUSED_MAXNREG (the option reaches ptxas)."""
+    from dwconv.ops import backward
+
+    saved, backward.NHWC_FUSED_MAXNREG = backward.NHWC_FUSED_MAXNREG, 128
+    backward._NHWC_PIXELS_GRAD_PLANS.clear()
+    try:
+        before = len(COMPILED)
+        fused_backward(shape, kernel, dtype, config, **conv)
+        capped = {k: c.metadata.maxnreg for k, c in COMPILED[before:]}
+        assert capped.get("depthwise_grad_nhwc_pixels_kernel") == 128, capped
+    finally:
+        backward.NHWC_FUSED_MAXNREG = saved
+        backward._NHWC_PIXELS_GRAD_PLANS.clear()
+
+
 def grad_weight(shape, kernel, dtype, config, **conv):
     x, weight, geom, grad_out = tensors(shape, kernel, dtype, **conv)
     conv_grad_weight(grad_out, x, geom, dtype, True, config)
@@ -192,6 +208,8 @@ CASES = [
     ("fused backward nhwc, bfloat16 pairs", fused_backward, ((1, 128, 12, 20), (3, 3), bf16,
                                                              ForwardConfig("nhwc_pixels", 2, 4, 2, block_c=128)),
      dict(padding=1, layout=CL)),
+    ("fused backward nhwc, bfloat16 pairs, 128 registers", capped_fused_backward,
+     ((1, 128, 12, 20), (3, 3), bf16, ForwardConfig("nhwc_pixels", 2, 4, 2, block_c=128)), dict(padding=1, layout=CL)),
     ("grad_weight, 4-vectors, 4 rows a step", grad_weight, ((1, 2, 18, 512), (3, 3), f32, GradWeightConfig(512, 4, 4, 64, 4)), {}),
     ("grad_weight, bfloat16", grad_weight, ((1, 2, 18, 512), (3, 3), bf16, GradWeightConfig(512, 2, 4, 64, 4)), {}),
     ("grad_weight, k7, 1 column a lane", grad_weight, ((2, 2, 20, 20), (7, 7), f32, GradWeightConfig(32, 1, 1, 8, 1)),
