@@ -120,7 +120,7 @@ def fused_backward_stats(dtype_name):
         for kernel, compiled in compile_check.COMPILED[before:]:
             s = stats(compiled, "FFMA")
             other = " ".join(f"{op} {n}" for op, n in sorted(s["loop"].items()) if op not in ("total", "FFMA"))
-            print(f"#84 {dtype_name} {name} {getattr(kernel, '__name__', kernel)}: {s['registers']} registers, "
+            print(f"#84 {dtype_name} {name} {kernel}: {s['registers']} registers, "
                   f"{compiled.metadata.num_warps} warps, stack {s['stack']} B; loop {s['loop']['total']} "
                   f"instructions, FFMA {s['loop']['FFMA']} ({other})", flush=True)
 

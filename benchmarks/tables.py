@@ -56,12 +56,14 @@ def cl_summary(rows):
     on the same, and the geometric mean of the ratios, by mean time (the bench's statistic) and
     by median (the small layers' host-bound calls are spread wide: session 23)."""
     keyed = {(r["layer"], r["pass"], r["path"]): r for r in rows}
+    # (ours, cuDNN's) rows of each layer and pass that has both
+    pairs = [(r, keyed[(r["layer"], r["pass"], "cudnn_cl")]) for r in rows
+             if r["path"] == "dwconv_cl" and (r["layer"], r["pass"], "cudnn_cl") in keyed]
     parts = []
     for pass_ in dict.fromkeys(r["pass"] for r in rows):
         for stat in ("ms", "median"):
-            ratios = [float(keyed[(layer, p_, "cudnn_cl")][stat]) / float(keyed[(layer, p_, "dwconv_cl")][stat])
-                      for (layer, p_, path) in keyed if p_ == pass_ and path == "dwconv_cl"
-                      and (layer, p_, "cudnn_cl") in keyed and keyed[(layer, p_, path)].get(stat, "") not in ("", "nan")]
+            ratios = [float(theirs[stat]) / float(ours[stat]) for ours, theirs in pairs if ours["pass"] == pass_
+                      and all(row.get(stat, "") not in ("", "nan") for row in (ours, theirs))]
             if ratios:
                 geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
                 parts.append(f"{pass_} by {'mean' if stat == 'ms' else 'median'}: faster on {sum(r > 1 for r in ratios)} "
