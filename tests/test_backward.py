@@ -412,6 +412,7 @@ def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, b
     [
         ((2, 64, 7, 9), (3, 3), 1, 1, 1, 1, None),  # the GPU's blocks (4 x 8 outputs, 64 channels: bf16 pairs)
         ((1, 40, 11, 10), (3, 3), 2, 1, 1, 1, (2, 4, 16)),  # stride 2, channels not a block multiple
+        ((1, 48, 7, 6), (5, 5), 1, 2, 1, 1, (4, 4, 32)),  # 5x5 in half precision on the GPU (240 channels)
         ((1, 16, 13, 12), (5, 5), (2, 1), 2, (1, 2), 1, (3, 2, 8)),  # mixed strides and dilations
         ((2, 8, 9, 7), (7, 3), 1, (3, 1), 1, 2, (4, 4, 8)),  # a non-square kernel, multiplier 2
         ((1, 6, 5, 5), (3, 3), 1, 3, 1, 1, (2, 2, 4)),  # padding past the kernel's reach
