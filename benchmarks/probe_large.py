@@ -242,6 +242,8 @@ def main():
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--no-tile", action="store_true", help="skip timing the CUDA-core tile kernel")
     p.add_argument("--stages", type=int, help="num_stages of the Toeplitz kernels (toeplitz.NUM_STAGES)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="the Toeplitz forward loads the next kernel row during a product (toeplitz.PREFETCH_ROWS)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "float16"])
     p.add_argument("--fma", action="store_true", help="only float32's CUDA-core kernel against the Toeplitz products")
     p.add_argument("--fma-blocks", nargs=4, type=int, action="append", default=[],
@@ -253,6 +255,7 @@ def main():
         return fma(layers, [tuple(b) for b in args.fma_blocks])
     if args.stages:
         toeplitz.NUM_STAGES = args.stages
+    toeplitz.PREFETCH_ROWS = args.prefetch
     dtypes = [getattr(torch, name) for name in args.dtype]
     for shape, k, pad in layers:
         for dtype in dtypes:

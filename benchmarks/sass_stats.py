@@ -133,6 +133,7 @@ def main():
     ap.add_argument("--fma", action="store_true", help="the float32 CUDA-core kernel (large_fma.py)")
     ap.add_argument("--fma-blocks", type=int, nargs=4, metavar=("H", "W", "WARPS", "VEC"),
                     help="--fma at these blocks instead of the launcher's")
+    ap.add_argument("--prefetch", action="store_true", help="toeplitz.PREFETCH_ROWS on (the forward)")
     ap.add_argument("--fused-backward", action="store_true",
                     help="the 3x3 fused backward at #84's blocks, channels_last against NCHW (--dtype)")
     args = ap.parse_args()
@@ -146,6 +147,7 @@ def main():
         return fma_stats(args.layers, args.fma_blocks)
     if args.worst_shift:
         toeplitz.window_shift = lambda geom, block_w, unit: unit - 1
+    toeplitz.PREFETCH_ROWS = args.prefetch
     print(f"triton {triton.__version__}, sm_90{', worst-case shift' if args.worst_shift else ''}")
     for name in args.layers:
         shape, k, pad = LAYERS[name]
@@ -161,7 +163,7 @@ def main():
                         continue
                     s = stats(compiled)
                     mem = " ".join(f"{op} {n}" for op, n in sorted(s["loop"].items()) if op != "total")
-                    print(f"{name} {dtype:8s} {what:11s} {blocks}: shared {s['shared']} B, loop "
+                    print(f"{name} {dtype:8s} {what:11s} {blocks}: {s['registers']} registers, shared {s['shared']} B, loop "
                           f"{s['loop']['total']} instructions ({mem})", flush=True)
 
 if __name__ == "__main__":

@@ -85,6 +85,20 @@ def test_forward_strided_bias_and_weight():
     check(x, weight, randn(4)[::2], 1, 5)
 
 
+@pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES[:5], ids=IDS[:5])
+def test_toeplitz_forward_prefetch(shape, kernel, stride, padding, dilation, multiplier, monkeypatch):
+    """toeplitz.PREFETCH_ROWS (the next kernel row's input loaded during a product; off by default):
+    the forward, and grad_input through it, as without. (Plans are cached: a fresh cache.)"""
+    monkeypatch.setattr(toeplitz, "PREFETCH_ROWS", True)
+    monkeypatch.setattr(toeplitz, "_PLANS", {})
+    x = randn(*shape)
+    weight = randn(shape[1] * multiplier, 1, *kernel)
+    geom = conv_geometry(x, weight, None, stride, padding, dilation)
+    config = ForwardConfig("toeplitz", 16, 16, 4)
+    check(x, weight, randn(shape[1] * multiplier), stride, padding, dilation, config=config)
+    assert any(plan.constants.get("PREFETCH") for plan in toeplitz._PLANS.values()), geom
+
+
 def test_forward_block_shapes():
     """Rows of several images in one product tile, several column strips, more than one row block."""
     x = randn(3, 2, 23, 45)

@@ -56,6 +56,9 @@ SPLIT_TF32 = True
 # The weight gradient's products transposed where that gives them 64 rows or more (the window's
 # columns, not the strip's): sm_90's warpgroup MMA instead of mma.sync.
 TRANSPOSED_GRAD_WEIGHT = True
+# The forward's next kernel row loaded during this one's product (PREFETCH): not timed yet (session
+# 23, prepared for the device; NUM_STAGES > 1 pipelines through cp.async, which bypasses L1).
+PREFETCH_ROWS = False
 # Weight-gradient programs to aim for (grad_weight_rows)
 GRAD_WEIGHT_PROGRAMS = 512
 
@@ -113,6 +116,13 @@ def _product(a, b, acc, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SPLIT_
 
 
 @triton.jit
+def _input_tile(a_ptrs, in_rows, row_ok, col_ok, in_h, x_stride_h, UNIT: tl.constexpr):
+    """The window's columns of input rows in_rows (one a program row; zero outside the image)."""
+    a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
+    return tl.load(a_ptrs + (in_rows * (x_stride_h * UNIT))[:, None], mask=a_ok, other=0.0)
+
+
+@triton.jit
 def depthwise_fwd_toeplitz_kernel(
     x_ptr, w_rows_ptr, b_ptr, y_ptr,
     out_channels, in_h, in_w, out_h, out_w, total_rows,
@@ -121,10 +131,12 @@ def depthwise_fwd_toeplitz_kernel(
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT_TF32: tl.constexpr, UNIT: tl.constexpr, INDEX_64: tl.constexpr,
     BAND_VECTOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """One program = BLOCK_M output rows x BLOCK_W columns of one output channel (unit column steps;
     x's in_w and strides in UNITs). w_rows: BAND_VECTOR copies of each padded kernel row, copy r
-    starting r elements further (padded_weight_rows)."""
+    starting r elements further (padded_weight_rows). PREFETCH: the next kernel row's input tile
+    is loaded before this row's product (plain loads, cached in L1, in flight during the product)."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
     row_blocks = tl.cdiv(total_rows, BLOCK_M)
@@ -145,10 +157,15 @@ def depthwise_fwd_toeplitz_kernel(
                              + ((start % BAND_VECTOR) * w_row_len + (start // BAND_VECTOR) * BAND_VECTOR)[None, :])
     a_ptrs = x_ptr + x_base[:, None] + in_cols[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
+    if PREFETCH:
+        next_a = _input_tile(a_ptrs, first_in_row, row_ok, col_ok, in_h, x_stride_h, UNIT)
     for kh in range(KH):
-        in_rows = first_in_row + kh * dilation_h
-        a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
-        a = tl.load(a_ptrs + (in_rows * (x_stride_h * UNIT))[:, None], mask=a_ok, other=0.0)
+        if PREFETCH:
+            a = next_a
+            next_a = _input_tile(a_ptrs, first_in_row + (kh + 1) * dilation_h, row_ok & (kh + 1 < KH), col_ok,
+                                 in_h, x_stride_h, UNIT)
+        else:
+            a = _input_tile(a_ptrs, first_in_row + kh * dilation_h, row_ok, col_ok, in_h, x_stride_h, UNIT)
         band = tl.load(band_ptrs + kh * (BAND_VECTOR * w_row_len))
         acc = _product(a, band, acc, DOT_DTYPE, PRECISION, SPLIT_TF32)
     if HAS_BIAS:
@@ -414,7 +431,7 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
                      UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(out, (geom.out_h, geom.out_w)),
-                     BAND_VECTOR=16 // x.element_size(),
+                     BAND_VECTOR=16 // x.element_size(), PREFETCH=PREFETCH_ROWS,
                      BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     grid = (geom.out_channels * cdiv(total_rows, block_m) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("toeplitz", grid, scalars, constants)
