@@ -96,11 +96,12 @@ def compile_case(case, layouts, torch, dwconv, bench):
         weight = torch.empty(case.c * case.multiplier, 1, case.kernel, case.kernel, dtype=dtype)
         bias = torch.empty(case.c * case.multiplier, dtype=dtype) if case.bias else None
         weights = [weight] + ([weight.contiguous(memory_format=fmt)] if layout == "channels_last" else [])
-        for w, images in [(w, images) for w in weights for images in (x, x[:4].clone())]:
-            leaves = [t.detach().requires_grad_() for t in (images, w, bias) if t is not None]
-            out = dwconv.depthwise_conv2d(*leaves[:2], leaves[2] if bias is not None else None, **conv)
-            torch.autograd.grad(out, leaves, torch.empty_like(out))
-            del out, leaves
+        for w in weights:
+            for images in (x, x[:4].clone()):
+                leaves = [t.detach().requires_grad_() for t in (images, w, bias) if t is not None]
+                out = dwconv.depthwise_conv2d(*leaves[:2], leaves[2] if bias is not None else None, **conv)
+                torch.autograd.grad(out, leaves, torch.empty_like(out))
+                del out, leaves
     print(f"{case.label}: {time.time() - started:.1f} s", flush=True)
 
 

@@ -116,6 +116,7 @@ def test_table_prints_tflops(capsys):
 def test_channels_last_summary_counts_and_geometric_mean(tmp_path):
     """benchmarks/tables.py's issue #4 line: rows faster than cuDNN channels_last and the geometric
     mean, by mean and by median time (a CSV written before the median column: mean only)."""
+    import csv
     import importlib.util
     import os
 
@@ -128,15 +129,16 @@ def test_channels_last_summary_counts_and_geometric_mean(tmp_path):
     rows = []
     for layer, ours, theirs in (("a", 1.0, 2.0), ("b", 1.0, 0.5), ("c", 1.0, 8.0)):
         for path, ms in (("dwconv", ours), ("eager", 1.0), ("dwconv_cl", ours), ("cudnn_cl", theirs)):
-            rows.append(dict(copy_gbps=4000.0, layer=layer, path=path, ms=ms, median=ms / 2 if (layer, path) == ("c", "dwconv_cl") else ms,
-                             pct_copy=1.0, peak_mb=float("nan"), **{"pass": "fwd+bwd"}))
+            median = ms / 2 if (layer, path) == ("c", "dwconv_cl") else ms
+            rows.append(dict(copy_gbps=4000.0, layer=layer, path=path, ms=ms, median=median, pct_copy=1.0,
+                             peak_mb=float("nan"), **{"pass": "fwd+bwd"}))
     path = str(tmp_path / "rows.csv")
     write_csv(path, rows, quiet=True)
-    line = tables.cl_summary(list(__import__("csv").DictReader(open(path))))
+    line = tables.cl_summary(list(csv.DictReader(open(path))))
     # ratios 2, 0.5, 8: geometric mean 2 by mean; by median c's is 16: (2 * 0.5 * 16) ** (1/3)
     assert "fwd+bwd by mean: faster on 2 of 3, geometric mean 2.00x" in line
     assert "fwd+bwd by median: faster on 2 of 3, geometric mean 2.52x" in line
     rows_old = [{k: v for k, v in r.items() if k != "median"} for r in rows]
     write_csv(path, rows_old, quiet=True)
-    line = tables.cl_summary(list(__import__("csv").DictReader(open(path))))
+    line = tables.cl_summary(list(csv.DictReader(open(path))))
     assert "by median" not in line and "faster on 2 of 3" in line
