@@ -14,10 +14,14 @@ import dwconv
 from dwconv._geometry import conv_geometry
 from dwconv.ops import toeplitz
 from dwconv.ops.forward import ForwardConfig, band_rows, conv_forward
+from dwconv.bench import graphed
 from profile_model import events_ms  # (benchmarks/ is on the path when run as a script)
 
 LAYERS = [((32, 128, 56, 56), 31, 15), ((32, 256, 28, 28), 13, 6), ((32, 128, 56, 56), 51, 25),
           ((32, 128, 56, 56), 13, 6)]  # (the last: where whole 56-wide rows a thread start to pay)
+
+
+GRAPHS = False  # --graphs: dwconv's forward timed as CUDA-graph replays
 
 
 def rel_err(out, ref):
@@ -43,7 +47,10 @@ def forward_rows(shape, k, pad, dtype, layouts=("nchw", "cl"), old=True):
         torch_err = rel_err(F.conv2d(xl, w, None, 1, pad, 1, groups=shape[1]), ref)
         out = dwconv.depthwise_conv2d(xl, w, None, 1, pad)
         assert out.is_contiguous(memory_format=torch.channels_last if layout == "cl" else torch.contiguous_format)
-        ms = events_ms(lambda: dwconv.depthwise_conv2d(xl, w, None, 1, pad), 10)
+        if GRAPHS:  # the GPU's time: k13's forward is host-bound under plain events
+            ms = events_ms(graphed(lambda: dwconv.depthwise_conv2d(xl, w, None, 1, pad)), 50)
+        else:
+            ms = events_ms(lambda: dwconv.depthwise_conv2d(xl, w, None, 1, pad), 10)
         line = (f"fwd {str(dtype)[6:]:8s} {layout:4s} {str(shape):18s} k{k}: dwconv {ms:.3f} ms "
                 f"({flops(shape, k) / ms / 1e9:.1f} TFLOP/s), eager {eager:.3f} ms, x{eager / ms:.2f}; "
                 f"err dwconv {rel_err(out, ref):.1e} torch {torch_err:.1e}")
@@ -242,8 +249,10 @@ def main():
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--no-tile", action="store_true", help="skip timing the CUDA-core tile kernel")
     p.add_argument("--stages", type=int, help="num_stages of the Toeplitz kernels (toeplitz.NUM_STAGES)")
-    p.add_argument("--prefetch", action="store_true",
-                   help="the Toeplitz forward loads the next kernel row during a product (toeplitz.PREFETCH_ROWS)")
+    p.add_argument("--prefetch", choices=["on", "off"],
+                   help="the Toeplitz forward loads the next kernel row during a product at every kernel "
+                   "size, or at none (default: from toeplitz.PREFETCH_MIN_KERNEL_H)")
+    p.add_argument("--graphs", action="store_true", help="dwconv's forward as CUDA-graph replays (50 of them)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "float16"])
     p.add_argument("--fma", action="store_true", help="only float32's CUDA-core kernel against the Toeplitz products")
     p.add_argument("--fma-blocks", nargs=4, type=int, action="append", default=[],
@@ -255,7 +264,10 @@ def main():
         return fma(layers, [tuple(b) for b in args.fma_blocks])
     if args.stages:
         toeplitz.NUM_STAGES = args.stages
-    toeplitz.PREFETCH_ROWS = args.prefetch
+    if args.prefetch:
+        toeplitz.PREFETCH_MIN_KERNEL_H = 1 if args.prefetch == "on" else 1 << 30
+    global GRAPHS
+    GRAPHS = args.graphs
     dtypes = [getattr(torch, name) for name in args.dtype]
     for shape, k, pad in layers:
         for dtype in dtypes:

@@ -9,7 +9,7 @@ LAYERS (stride 1, dilation 1). --graphs: each timed as replays of a CUDA graph (
 small layers' backward is otherwise host-bound). --sums BLOCK_E BLOCK_R WARPS: then the weight
 gradient's second pass (ops/weight_sums.py) alone on the default fused pass's partial sums, with
 those blocks (session 22: 23 us of a 65 us backward on 64x384x14x14). --maxnreg N: the fused
-passes' register cap (backward.NHWC_FUSED_MAXNREG; session 23: 168 registers uncapped on #84).
+passes' register cap in every dtype, 0 for none (default: backward.NHWC_FUSED_MAXNREG's, session 24).
 Bytes counted: grad_out and x read, grad_input written (the floor of either path).
 
     PYTHONPATH=src python benchmarks/probe_nhwc_backward.py [--fused BH BW BC WARPS [RUNS]]... [--layers 0 1]
@@ -95,11 +95,12 @@ def main():
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--shape", nargs=6, type=int, action="append", metavar="N C H W K PAD".split())
     p.add_argument("--graphs", action="store_true")
-    p.add_argument("--maxnreg", type=int, help="backward.NHWC_FUSED_MAXNREG for this run's fused passes")
+    p.add_argument("--maxnreg", type=int, help="the fused passes' register cap in every dtype (0: none; "
+                   "default: backward.NHWC_FUSED_MAXNREG's)")
     p.add_argument("--sums", nargs=3, type=int, action="append", metavar=("BLOCK_E", "BLOCK_R", "WARPS"))
     args = p.parse_args()
-    if args.maxnreg:
-        backward.NHWC_FUSED_MAXNREG = args.maxnreg
+    if args.maxnreg is not None:
+        backward.NHWC_FUSED_MAXNREG = {2: args.maxnreg, 4: args.maxnreg} if args.maxnreg else {}
     timed = (lambda fn: time_ms(graphed(fn), 50)) if args.graphs else time_ms
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
     layers = shape_layers(args.dtype, args.shape) if args.shape else channels_last_layers(args.dtype, args.layers)

@@ -133,7 +133,9 @@ def main():
     ap.add_argument("--fma", action="store_true", help="the float32 CUDA-core kernel (large_fma.py)")
     ap.add_argument("--fma-blocks", type=int, nargs=4, metavar=("H", "W", "WARPS", "VEC"),
                     help="--fma at these blocks instead of the launcher's")
-    ap.add_argument("--prefetch", action="store_true", help="toeplitz.PREFETCH_ROWS on (the forward)")
+    ap.add_argument("--prefetch", choices=["on", "off"],
+                    help="the forward's next-row prefetch at every kernel size or at none (default: "
+                    "toeplitz.PREFETCH_MIN_KERNEL_H)")
     ap.add_argument("--fused-backward", action="store_true",
                     help="the 3x3 fused backward at #84's blocks, channels_last against NCHW (--dtype)")
     args = ap.parse_args()
@@ -147,7 +149,8 @@ def main():
         return fma_stats(args.layers, args.fma_blocks)
     if args.worst_shift:
         toeplitz.window_shift = lambda geom, block_w, unit: unit - 1
-    toeplitz.PREFETCH_ROWS = args.prefetch
+    if args.prefetch:
+        toeplitz.PREFETCH_MIN_KERNEL_H = 1 if args.prefetch == "on" else 1 << 30
     print(f"triton {triton.__version__}, sm_90{', worst-case shift' if args.worst_shift else ''}")
     for name in args.layers:
         shape, k, pad = LAYERS[name]

@@ -91,7 +91,7 @@ def capped_fused_backward(shape, kernel, dtype, config, **conv):
     """The fused channels_last pass under backward.NHWC_FUSED_MAXNREG (the option reaches ptxas)."""
     from dwconv.ops import backward
 
-    saved, backward.NHWC_FUSED_MAXNREG = backward.NHWC_FUSED_MAXNREG, 128
+    saved, backward.NHWC_FUSED_MAXNREG = backward.NHWC_FUSED_MAXNREG, {2: 128, 4: 128}
     backward._NHWC_PIXELS_GRAD_PLANS.clear()
     try:
         before = len(COMPILED)

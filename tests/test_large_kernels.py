@@ -87,9 +87,10 @@ def test_forward_strided_bias_and_weight():
 
 @pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES[:5], ids=IDS[:5])
 def test_toeplitz_forward_prefetch(shape, kernel, stride, padding, dilation, multiplier, monkeypatch):
-    """toeplitz.PREFETCH_ROWS (the next kernel row's input loaded during a product; off by default):
-    the forward, and grad_input through it, as without. (Plans are cached: a fresh cache.)"""
-    monkeypatch.setattr(toeplitz, "PREFETCH_ROWS", True)
+    """The next kernel row's input loaded during a product (toeplitz.PREFETCH_MIN_KERNEL_H, here
+    at every height): the forward, and grad_input through it, as without. (Plans are cached: a fresh
+    cache.)"""
+    monkeypatch.setattr(toeplitz, "PREFETCH_MIN_KERNEL_H", 1)
     monkeypatch.setattr(toeplitz, "_PLANS", {})
     x = randn(*shape)
     weight = randn(shape[1] * multiplier, 1, *kernel)
@@ -97,6 +98,17 @@ def test_toeplitz_forward_prefetch(shape, kernel, stride, padding, dilation, mul
     config = ForwardConfig("toeplitz", 16, 16, 4)
     check(x, weight, randn(shape[1] * multiplier), stride, padding, dilation, config=config)
     assert any(plan.constants.get("PREFETCH") for plan in toeplitz._PLANS.values()), geom
+
+
+@pytest.mark.parametrize("kernel,prefetch", [(31, False), (51, True)])
+def test_toeplitz_prefetch_from_kernel_height(kernel, prefetch):
+    """The forward prefetches the next kernel row from PREFETCH_MIN_KERNEL_H up (measured: k51 gains,
+    k31 loses)."""
+    x = randn(1, 2, 8, 8, dtype=torch.bfloat16)
+    weight = randn(2, 1, kernel, kernel, dtype=torch.bfloat16)
+    geom = conv_geometry(x, weight, None, 1, kernel // 2, 1)
+    plan = toeplitz._forward_plan(geom, x, torch.empty_like(x), False, 64, None, 4, 1)
+    assert plan.constants["PREFETCH"] is prefetch
 
 
 def test_forward_block_shapes():

@@ -418,12 +418,13 @@ PARTIAL_SHARE = 12
 # probe, 3x3 on 64x384x14x14, 64x960x7x7, 64x1152x7x7: 0.018-0.027 ms against 0.020-0.032 with
 # the forward's 128 on 2 warps at their best programs); #84 keeps the forward's blocks
 SMALL_FUSED_BYTES = 64 << 20
-# A register cap for the fused channels_last pass (ptxas .maxnreg; None: the compiler's choice).
-# Session 23, sm_90 code at #84's blocks (benchmarks/sass_stats.py --fused-backward): 168 registers
-# in bfloat16, 6 programs of 2 warps an SM; capped at 128, 24 bytes of spills and 7% more
-# instructions for 8 programs. Its backward runs at 75% of copy where NCHW's (64 registers) runs at
-# 95%. Not timed yet: `probe_nhwc_backward.py --maxnreg 128` is the A/B.
-NHWC_FUSED_MAXNREG = None
+# Register caps of the fused channels_last pass (ptxas .maxnreg) by element size, at dilation 1.
+# H200, session 24 (benchmarks/probe_nhwc_backward.py --graphs [--maxnreg N]): #84 bfloat16 2.030 ->
+# 1.843 ms at 128 (168 registers uncapped: 6 -> 8 programs of 2 warps an SM; 96 spills: 2.336),
+# float16 1.853 at 112; 64x32x112x112 bfloat16 0.092 -> 0.085, 64x144x56x56 and 64x192x28x28
+# within 1%; but the dilated 32x256x64x64 0.122 -> 0.144, so not at dilation 2. float32 uncapped
+# (#84: 3.230, 3.212 at 168, 3.486 at 128).
+NHWC_FUSED_MAXNREG = {2: 128}
 
 
 def nhwc_pixels_grad_config(geom: ConvGeometry, x: torch.Tensor, grad_input: bool, bias_grad: bool = False
@@ -522,8 +523,9 @@ def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
                      BF16_PAIRS=bf16_pairs_apply(src, tile_geom, config.block_c, config.num_warps),
                      num_warps=config.num_warps, num_stages=1)
-    if grad_input and NHWC_FUSED_MAXNREG and gpu_plan(x.device):
-        constants["maxnreg"] = NHWC_FUSED_MAXNREG
+    register_cap = NHWC_FUSED_MAXNREG.get(x.element_size()) if geom.dilation_h == geom.dilation_w == 1 else None
+    if grad_input and register_cap and gpu_plan(x.device):
+        constants["maxnreg"] = register_cap
     tiles_w = cdiv(tile_geom.out_w, config.block_w)
     channel_blocks = cdiv(geom.out_channels, config.block_c)
     slots = tiles_w * runs  # (channel blocks share a slot)

@@ -56,9 +56,13 @@ SPLIT_TF32 = True
 # The weight gradient's products transposed where that gives them 64 rows or more (the window's
 # columns, not the strip's): sm_90's warpgroup MMA instead of mma.sync.
 TRANSPOSED_GRAD_WEIGHT = True
-# The forward's next kernel row loaded during this one's product (PREFETCH): not timed yet (session
-# 23, prepared for the device; NUM_STAGES > 1 pipelines through cp.async, which bypasses L1).
-PREFETCH_ROWS = False
+# The forward's next kernel row loaded during this one's product (PREFETCH) from this kernel height
+# (NUM_STAGES > 1 pipelines through cp.async, which bypasses L1). H200, session 24, bfloat16
+# (32,128,56,56), CUDA-graph replays, two alternations (benchmarks/probe_large.py --graphs
+# [--prefetch]): k51 0.626-0.628 -> 0.581-0.582 ms (channels_last 0.774-0.778 -> 0.728-0.732), but
+# k31 0.299 -> 0.312-0.313 (0.450 -> 0.460): 127 -> 168 registers cost k31 a program an SM.
+# Heights between 31 and 51 are not timed.
+PREFETCH_MIN_KERNEL_H = 51
 # Weight-gradient programs to aim for (grad_weight_rows)
 GRAD_WEIGHT_PROGRAMS = 512
 
@@ -431,7 +435,7 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
                      UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(out, (geom.out_h, geom.out_w)),
-                     BAND_VECTOR=16 // x.element_size(), PREFETCH=PREFETCH_ROWS,
+                     BAND_VECTOR=16 // x.element_size(), PREFETCH=geom.kernel_h >= PREFETCH_MIN_KERNEL_H,
                      BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     grid = (geom.out_channels * cdiv(total_rows, block_m) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("toeplitz", grid, scalars, constants)
