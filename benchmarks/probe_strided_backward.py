@@ -3,6 +3,9 @@ weight gradient, as CUDA-graph replays (the GPU's time), with bytes against a co
 way. Issue #3's stride-2 layer (64x96x112x112 3x3) spent 0.77 ms in its backward, 21% of the
 copy rate. Run it under two trees to compare (gpu_check.sh ab with AB_PROBE).
 
+--shared-taps N / --values N: the phase kernel's switches (session 24: grad_out tiles shared by the
+phases, values a thread).
+
     PYTHONPATH=src python benchmarks/probe_strided_backward.py [--dtype float32 bfloat16] [--layers 0 1]
 """
 
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
 from dwconv.bench import graphed
+from dwconv.ops import backward
 from dwconv.ops.backward import conv_grad_input, conv_grad_weight
 from profile_model import events_ms  # (benchmarks/ is on the path when run as a script)
 
@@ -26,7 +30,14 @@ def main():
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--layers", type=int, nargs="+", help="indices into LAYERS")
     p.add_argument("--channels-last", action="store_true", help="also channels_last tensors")
+    p.add_argument("--shared-taps", type=int, help="backward.SHARED_LOAD_TAPS (0: a phase at a time, as before "
+                   "session 24)")
+    p.add_argument("--values", type=int, help="backward.PHASE_VALUES_A_THREAD (the phase kernel's warps)")
     args = p.parse_args()
+    if args.shared_taps is not None:
+        backward.SHARED_LOAD_TAPS = args.shared_taps
+    if args.values:
+        backward.PHASE_VALUES_A_THREAD = args.values
     src = torch.empty(2**28, device="cuda", dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_gbs = 2 * src.numel() / events_ms(graphed(lambda: dst.copy_(src)), 20) / 1e6

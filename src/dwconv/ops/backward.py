@@ -41,19 +41,24 @@ def depthwise_grad_input_phase_kernel(
     in_channels, in_h, in_w, out_h, out_w,
     g_stride_n, g_stride_c, g_stride_h, g_stride_w,
     dx_stride_n, dx_stride_c, dx_stride_h, dx_stride_w,
-    pad_top, dilation_h,
-    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_LEFT: tl.constexpr, DILATION_W: tl.constexpr,
-    MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, INDEX_64: tl.constexpr,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_TOP: tl.constexpr, PAD_LEFT: tl.constexpr,
+    DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, MULTIPLIER: tl.constexpr, KH: tl.constexpr,
+    KW: tl.constexpr, SHARED_LOADS: tl.constexpr, FIRST_SHIFT_H: tl.constexpr, SHIFTS_H: tl.constexpr,
+    FIRST_SHIFT_W: tl.constexpr, SHIFTS_W: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One program = BLOCK_H x BLOCK_W groups of STRIDE_H x STRIDE_W input pixels (rows, columns) x
     BLOCK_C input channels of one image: BLOCK_C = 1 for NCHW (a plane's tile), a run of channels
     along the contiguous axis for channels_last.
     Input pixel (STRIDE_H * a + rp, STRIDE_W * b + cp), its phase (rp, cp), received out pixel
-    (a + t_h, b + t_w) through tap (kh, kw) where rp + pad_top - kh * dilation_h = STRIDE_H * t_h
+    (a + t_h, b + t_w) through tap (kh, kw) where rp + PAD_TOP - kh * DILATION_H = STRIDE_H * t_h
     and cp + PAD_LEFT - kw * DILATION_W = STRIDE_W * t_w. So each phase gathers only the taps that
-    reach it (at stride 2, 3x3: 1, 2 or 4 of the 9), with loads contiguous along b: whether a tap
-    reaches a row phase is one test a program, a column phase is known at compile time."""
+    reach it (at stride 2, 3x3: 1, 2 or 4 of the 9), with loads contiguous along b.
+    SHARED_LOADS: every phase's accumulator is live at once and each grad_out tile at a shift
+    (t_h, t_w) (FIRST_SHIFT_H .. + SHIFTS_H - 1 by FIRST_SHIFT_W .. + SHIFTS_W - 1) is loaded once
+    for all the taps of all the phases it meets (5x5 at stride 2: 9 loads a group of 4 pixels, not
+    25); the taps are unrolled, so only for small kernels. Else a phase at a time, a loop over the
+    kernel rows."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tl.cdiv(in_w, STRIDE_W), BLOCK_W)
     tiles_per_plane = tl.cdiv(tl.cdiv(in_h, STRIDE_H), BLOCK_H) * tiles_w
@@ -69,28 +74,63 @@ def depthwise_grad_input_phase_kernel(
         group_rows = group_rows.to(tl.int64)
         group_cols = group_cols.to(tl.int64)
     dx_base = dx_ptr + n.to(tl.int64) * dx_stride_n + in_c.to(tl.int64) * dx_stride_c
-    for rp in tl.static_range(STRIDE_H):
-        rows = group_rows * STRIDE_H + rp
-        for cp in tl.static_range(STRIDE_W):
-            cols = group_cols * STRIDE_W + cp
-            acc = tl.zeros([BLOCK_H, BLOCK_W, BLOCK_C], dtype=ACC_DTYPE)
-            for j in tl.static_range(MULTIPLIER):  # every output channel fed by this input channel
-                out_c = in_c * MULTIPLIER + j
-                g_base = g_ptr + n.to(tl.int64) * g_stride_n + out_c.to(tl.int64) * g_stride_c
-                for kh in range(KH):
-                    reach_h = rp + pad_top - kh * dilation_h
-                    if reach_h % STRIDE_H == 0:  # (exact multiples: truncating division is exact)
-                        out_rows = group_rows + reach_h // STRIDE_H
-                        rows_ok = (out_rows >= 0) & (out_rows < out_h) & c_ok
-                        for kw in tl.static_range(KW):
-                            if (cp + PAD_LEFT - kw * DILATION_W) % STRIDE_W == 0:
-                                out_cols = group_cols + (cp + PAD_LEFT - kw * DILATION_W) // STRIDE_W
-                                ok = rows_ok & (out_cols >= 0) & (out_cols < out_w)
-                                g = tl.load(g_base + out_rows * g_stride_h + out_cols * g_stride_w, mask=ok, other=0.0)
-                                w = tl.load(w_ptr + (out_c * KH + kh) * KW + kw, mask=c_ok, other=0.0)
-                                acc += g.to(ACC_DTYPE) * w.to(ACC_DTYPE)
-            tl.store(dx_base + rows * dx_stride_h + cols * dx_stride_w, acc.to(dx_ptr.dtype.element_ty),
-                     mask=(rows < in_h) & (cols < in_w) & c_ok)
+    if SHARED_LOADS:
+        accs = ()
+        for phase in tl.static_range(STRIDE_H * STRIDE_W):
+            accs = accs + (tl.zeros([BLOCK_H, BLOCK_W, BLOCK_C], dtype=ACC_DTYPE),)
+        for j in tl.static_range(MULTIPLIER):  # every output channel fed by this input channel
+            out_c = in_c * MULTIPLIER + j
+            g_base = g_ptr + n.to(tl.int64) * g_stride_n + out_c.to(tl.int64) * g_stride_c
+            for u in tl.static_range(SHIFTS_H):
+                out_rows = group_rows + (FIRST_SHIFT_H + u)
+                rows_ok = (out_rows >= 0) & (out_rows < out_h) & c_ok
+                for v in tl.static_range(SHIFTS_W):
+                    out_cols = group_cols + (FIRST_SHIFT_W + v)
+                    ok = rows_ok & (out_cols >= 0) & (out_cols < out_w)
+                    g = tl.load(g_base + out_rows * g_stride_h + out_cols * g_stride_w, mask=ok, other=0.0)
+                    g = g.to(ACC_DTYPE)
+                    # (the tests are on constants: only the taps at this shift are in the code)
+                    for rp in tl.static_range(STRIDE_H):
+                        for kh in tl.static_range(KH):
+                            if rp + PAD_TOP - kh * DILATION_H == (FIRST_SHIFT_H + u) * STRIDE_H:
+                                for cp in tl.static_range(STRIDE_W):
+                                    for kw in tl.static_range(KW):
+                                        if cp + PAD_LEFT - kw * DILATION_W == (FIRST_SHIFT_W + v) * STRIDE_W:
+                                            w = tl.load(w_ptr + (out_c * KH + kh) * KW + kw, mask=c_ok, other=0.0)
+                                            accs = accs[:rp * STRIDE_W + cp] + (
+                                                accs[rp * STRIDE_W + cp] + g * w.to(ACC_DTYPE),
+                                            ) + accs[rp * STRIDE_W + cp + 1:]
+        for rp in tl.static_range(STRIDE_H):
+            for cp in tl.static_range(STRIDE_W):
+                rows = group_rows * STRIDE_H + rp
+                cols = group_cols * STRIDE_W + cp
+                tl.store(dx_base + rows * dx_stride_h + cols * dx_stride_w,
+                         accs[rp * STRIDE_W + cp].to(dx_ptr.dtype.element_ty),
+                         mask=(rows < in_h) & (cols < in_w) & c_ok)
+    else:
+        for rp in tl.static_range(STRIDE_H):
+            rows = group_rows * STRIDE_H + rp
+            for cp in tl.static_range(STRIDE_W):
+                cols = group_cols * STRIDE_W + cp
+                acc = tl.zeros([BLOCK_H, BLOCK_W, BLOCK_C], dtype=ACC_DTYPE)
+                for j in tl.static_range(MULTIPLIER):
+                    out_c = in_c * MULTIPLIER + j
+                    g_base = g_ptr + n.to(tl.int64) * g_stride_n + out_c.to(tl.int64) * g_stride_c
+                    for kh in range(KH):
+                        reach_h = rp + PAD_TOP - kh * DILATION_H
+                        if reach_h % STRIDE_H == 0:  # (exact multiples: truncating division is exact)
+                            out_rows = group_rows + reach_h // STRIDE_H
+                            rows_ok = (out_rows >= 0) & (out_rows < out_h) & c_ok
+                            for kw in tl.static_range(KW):
+                                if (cp + PAD_LEFT - kw * DILATION_W) % STRIDE_W == 0:
+                                    out_cols = group_cols + (cp + PAD_LEFT - kw * DILATION_W) // STRIDE_W
+                                    ok = rows_ok & (out_cols >= 0) & (out_cols < out_w)
+                                    g = tl.load(g_base + out_rows * g_stride_h + out_cols * g_stride_w, mask=ok,
+                                                other=0.0)
+                                    w = tl.load(w_ptr + (out_c * KH + kh) * KW + kw, mask=c_ok, other=0.0)
+                                    acc += g.to(ACC_DTYPE) * w.to(ACC_DTYPE)
+                tl.store(dx_base + rows * dx_stride_h + cols * dx_stride_w, acc.to(dx_ptr.dtype.element_ty),
+                         mask=(rows < in_h) & (cols < in_w) & c_ok)
 
 
 @triton.jit(do_not_specialize=["pad_left"])
@@ -556,6 +596,13 @@ def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeom
 _GRAD_INPUT_PLANS: dict = {}
 
 
+# The phase kernel's grad_out tiles loaded once for all the phases up to this many taps (its taps
+# are unrolled: compile time and code grow with them).
+SHARED_LOAD_TAPS = 49
+# Values of a grad_out tile a thread holds in the phase kernel (sets its warps)
+PHASE_VALUES_A_THREAD = 2
+
+
 def grad_input_blocks(geom: ConvGeometry, channels_last: bool, gpu: bool) -> Tuple[int, int, int]:
     """(BLOCK_H, BLOCK_W, BLOCK_C) of depthwise_grad_input_phase_kernel, powers of two (its aranges),
     for the GPU or for the interpreter (gpu False: larger programs): groups of stride_h x stride_w
@@ -569,9 +616,17 @@ def grad_input_blocks(geom: ConvGeometry, channels_last: bool, gpu: bool) -> Tup
     else:  # one channel a program
         block_c = 1
         block_w = min(64 if gpu else 32, next_power_of_2(group_w))
-        pixels = (256 if gpu else 1024) // phases
+        pixels = (128 * PHASE_VALUES_A_THREAD if gpu else 1024) // phases
     rows = max(1, pixels // (block_w * block_c))
     return min(next_power_of_2(group_h), 1 << (rows.bit_length() - 1)), block_w, block_c
+
+
+def grad_out_shifts(pad: int, dilation: int, stride: int, kernel: int) -> Tuple[int, int]:
+    """(first, count) of the shifts t = (phase + pad - k * dilation) / stride, over the phases and
+    taps where the division is exact: the grad_out rows (or columns) a group of input pixels meets."""
+    shifts = [(phase + pad - k * dilation) // stride for phase in range(stride) for k in range(kernel)
+              if (phase + pad - k * dilation) % stride == 0]
+    return min(shifts), max(shifts) - min(shifts) + 1
 
 
 def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> LaunchPlan:
@@ -579,13 +634,16 @@ def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tenso
                                                     gpu_plan(grad_out.device))
     tiles = cdiv(cdiv(geom.in_h, geom.stride_h), block_h) * cdiv(cdiv(geom.in_w, geom.stride_w), block_w)
     index_64 = plane_needs_int64(grad_out, (geom.out_h, geom.out_w)) or plane_needs_int64(dx, (geom.in_h, geom.in_w))
-    scalars = (geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *grad_out.stride(), *dx.stride(),
-               geom.pad_top, geom.dilation_h)
+    scalars = (geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *grad_out.stride(), *dx.stride())
+    first_shift_h, shifts_h = grad_out_shifts(geom.pad_top, geom.dilation_h, geom.stride_h, geom.kernel_h)
+    first_shift_w, shifts_w = grad_out_shifts(geom.pad_left, geom.dilation_w, geom.stride_w, geom.kernel_w)
     constants = dict(
-        STRIDE_H=geom.stride_h, STRIDE_W=geom.stride_w, PAD_LEFT=geom.pad_left, DILATION_W=geom.dilation_w,
-        MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, INDEX_64=index_64,
-        ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_C=block_c,
-        num_warps=max(1, min(8, block_h * block_w * block_c // 64)),
+        STRIDE_H=geom.stride_h, STRIDE_W=geom.stride_w, PAD_TOP=geom.pad_top, PAD_LEFT=geom.pad_left,
+        DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, MULTIPLIER=geom.multiplier, KH=geom.kernel_h,
+        KW=geom.kernel_w, SHARED_LOADS=geom.kernel_h * geom.kernel_w <= SHARED_LOAD_TAPS,
+        FIRST_SHIFT_H=first_shift_h, SHIFTS_H=shifts_h, FIRST_SHIFT_W=first_shift_w, SHIFTS_W=shifts_w,
+        INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h, BLOCK_W=block_w,
+        BLOCK_C=block_c, num_warps=max(1, min(8, block_h * block_w * block_c // (32 * PHASE_VALUES_A_THREAD))),
     )
     return LaunchPlan("grad_input", (geom.batch * cdiv(geom.in_channels, block_c) * tiles,), scalars, constants)
 
