@@ -133,6 +133,19 @@ def test_grad_input_blocks_are_powers_of_two():
         assert all(b & (b - 1) == 0 for b in blocks), (stride_h, stride_w, size, channels_last, gpu, blocks)
 
 
+@pytest.mark.parametrize("channels_last,width,stride,values", [(True, 56, 2, 8), (False, 56, 2, 2), (False, 112, 2, 8),
+                                                                 (False, 112, 1, 2)])
+def test_phase_kernel_values_a_thread_on_the_gpu(channels_last, width, stride, values):
+    """The GPU's phase-kernel programs give a thread 8 values of a tile on channels_last and on wide
+    strided NCHW planes, 2 elsewhere (session 24's measurements)."""
+    from dwconv.ops.backward import grad_input_blocks
+
+    x = torch.empty(64, 144, width, width, device="meta")
+    geom = conv_geometry(x, torch.empty(288, 1, 3, 3, device="meta"), None, stride, 1, 1)
+    block_h, block_w, block_c, warps = grad_input_blocks(geom, channels_last, True)
+    assert block_h * block_w * block_c == 32 * warps * values, (block_h, block_w, block_c, warps)
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("x_layout,grad_out_layout", [("channels_last", "nchw"), ("nchw", "channels_last")], ids=str)
 def test_gradients_mixed_layouts(x_layout, grad_out_layout, stride):

@@ -599,16 +599,30 @@ _GRAD_INPUT_PLANS: dict = {}
 # The phase kernel's grad_out tiles loaded once for all the phases up to this many taps (its taps
 # are unrolled: compile time and code grow with them).
 SHARED_LOAD_TAPS = 49
-# Values of a grad_out tile a thread holds in the phase kernel (sets its warps)
-PHASE_VALUES_A_THREAD = 2
+# Values of a grad_out tile a thread holds in the phase kernel (its warps; NCHW: its rows too).
+# H200, session 24, bfloat16 at stride 2 with shared loads (benchmarks/probe_strided_backward.py
+# --values V, docs/data/phase_kernel_session24.log): channels_last 8 against 2, 64x96x112x112 k3
+# 0.144 -> 0.080 ms, 64x144x56x56 k3 0.063 -> 0.034 (5x5 at 8: 0.052, a phase at a time 0.202);
+# 16 no better. NCHW 8 wins on the 112-wide input (0.210 -> 0.131; float32 0.211 -> 0.195) and loses
+# on 56- and 28-wide ones (k3 0.081 -> 0.105, 5x5 0.081 -> 0.103, 64x240x28x28 0.040 -> 0.086).
+PHASE_VALUES_A_THREAD = None  # (a number: that everywhere, for probes)
+PHASE_WIDE_NCHW_W = 112
 
 
-def grad_input_blocks(geom: ConvGeometry, channels_last: bool, gpu: bool) -> Tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_W, BLOCK_C) of depthwise_grad_input_phase_kernel, powers of two (its aranges),
-    for the GPU or for the interpreter (gpu False: larger programs): groups of stride_h x stride_w
-    input pixels, about as many pixels a program as at stride 1."""
+def phase_values_a_thread(geom: ConvGeometry, channels_last: bool) -> int:
+    if PHASE_VALUES_A_THREAD:
+        return PHASE_VALUES_A_THREAD
+    strided = geom.stride_h * geom.stride_w > 1
+    return 8 if channels_last or (strided and geom.in_w >= PHASE_WIDE_NCHW_W) else 2
+
+
+def grad_input_blocks(geom: ConvGeometry, channels_last: bool, gpu: bool) -> Tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_W, BLOCK_C, warps) of depthwise_grad_input_phase_kernel, blocks powers of two
+    (its aranges), for the GPU or for the interpreter (gpu False: larger programs): groups of
+    stride_h x stride_w input pixels, about as many pixels a program as at stride 1."""
     group_h, group_w = cdiv(geom.in_h, geom.stride_h), cdiv(geom.in_w, geom.stride_w)
     phases = geom.stride_h * geom.stride_w
+    values = phase_values_a_thread(geom, channels_last)
     if channels_last:  # tiles of 4 x 8 groups by up to 64 channels
         block_c = min(64, next_power_of_2(geom.in_channels))
         block_w = min(8, next_power_of_2(group_w))
@@ -616,9 +630,10 @@ def grad_input_blocks(geom: ConvGeometry, channels_last: bool, gpu: bool) -> Tup
     else:  # one channel a program
         block_c = 1
         block_w = min(64 if gpu else 32, next_power_of_2(group_w))
-        pixels = (128 * PHASE_VALUES_A_THREAD if gpu else 1024) // phases
+        pixels = (128 * values if gpu else 1024) // phases
     rows = max(1, pixels // (block_w * block_c))
-    return min(next_power_of_2(group_h), 1 << (rows.bit_length() - 1)), block_w, block_c
+    block_h = min(next_power_of_2(group_h), 1 << (rows.bit_length() - 1))
+    return block_h, block_w, block_c, max(1, min(8, block_h * block_w * block_c // (32 * values)))
 
 
 def grad_out_shifts(pad: int, dilation: int, stride: int, kernel: int) -> Tuple[int, int]:
@@ -630,8 +645,8 @@ def grad_out_shifts(pad: int, dilation: int, stride: int, kernel: int) -> Tuple[
 
 
 def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> LaunchPlan:
-    block_h, block_w, block_c = grad_input_blocks(geom, channels_last_kernel_applies(grad_out, dx),
-                                                    gpu_plan(grad_out.device))
+    block_h, block_w, block_c, num_warps = grad_input_blocks(geom, channels_last_kernel_applies(grad_out, dx),
+                                                               gpu_plan(grad_out.device))
     tiles = cdiv(cdiv(geom.in_h, geom.stride_h), block_h) * cdiv(cdiv(geom.in_w, geom.stride_w), block_w)
     index_64 = plane_needs_int64(grad_out, (geom.out_h, geom.out_w)) or plane_needs_int64(dx, (geom.in_h, geom.in_w))
     scalars = (geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *grad_out.stride(), *dx.stride())
@@ -643,7 +658,7 @@ def _grad_input_plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tenso
         KW=geom.kernel_w, SHARED_LOADS=geom.kernel_h * geom.kernel_w <= SHARED_LOAD_TAPS,
         FIRST_SHIFT_H=first_shift_h, SHIFTS_H=shifts_h, FIRST_SHIFT_W=first_shift_w, SHIFTS_W=shifts_w,
         INDEX_64=index_64, ACC_DTYPE=_ACC_DTYPES.get(dx.dtype, tl.float32), BLOCK_H=block_h, BLOCK_W=block_w,
-        BLOCK_C=block_c, num_warps=max(1, min(8, block_h * block_w * block_c // (32 * PHASE_VALUES_A_THREAD))),
+        BLOCK_C=block_c, num_warps=num_warps,
     )
     return LaunchPlan("grad_input", (geom.batch * cdiv(geom.in_channels, block_c) * tiles,), scalars, constants)
 
