@@ -4,7 +4,9 @@ way. Issue #3's stride-2 layer (64x96x112x112 3x3) spent 0.77 ms in its backward
 copy rate. Run it under two trees to compare (gpu_check.sh ab with AB_PROBE).
 
 --shared-taps N / --values N: the phase kernel's switches (session 24: grad_out tiles shared by the
-phases, values a thread).
+phases, values a thread). --gw-pixels BH BW BC WARPS [RUNS] (channels_last) and --gw-rows BLOCK_W
+WARPS VEC SPLITS [ROWS] (NCHW): more weight-gradient blocks to time beside the default, each checked
+(session 24: the 5x5 stride-2 weight gradients ran at 10-27% of copy).
 
     PYTHONPATH=src python benchmarks/probe_strided_backward.py [--dtype float32 bfloat16] [--layers 0 1]
 """
@@ -17,7 +19,8 @@ import torch.nn.functional as F
 from dwconv._geometry import conv_geometry
 from dwconv.bench import graphed
 from dwconv.ops import backward
-from dwconv.ops.backward import conv_grad_input, conv_grad_weight
+from dwconv.ops.backward import GradWeightConfig, _launch_nhwc_pixels_grad, conv_grad_input, conv_grad_weight
+from dwconv.ops.forward import ForwardConfig
 from profile_model import events_ms  # (benchmarks/ is on the path when run as a script)
 
 # (N, C, H, W, kernel, padding, stride): issue #3's stride-2 layer, then the models suite's
@@ -33,6 +36,10 @@ def main():
     p.add_argument("--shared-taps", type=int, help="backward.SHARED_LOAD_TAPS (0: a phase at a time, as before "
                    "session 24)")
     p.add_argument("--values", type=int, help="backward.PHASE_VALUES_A_THREAD (the phase kernel's warps)")
+    p.add_argument("--gw-pixels", nargs="+", type=int, action="append", default=[], metavar="N",
+                   help="channels_last weight-gradient tiles: BLOCK_H BLOCK_W BLOCK_C WARPS [RUNS]")
+    p.add_argument("--gw-rows", nargs="+", type=int, action="append", default=[], metavar="N",
+                   help="NCHW weight-gradient blocks: BLOCK_W WARPS VEC SPLITS [ROWS]")
     args = p.parse_args()
     if args.shared_taps is not None:
         backward.SHARED_LOAD_TAPS = args.shared_taps
@@ -63,6 +70,27 @@ def main():
                 print(f"{str(dtype)[6:]:8s} {name:13s} {(n, c, h, w)} k{k} s{stride}: grad_input {gi_ms:.3f} ms "
                       f"({gi_pct:.0f}% copy), grad_weight {gw_ms:.3f} ms ({gw_pct:.0f}%); errors {errs[0]:.1e} / "
                       f"{errs[1]:.1e}", flush=True)
+                for blocks in args.gw_pixels if layout is torch.channels_last else args.gw_rows:
+                    time_weight_grad(g, x, geom, dtype, blocks, layout is torch.channels_last, wr.grad, copy_gbs)
+
+
+def time_weight_grad(g, x, geom, dtype, blocks, channels_last, reference, copy_gbs):
+    """The weight gradient alone at the given blocks (see --gw-pixels / --gw-rows), checked."""
+    if channels_last:
+        config = ForwardConfig("nhwc_pixels", blocks[0], blocks[1], blocks[3], block_c=blocks[2])
+        runs = blocks[4] if len(blocks) > 4 else None
+
+        def run():
+            return _launch_nhwc_pixels_grad(geom, g, x, None, None, config, runs, False, dtype)[0]
+    else:
+        config = GradWeightConfig(*blocks)
+
+        def run():
+            return conv_grad_weight(g, x, geom, dtype, False, config)[0]
+    err = ((run().double().view_as(reference) - reference).abs().max() / reference.abs().max()).item()
+    ms = events_ms(graphed(run), 20)
+    pct = 100 * (g.numel() + x.numel()) * x.element_size() / ms / 1e6 / copy_gbs
+    print(f"    grad_weight at {'x'.join(map(str, blocks))}: {ms:.3f} ms ({pct:.0f}%); error {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":
