@@ -1,7 +1,9 @@
 """Developer probe (GPU): the channels_last (NHWC) forward kernel against cuDNN with channels_last
 tensors, on #84 and issue #4's layers; values checked against cuDNN first. --config: the band tile
 kernel ("nhwc") with those blocks; --pixels: the same kernel with its columns unrolled
-("nhwc_pixels", session 7; the default for kernels up to 7x7 since session 8).
+("nhwc_pixels", session 7; the default for kernels up to 7x7 since session 8). --shape N C H W K PAD
+STRIDE: layers of your own instead (e.g. the models suite's stride-2 rows, which float32 loses to
+cuDNN channels_last by 4-10%, session 23).
 
     PYTHONPATH=src python benchmarks/probe_nhwc.py [--config|--pixels BLOCK_H BLOCK_W BLOCK_C WARPS]...
 """
@@ -37,15 +39,27 @@ def channels_last_layers(dtype_names, layer_indices=None):
             yield dtype_name, shape, k, pad, dil, x, w, conv_geometry(x, w, None, 1, pad, dil)
 
 
+def shape_layers(dtype_names, shapes):
+    """channels_last_layers' tuples (dilation 1) for --shape N C H W K PAD [STRIDE] (stride 1 if not given)."""
+    for dtype_name in dtype_names:
+        for n, c, h, w_, k, pad, *stride in shapes:
+            x = torch.randn(n, c, h, w_, device="cuda", dtype=getattr(torch, dtype_name)
+                            ).contiguous(memory_format=torch.channels_last)
+            w = torch.randn(c, 1, k, k, device="cuda", dtype=x.dtype)
+            geom = conv_geometry(x, w, None, stride[0] if stride else 1, pad, 1)
+            yield dtype_name, (n, c, h, w_), k, pad, 1, x, w, geom
+
+
 def time_configs(label, x, w, geom, configs, baseline_name, graphs=False):
     """Times conv_forward with each config (None: forward_config's choice) against PyTorch on the same
     tensors (symmetric padding), after checking its values against PyTorch's; prints a line each.
     graphs: each timed as replays of a CUDA graph (the GPU's time, no host time per call)."""
     timed = (lambda fn: time_ms(graphed(fn))) if graphs else time_ms
     pad, dil = (geom.pad_top, geom.pad_left), (geom.dilation_h, geom.dilation_w)
-    ref = F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1])
+    stride = (geom.stride_h, geom.stride_w)
+    ref = F.conv2d(x, w, None, stride, pad, dil, groups=x.shape[1])
     bytes_moved = (x.numel() + ref.numel()) * x.element_size()
-    baseline = timed(lambda: F.conv2d(x, w, None, 1, pad, dil, groups=x.shape[1]))
+    baseline = timed(lambda: F.conv2d(x, w, None, stride, pad, dil, groups=x.shape[1]))
     for config in configs:
         out = conv_forward(x, w, None, geom, config)
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -61,6 +75,8 @@ def main():
     p.add_argument("--config", nargs=4, type=int, action="append", metavar=("BH", "BW", "BC", "WARPS"))
     p.add_argument("--pixels", nargs=4, type=int, action="append", metavar=("BH", "BW", "BC", "WARPS"))
     p.add_argument("--layers", type=int, nargs="+", help="indices into LAYERS (default: all)")
+    p.add_argument("--shape", nargs=7, type=int, action="append", metavar="N C H W K PAD STRIDE".split(),
+                   help="layers of your own instead of LAYERS")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (GPU time alone)")
     p.add_argument("--masked-channels", action="store_true",
@@ -68,15 +84,16 @@ def main():
                         "power of two dividing the channels)")
     args = p.parse_args()
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
-    for dtype_name, shape, k, pad, dil, x, w, geom in channels_last_layers(args.dtype, args.layers):
+    layers = shape_layers(args.dtype, args.shape) if args.shape else channels_last_layers(args.dtype, args.layers)
+    for dtype_name, shape, k, pad, dil, x, w, geom in layers:
         # the default (forward_config: "nhwc_pixels" up to 7x7 since session 8), then the blocks asked for
         configs = [None] + [ForwardConfig("nhwc", band_rows(geom, bh, x.device), bw, warps, block_c=bc)
                             for bh, bw, bc, warps in args.config or []]
         configs += [ForwardConfig("nhwc_pixels", min(bh, max(1, MAX_PIXEL_TAPS // (bw * k * k))), bw, warps,
                                   block_c=bc if args.masked_channels else min(bc, shape[1] & -shape[1]))
                     for bh, bw, bc, warps in args.pixels or []]
-        time_configs(f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil}", x, w, geom, configs, "cuDNN CL",
-                      args.graphs)
+        label = f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil} s{geom.stride_h}"
+        time_configs(label, x, w, geom, configs, "cuDNN CL", args.graphs)
 
 
 if __name__ == "__main__":

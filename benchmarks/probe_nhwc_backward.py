@@ -22,13 +22,12 @@ import torch.nn.functional as F
 
 import triton
 
-from dwconv._geometry import conv_geometry
 from dwconv.bench import backward_only, graphed
 from dwconv.ops import backward
 from dwconv.ops.backward import conv_grad_input, conv_grad_input_and_weight_nhwc, conv_grad_weight
 from dwconv.ops.forward import ForwardConfig
 from dwconv.ops.weight_sums import depthwise_weight_grad_sums_kernel
-from probe_nhwc import channels_last_layers, copy_rate  # (benchmarks/ is on the path as a script)
+from probe_nhwc import channels_last_layers, copy_rate, shape_layers  # (benchmarks/ is on the path as a script)
 from profile_model import events_ms as time_ms
 
 
@@ -52,16 +51,6 @@ def compare_backward(label, x, w, g, pad, dil, runs, timed=time_ms):
         print(f"{label} {name:22s}: {ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), cuDNN backward "
               f"{cudnn:.3f} ms, x{cudnn / ms:.2f}; rel err grad_input {rel_err(got_x, ref_x):.1e} "
               f"(cuDNN's own rounding included), grad_weight {rel_err(got_w, ref_w):.1e}", flush=True)
-
-
-def shape_layers(dtype_names, shapes):
-    """channels_last_layers' tuples for --shape N C H W K PAD."""
-    for dtype_name in dtype_names:
-        for n, c, h, w_, k, pad in shapes:
-            x = torch.randn(n, c, h, w_, device="cuda", dtype=getattr(torch, dtype_name)
-                            ).contiguous(memory_format=torch.channels_last)
-            w = torch.randn(c, 1, k, k, device="cuda", dtype=x.dtype)
-            yield dtype_name, (n, c, h, w_), k, pad, 1, x, w, conv_geometry(x, w, None, 1, pad, 1)
 
 
 def time_sums(label, x, w, g, geom, sums_blocks, timed):
