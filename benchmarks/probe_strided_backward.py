@@ -6,7 +6,8 @@ copy rate. Run it under two trees to compare (gpu_check.sh ab with AB_PROBE).
 --shared-taps N / --values N: the phase kernel's switches (session 24: grad_out tiles shared by the
 phases, values a thread). --gw-pixels BH BW BC WARPS [RUNS] (channels_last) and --gw-rows BLOCK_W
 WARPS VEC SPLITS [ROWS] (NCHW): more weight-gradient blocks to time beside the default, each checked
-(session 24: the 5x5 stride-2 weight gradients ran at 10-27% of copy).
+(session 24: the 5x5 stride-2 weight gradients ran at 10-27% of copy); --gw-maxnreg N: the
+channels_last weight gradient's register cap.
 
     PYTHONPATH=src python benchmarks/probe_strided_backward.py [--dtype float32 bfloat16] [--layers 0 1]
 """
@@ -40,11 +41,15 @@ def main():
                    help="channels_last weight-gradient tiles: BLOCK_H BLOCK_W BLOCK_C WARPS [RUNS]")
     p.add_argument("--gw-rows", nargs="+", type=int, action="append", default=[], metavar="N",
                    help="NCHW weight-gradient blocks: BLOCK_W WARPS VEC SPLITS [ROWS]")
+    p.add_argument("--gw-maxnreg", type=int, help="register cap of the channels_last weight gradient, every dtype "
+                   "(backward.NHWC_WEIGHT_GRAD_MAXNREG)")
     args = p.parse_args()
     if args.shared_taps is not None:
         backward.SHARED_LOAD_TAPS = args.shared_taps
     if args.values:
         backward.PHASE_VALUES_A_THREAD = args.values
+    if args.gw_maxnreg:
+        backward.NHWC_WEIGHT_GRAD_MAXNREG = {2: args.gw_maxnreg, 4: args.gw_maxnreg}
     src = torch.empty(2**28, device="cuda", dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_gbs = 2 * src.numel() / events_ms(graphed(lambda: dst.copy_(src)), 20) / 1e6

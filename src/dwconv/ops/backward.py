@@ -465,6 +465,9 @@ SMALL_FUSED_BYTES = 64 << 20
 # within 1%; but the dilated 32x256x64x64 0.122 -> 0.144, so not at dilation 2. float32 uncapped
 # (#84: 3.230, 3.212 at 168, 3.486 at 128).
 NHWC_FUSED_MAXNREG = {2: 128}
+# The same for the channels_last weight gradient alone (none yet: 5x5 stride 2 takes 213 registers in
+# sm_90 code at its 4x4x32 one-warp tiles, 9 warps an SM; `probe_strided_backward.py --gw-maxnreg`).
+NHWC_WEIGHT_GRAD_MAXNREG: dict = {}
 
 
 def nhwc_pixels_grad_config(geom: ConvGeometry, x: torch.Tensor, grad_input: bool, bias_grad: bool = False
@@ -563,8 +566,9 @@ def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
                      BF16_PAIRS=bf16_pairs_apply(src, tile_geom, config.block_c, config.num_warps),
                      num_warps=config.num_warps, num_stages=1)
-    register_cap = NHWC_FUSED_MAXNREG.get(x.element_size()) if geom.dilation_h == geom.dilation_w == 1 else None
-    if grad_input and register_cap and gpu_plan(x.device):
+    register_caps = NHWC_FUSED_MAXNREG if grad_input else NHWC_WEIGHT_GRAD_MAXNREG
+    register_cap = register_caps.get(x.element_size()) if geom.dilation_h == geom.dilation_w == 1 else None
+    if register_cap and gpu_plan(x.device):
         constants["maxnreg"] = register_cap
     tiles_w = cdiv(tile_geom.out_w, config.block_w)
     channel_blocks = cdiv(geom.out_channels, config.block_c)
