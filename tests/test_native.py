@@ -145,6 +145,37 @@ def test_native_eager_path(monkeypatch, layout, wanted, bias):
         assert_close(got, want, torch.float32, "gradient of a sum")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_eager_path_large_kernels(monkeypatch, dtype):
+    """Half precision large kernels (the Toeplitz path: weight bands gathered by a launch, grad_input
+    on the flipped bands) through the C++ Function, output and gradients against float64. Session
+    25: on the GPU their first call crashed in the recording ("Unable to cast 38 to Tensor": a
+    Python number in a tensor argument of the band index's torch ops)."""
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    x, weight = randn(2, 3, 16, 16, dtype=dtype), randn(3, 1, 13, 13, dtype=dtype) / 13
+    leaves = [t.clone().requires_grad_() for t in (x, weight)]
+    out = dwconv.depthwise_conv2d(*leaves, padding=6)
+    assert type(out.grad_fn).__name__ == "CppFunction"
+    grad_out = randn(*out.shape, dtype=dtype)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    ref_leaves = [t.double().requires_grad_() for t in (x, weight)]
+    ref = torch.nn.functional.conv2d(*ref_leaves, padding=6, groups=3)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out.double())
+    assert_close(out, ref, dtype, "output")
+    assert_close(grads[0], ref_grads[0], dtype, "grad_input")
+    scale = ref_grads[1].abs().max()
+    assert_close(grads[1].double() / scale, ref_grads[1] / scale, dtype, "grad_weight (relative to its largest)")
+
+
+def test_native_program_refuses_numbers_in_tensor_arguments():
+    """An op recorded with a Python number where its schema takes a tensor (`x - 3` dispatches to
+    sub.Tensor with a wrapped number) is not replayable: NotRecordable, so the layer keeps the
+    Python path, not a RuntimeError from the replayer."""
+    _, prog = program.record(lambda x: x - 3, [randn(4)])
+    with pytest.raises(program.NotRecordable, match="tensor argument other"):
+        native.native_program(prog, python_launches=DEVICE == "cpu")
+
+
 def test_native_eager_path_falls_back(monkeypatch):
     """A layer whose passes cannot be recorded keeps the Python autograd Function."""
     monkeypatch.setenv("DWCONV_NATIVE", "1")

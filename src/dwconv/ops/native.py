@@ -189,6 +189,10 @@ class NativeProgram:
                 value = None
             elif any(isinstance(v, Ref) for v in tree_flatten(value)[0]):
                 raise NotRecordable(f"{step.op}: a list of tensors ({argument.name})")
+            elif value is not None and str(argument.type) in ("Tensor", "Tensor?"):
+                # (a Python number the dispatcher wrapped, as in `index - 18`: the replayer would
+                # need the wrapped-number tensor's type promotion)
+                raise NotRecordable(f"{step.op}: {value!r} for the tensor argument {argument.name}")
             args.append(value)
         results = []
         for index in step.results:

@@ -27,7 +27,6 @@ on the CUDA-core kernels. The grad_input of stride 1 is this forward (dwconv.ops
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -358,15 +357,22 @@ _PLANS: dict = {}
 
 
 @triton.jit
-def _band_rows_kernel(w_ptr, index_ptr, rows_ptr, taps, row_elems, blocks, BLOCK: tl.constexpr):
-    """rows[c, j] = w[c, index[j]], 0 where index[j] == taps (not a tap): BLOCK of one channel's
-    row elements a program."""
+def _band_rows_kernel(w_ptr, rows_ptr, row_elems, blocks, kernel_h, kernel_w, dilation_w, start, row_len, vector,
+                      FLIP: tl.constexpr, BLOCK: tl.constexpr):
+    """rows[c, j] = the tap of channel c that position j of its [kH, vector, row_len] row holds
+    (padded_weight_rows), 0 where it holds none: BLOCK of one channel's row elements a program."""
     pid = tl.program_id(0)
     channel = (pid // blocks).to(tl.int64)
     j = (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
     ok = j < row_elems
-    tap = tl.load(index_ptr + j, mask=ok, other=taps)
-    value = tl.load(w_ptr + channel * taps + tap, mask=tap < taps, other=0.0)
+    kh = j // (vector * row_len)
+    column = j % row_len + (j // row_len) % vector - start  # (copy r starts r elements further left)
+    kw = column // dilation_w  # (negative columns hold no tap: masked below, whichever way // rounds)
+    is_tap = ok & (column >= 0) & (column % dilation_w == 0) & (kw < kernel_w)
+    if FLIP:  # (grad_input's flipped kernel)
+        kh = kernel_h - 1 - kh
+        kw = kernel_w - 1 - kw
+    value = tl.load(w_ptr + channel * (kernel_h * kernel_w) + kh * kernel_w + kw, mask=is_tap, other=0.0)
     tl.store(rows_ptr + channel * row_elems + j, value, mask=ok)
 
 
@@ -376,46 +382,34 @@ def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, b
     unit - 1 + (block_w - 1) * stride_w on, its taps dilation_w apart, zeros around, in `vector`
     copies, copy r shifted r elements to the left (row_len >= unit - 1 + (block_w - 1) * stride_w +
     block_k, a multiple of 16; k31 bfloat16: 6.6 MB). The kernel reads every band from it unmasked,
-    each band column in whole vectors. flip: of weight.flip(2, 3) (grad_input). One gather by a
-    cached index, in one launch (it replaced two torch ops, a zero appended to each channel's taps
-    and an index_select, at 38-41 us of host time a call on the H200's host; the launch measured
-    33-47 us in session 13: no host time saved, one kernel instead of three)."""
+    each band column in whole vectors. flip: of weight.flip(2, 3) (grad_input). One launch that
+    works out each position's tap itself (it replaced two torch ops at 38-41 us of host time a call
+    on the H200's host in session 13, and in session 25 a gather by an index tensor built once with
+    torch ops: a cached tensor made outside a recorded program, and ops with Python numbers in
+    tensor arguments, which the C++ replayer could not take)."""
     start, row_len = _band_row(geom, block_w, block_k, unit)
-    index = _band_index(geom.kernel_h, geom.kernel_w, geom.dilation_w, start, row_len, vector, flip, weight.device)
     weight = weight.contiguous()
-    rows = torch.empty((geom.out_channels, index.numel()), device=weight.device, dtype=weight.dtype)
-    plan = cached_plan(_PLANS, ("band_rows", geom.out_channels, geom.kernel_h * geom.kernel_w, index.numel()),
-                       lambda: _band_rows_plan(geom.out_channels, geom.kernel_h * geom.kernel_w, index.numel()))
-    launch(_band_rows_kernel, plan, weight, index, rows)
+    row_elems = geom.kernel_h * vector * row_len
+    rows = torch.empty((geom.out_channels, row_elems), device=weight.device, dtype=weight.dtype)
+    plan = cached_plan(_PLANS, ("band_rows", geom, start, row_len, vector, flip),
+                       lambda: _band_rows_plan(geom, start, row_len, vector, flip))
+    launch(_band_rows_kernel, plan, weight, rows)
     return rows
 
 
-def _band_rows_plan(channels: int, taps: int, row_elems: int) -> LaunchPlan:
+def _band_rows_plan(geom: ConvGeometry, start: int, row_len: int, vector: int, flip: bool) -> LaunchPlan:
+    row_elems = geom.kernel_h * vector * row_len
     block = min(1024, next_power_of_2(row_elems))
     blocks = cdiv(row_elems, block)
-    return LaunchPlan("band_rows", (channels * blocks,), (taps, row_elems, blocks), dict(BLOCK=block, num_warps=4))
+    return LaunchPlan("band_rows", (geom.out_channels * blocks,),
+                      (row_elems, blocks, geom.kernel_h, geom.kernel_w, geom.dilation_w, start, row_len, vector),
+                      dict(FLIP=flip, BLOCK=block, num_warps=4))
 
 
 def _band_row(geom: ConvGeometry, block_w: int, block_k: int, unit: int) -> Tuple[int, int]:
     """Where a padded weight row's first tap sits, and the row's length (a multiple of 16)."""
     start = unit - 1 + (block_w - 1) * geom.stride_w
     return start, cdiv(start + block_k, 16) * 16
-
-
-@functools.lru_cache(maxsize=64)
-def _band_index(kernel_h: int, kernel_w: int, dilation_w: int, start: int, row_len: int, vector: int, flip: bool,
-                device: torch.device) -> torch.Tensor:
-    """[kH * vector * row_len] positions in a channel's taps (kH * kW: the appended zero) that
-    padded_weight_rows gathers. Built on the device (no host-to-device copy, which a CUDA graph
-    being captured would refuse)."""
-    column = (torch.arange(row_len, device=device)[None, :] + torch.arange(vector, device=device)[:, None]
-              - start)  # [vector, row_len]
-    kw = torch.div(column, dilation_w, rounding_mode="floor")
-    is_tap = (column >= 0) & (column % dilation_w == 0) & (kw < kernel_w)
-    kh = torch.arange(kernel_h, device=device)[:, None, None]
-    if flip:
-        kh, kw = kernel_h - 1 - kh, kernel_w - 1 - kw
-    return torch.where(is_tap, kh * kernel_w + kw, kernel_h * kernel_w).flatten()
 
 
 def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
