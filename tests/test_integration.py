@@ -190,16 +190,18 @@ def test_autocast_casts_like_conv2d(dtype):
 
 
 @GPU
-@pytest.mark.parametrize("kernel", [3, 11], ids=["k3", "k11-toeplitz"])
-def test_cuda_graph_training_step(kernel):
+@pytest.mark.parametrize("kernel,dtype", [(3, torch.float32), (11, torch.float32), (13, torch.bfloat16)],
+                         ids=["k3", "k11-large_fma", "k13-bfloat16-toeplitz"])
+def test_cuda_graph_training_step(kernel, dtype):
     """A whole training step (forward, backward, optimizer) captured in a CUDA graph and replayed;
-    k11: the large-kernel path, whose band rows are rebuilt from the updated weight each replay."""
+    k11 float32: the large-kernel FMA path; k13 bfloat16: the Toeplitz path, whose band rows are
+    rebuilt from the updated weight each replay (a launch since session 25)."""
     torch.manual_seed(0)
-    model = dwconv.convert(DepthwiseNet(kernel=kernel).cuda(), verbose=False)
+    model = dwconv.convert(DepthwiseNet(kernel=kernel).cuda().to(dtype), verbose=False)
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    static_x = randn(2, 4, 12, 12)
+    static_x = randn(2, 4, 12, 12, dtype=dtype)
 
     def step(m, o, x):
         o.zero_grad(set_to_none=False)
@@ -219,12 +221,12 @@ def test_cuda_graph_training_step(kernel):
     with torch.cuda.graph(graph):
         static_loss = step(model, opt, static_x)
     for _ in range(3):
-        static_x.copy_(randn(2, 4, 12, 12))
+        static_x.copy_(randn(2, 4, 12, 12, dtype=dtype))
         graph.replay()
         ref_loss = step(reference, ref_opt, static_x)
-        assert_close(static_loss, ref_loss.double(), torch.float32, "replayed loss")
+        assert_close(static_loss, ref_loss.double(), dtype, "replayed loss")
     for p, q in zip(model.parameters(), reference.parameters()):
-        assert_close(p, q.double(), torch.float32, "parameters after replays")
+        assert_close(p, q.double(), dtype, "parameters after replays")
 
 
 @GPU
