@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncularge|native|nativepath|outliers|clsmall|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncu84bwd|ncularge|native|nativepath|outliers|clsmall|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -104,6 +104,14 @@ for step in $steps; do
                --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum,smsp__inst_executed.sum \
                python3 benchmarks/ncu_84.py $d 2>&1 | tee "$OUT/ncu84_$d.log"
            done ;;
+    # the same for #84's fused backward, NCHW against channels_last (session 25: 92% / 82% of copy)
+    ncu84bwd) for d in ${NCU_DTYPES:-bfloat16}; do python3 benchmarks/ncu_84.py $d --backward --time; done 2>&1 | tee "$OUT/ncu84bwd_times.log"
+              for d in ${NCU_DTYPES:-bfloat16}; do
+                ncu --clock-control none --kernel-name regex:"depthwise|elementwise_kernel" --launch-count 12 --section SpeedOfLight \
+                  --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+                  --section SchedulerStats --metrics dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum \
+                  python3 benchmarks/ncu_84.py $d --backward 2>&1 | tee "$OUT/ncu84bwd_$d.log"
+              done ;;
     # ncu of issue #6's k31 float32 forward and weight gradient on large_fma (never profiled so far)
     ncularge) for what in fma_forward fma_grad_weight; do
                 ncu --clock-control none --kernel-name regex:large_fma --launch-skip 1 --launch-count 1 \

@@ -4,7 +4,9 @@ copy as a kernel; torch's clone is a cudaMemcpy, which ncu does not profile) and
 input's interior into a 254 x 510 output (the forward's output rows: 2040 bytes, so row starts
 fall inside 32-byte sectors), each twice (the first compiles), so that ncu can set the forward's
 memory counters beside a copy's. With --time: each one's mean time (CUDA events, 20 calls after
-warm-up, L2 not flushed) and bandwidth, no ncu.
+warm-up, L2 not flushed) and bandwidth, no ncu. With --backward: the fused backward (grad_input and
+grad_weight in one pass, `dwconv::conv2d_grad_input_weight`) on NCHW and channels_last tensors
+instead (session 25: channels_last runs at 82% of copy, NCHW at 92%; is it warps an SM?).
 
     ncu --clock-control none --kernel-name regex:"depthwise|elementwise_kernel" \
         --launch-count 8 --section SpeedOfLight ... python benchmarks/ncu_84.py float32
@@ -14,7 +16,9 @@ import sys
 
 import torch
 
+import dwconv  # noqa: F401  (registers the dwconv ops)
 from dwconv._geometry import conv_geometry
+from dwconv._library import conv_arguments
 from dwconv.ops.forward import conv_forward
 
 
@@ -33,9 +37,28 @@ def cases(dtype):
     }
 
 
-def main(dtype_name="float32", time=False):
+def backward_cases(dtype, shape=(64, 128, 256, 512), device="cuda"):
+    """The fused backward of #84's layer in both layouts (grad_out and x read, grad_input written),
+    beside x * 1."""
+    n, c, h, w = shape
+    weight = torch.randn(c, 1, 3, 3, device=device, dtype=dtype)
+    runs = {}
+    for layout in (torch.contiguous_format, torch.channels_last):
+        x = torch.randn(shape, device=device, dtype=dtype).contiguous(memory_format=layout)
+        geom = conv_geometry(x, weight, None, 1, 0, 1)
+        grad_out = torch.randn(geom.output_shape, device=device, dtype=dtype).contiguous(memory_format=layout)
+        moved = (2 * x.numel() + grad_out.numel()) * x.element_size()
+        name = "dwconv backward " + ("channels_last" if layout is torch.channels_last else "NCHW")
+        runs[name] = (lambda g=grad_out, x=x, a=conv_arguments(geom):
+                      torch.ops.dwconv.conv2d_grad_input_weight(g, x, weight, *a), moved)
+    x = torch.randn(shape, device=device, dtype=dtype)
+    runs["x * 1"] = (lambda: torch.mul(x, 1.0), 2 * x.numel() * x.element_size())
+    return runs
+
+
+def main(dtype_name="float32", time=False, backward=False):
     dtype = getattr(torch, dtype_name)
-    for name, (run, moved) in cases(dtype).items():
+    for name, (run, moved) in (backward_cases if backward else cases)(dtype).items():
         for _ in range(2):
             run()
         if time:
@@ -54,4 +77,4 @@ def main(dtype_name="float32", time=False):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(*[a for a in args if a != "--time"], time="--time" in args)
+    main(*[a for a in args if not a.startswith("--")], time="--time" in args, backward="--backward" in args)
