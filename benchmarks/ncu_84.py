@@ -16,7 +16,6 @@ import sys
 
 import torch
 
-import dwconv  # noqa: F401  (registers the dwconv ops)
 from dwconv._geometry import conv_geometry
 from dwconv._library import conv_arguments
 from dwconv.ops.forward import conv_forward
