@@ -6,6 +6,8 @@ STRIDE: layers of your own instead (e.g. the models suite's stride-2 rows, which
 cuDNN channels_last by 4-10%, session 23).
 
     PYTHONPATH=src python benchmarks/probe_nhwc.py [--config|--pixels BLOCK_H BLOCK_W BLOCK_C WARPS]...
+
+--pixels with BLOCK_C or WARPS 0: the default config's.
 """
 
 import argparse
@@ -89,8 +91,11 @@ def main():
         # the default (forward_config: "nhwc_pixels" up to 7x7 since session 8), then the blocks asked for
         configs = [None] + [ForwardConfig("nhwc", band_rows(geom, bh, x.device), bw, warps, block_c=bc)
                             for bh, bw, bc, warps in args.config or []]
-        configs += [ForwardConfig("nhwc_pixels", min(bh, max(1, MAX_PIXEL_TAPS // (bw * k * k))), bw, warps,
-                                  block_c=bc if args.masked_channels else min(bc, shape[1] & -shape[1]))
+        default = forward_config(geom, x)
+        configs += [ForwardConfig("nhwc_pixels", min(bh, max(1, MAX_PIXEL_TAPS // (bw * k * k))), bw,
+                                  warps or default.num_warps,
+                                  block_c=(bc if args.masked_channels else min(bc, shape[1] & -shape[1]))
+                                  or default.block_c)
                     for bh, bw, bc, warps in args.pixels or []]
         label = f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil} s{geom.stride_h}"
         time_configs(label, x, w, geom, configs, "cuDNN CL", args.graphs)

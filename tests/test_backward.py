@@ -90,14 +90,15 @@ def test_gradient_dtypes(dtype, multiplier, kernel, stride, padding, layout):
     check_grads(x, weight, randn(2 * multiplier, dtype=dtype), stride, padding)
 
 
+@pytest.mark.parametrize("width", [9, 14])  # (14: 7-column tiles, nhwc_pixels_config's whole_tiles)
 @pytest.mark.parametrize("kernel,stride,padding", [(3, 1, 1), (7, 1, 3), (3, 2, 1)], ids=str)
-def test_channels_last_gradients_with_the_gpu_forward_choice(monkeypatch, kernel, stride, padding):
+def test_channels_last_gradients_with_the_gpu_forward_choice(monkeypatch, kernel, stride, padding, width):
     """channels_last forward and grad_input on the blocks the GPU picks ("nhwc_pixels"), here under
     the interpreter: grad_input's geometry (padding k-1-p, flipped taps) runs the same kernel."""
     from dwconv.ops import forward
 
     monkeypatch.setattr(forward, "nhwc_config", lambda geom, x: forward.nhwc_pixels_config(geom, x))
-    x = randn(2, 64, 7, 9).contiguous(memory_format=torch.channels_last)
+    x = randn(2, 64, 7, width).contiguous(memory_format=torch.channels_last)
     weight = randn(64, 1, kernel, kernel)
     assert forward.forward_config(conv_geometry(x, weight, None, stride, padding, 1), x).kernel == "nhwc_pixels"
     check_grads(x, weight, randn(64), stride, padding)

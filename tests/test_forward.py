@@ -418,6 +418,11 @@ def test_nhwc_pixels(dtype, shape, kernel, multiplier, stride, padding, dilation
         ((1, 48, 7, 6), 5, 1, 2, 1),  # as 240 on the GPU: float32 16-channel strips, half 32 (one masked)
         ((1, 96, 6, 7), 7, 1, 3, 1),  # 4 x 4 outputs
         ((1, 64, 9, 9), 3, 1, 2, 2),  # dilation 2
+        # 7 columns a tile where 7 divides the output's width and the default's width does not
+        ((1, 64, 9, 21), 3, 1, 1, 1),  # 3 tiles a row, the middle one of the middle rows interior
+        ((1, 32, 17, 28), 3, 2, 1, 1),  # stride 2 (14 wide), an interior tile
+        ((1, 32, 9, 14), 5, 1, 2, 1),
+        ((1, 48, 7, 7), 7, 1, 3, 1),
     ],
     ids=str,
 )
@@ -427,7 +432,9 @@ def test_nhwc_pixels_gpu_choice(dtype, shape, kernel, stride, padding, dilation)
 
     x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
     weight = randn(shape[1], 1, kernel, kernel, dtype=dtype)
-    config = nhwc_pixels_config(conv_geometry(x, weight, None, stride, padding, dilation), x)
+    geom = conv_geometry(x, weight, None, stride, padding, dilation)
+    config = nhwc_pixels_config(geom, x)
+    assert (config.block_w == 7) == (geom.out_w % 7 == 0 and geom.out_w % (8 if kernel == 3 else 4) != 0), config
     check(x, weight, randn(shape[1], dtype=dtype), stride, padding, dilation, config=config)
 
 

@@ -483,7 +483,7 @@ def nhwc_pixels_grad_config(geom: ConvGeometry, x: torch.Tensor, grad_input: boo
     with the earlier floor of 16 MB, 3x3 on 64x384x14x14 wrote 14 MB of partial sums, more than x,
     and the backward took 0.066 ms where 1.8 MB take 0.023). Under the interpreter one program a column."""
     tile_geom = input_grad_geometry(geom) if grad_input else geom
-    config = nhwc_pixels_config(tile_geom, x)
+    config = nhwc_pixels_config(tile_geom, x, whole_tiles=False)
     if grad_input:
         block_h = min(config.block_h, 4 if x.element_size() < 4 else 2)
         block_c = 32 if x.numel() * x.element_size() < SMALL_FUSED_BYTES else config.block_c

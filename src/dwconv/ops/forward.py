@@ -302,11 +302,9 @@ def depthwise_fwd_tile_kernel(
     y_base = y_ptr + n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c
     first_row = (tile // tiles_w) * BLOCK_H
     first_col = (tile % tiles_w) * BLOCK_W
-    out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
     if INDEX_64:
         first_row = first_row.to(tl.int64)
         first_col = first_col.to(tl.int64)
-        out_cols = out_cols.to(tl.int64)
     c_ok = out_c < out_channels
     w_taps = w_ptr + w_first_tap + out_c * w_stride_c  # (tap t at + t * w_stride_tap: negative when flipped)
     # Most strips of a large image read only inside it: those skip every bounds test (the masked
@@ -331,16 +329,18 @@ def depthwise_fwd_tile_kernel(
                          out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
                          BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), ())
-    elif interior:
-        _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
-                   in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
-                   pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
-                   BLOCK_W, BLOCK_C, False)
-    else:
-        _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
-                   in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
-                   pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
-                   BLOCK_W, BLOCK_C, True)
+    else:  # (BLOCK_W a power of 2 here; "nhwc_pixels" takes any)
+        out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
+        if interior:
+            _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
+                       in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
+                       pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
+                       BLOCK_W, BLOCK_C, False)
+        else:
+            _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
+                       in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
+                       pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
+                       BLOCK_W, BLOCK_C, True)
 
 
 @triton.jit
@@ -979,7 +979,7 @@ def nhwc_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     return ForwardConfig("nhwc", band_rows(geom, 16 if half else 8, x.device), block_w, 4, block_c=block_c)
 
 
-def nhwc_pixels_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
+def nhwc_pixels_config(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = True) -> ForwardConfig:
     """Blocks of "nhwc_pixels", from the session 8 probe on the H200 (docs/notes.md): a channel pair
     a thread; 3x3 kernels take 4 x 8 outputs by 128 channels on 2 warps where the channels come in
     runs of 128 (#84: 2.08 ms float32, 1.10 bfloat16, against 2.12 and 1.11 with 64 on 1 warp),
@@ -988,7 +988,16 @@ def nhwc_pixels_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     28x28 x 240: 0.075 ms with 4 x 4 x 16, 0.107 with 4 x 8 x 32); half precision 32, the last block
     masked (session 23 probe, same layer, GPU time: bfloat16 0.039 ms against 0.067 with 16, float16
     0.037 against 0.064; cuDNN 0.054 and 0.039). Blocks of 64 channels a warp load bfloat16 channel
-    pairs as 32-bit words (bf16_pairs_apply)."""
+    pairs as 32-bit words (bf16_pairs_apply).
+    whole_tiles: 7 columns where they divide the output's width and the default's do not (MobileNet's
+    and EfficientNet's 28, 14 and 7: a last tile partly outside does every masked output's work).
+    Session 26 probe, H200, CUDA-graph replays, against the default (benchmarks/probe_nhwc.py
+    --graphs --pixels 4 7 0 0): 3x3 float32 64x192x28x28 stride 2 0.011 ms against 0.015,
+    64x576x14x14 stride 2 0.008 / 0.010-0.011, 64x1152x7x7 0.008 / 0.009; bfloat16 64x384x14x14
+    0.009 / 0.009 (1.54x / 1.38x cuDNN); 5x5 64x1152x7x7 float32 0.014 / 0.017, bfloat16 0.015 /
+    0.018; 7x7 64x384x14x14 0.032 / 0.041 float32, 0.030 / 0.039 bfloat16. Within 2% of the
+    default elsewhere, but for 64x240x28x28 3x3 stride 2 float32 1-2% slower; width 56 keeps 4
+    (7x7 64x96x56x56 4 x 7: 0.146 / 0.095 ms). Not measured for the weight gradient's tiles."""
     taps = geom.kernel_h * geom.kernel_w
     channels = geom.out_channels
     if taps <= 9:
@@ -998,6 +1007,8 @@ def nhwc_pixels_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
         block_h, block_w = 4, 4
         runs_of_16 = channels % 32 != 0 and channels % 16 == 0
         block_c = 16 if runs_of_16 and x.element_size() >= 4 else 32
+    if whole_tiles and geom.out_w % block_w and geom.out_w % 7 == 0:
+        block_w = 7
     block_h = max(1, min(block_h, MAX_PIXEL_TAPS // (block_w * taps)))
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
 
