@@ -13,9 +13,11 @@ steps=${*:-all}
 # 22; its --pack writes .tcache/triton_cache.tar.xz), or the step `savecache` brings one back.
 # Compiles took 140-200 s of a suite or probe call.
 cache_dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [ -f .tcache/triton_cache.tar.xz ]; then
-  mkdir -p "$cache_dir" && tar -xJf .tcache/triton_cache.tar.xz -C "$cache_dir" && echo "Triton cache restored: $(ls "$cache_dir" | wc -l) entries"
-fi
+# Every carried archive is restored (.tcache/triton_cache*.tar.xz: one a suite or a session's kernels)
+for archive in .tcache/triton_cache*.tar.xz; do
+  [ -f "$archive" ] || continue
+  mkdir -p "$cache_dir" && tar -xJf "$archive" -C "$cache_dir" && echo "Triton cache $archive restored: $(ls "$cache_dir" | wc -l) entries"
+done
 cached_entries=$(ls "$cache_dir" 2>/dev/null | wc -l)
 cache_marker=$(mktemp)  # (the restored entries keep their archived times: older than this file)
 # How many kernels this call compiled itself (those the carried cache lacked), and their names in
