@@ -6,7 +6,9 @@ fall inside 32-byte sectors), each twice (the first compiles), so that ncu can s
 memory counters beside a copy's. With --time: each one's mean time (CUDA events, 20 calls after
 warm-up, L2 not flushed) and bandwidth, no ncu. With --backward: the fused backward (grad_input and
 grad_weight in one pass, `dwconv::conv2d_grad_input_weight`) on NCHW and channels_last tensors
-instead (session 25: channels_last runs at 82% of copy, NCHW at 92%; is it warps an SM?).
+instead (session 25: channels_last runs at 82% of copy, NCHW at 92%; is it warps an SM?). With
+--layer N C H W K PAD STRIDE: that layer's channels_last forward, dwconv's beside cuDNN's (session 26:
+float32 64x144x56x56 and 64x96x112x112 stride 2 lose to cuDNN with every tile tried).
 
     ncu --clock-control none --kernel-name regex:"depthwise|elementwise_kernel" \
         --launch-count 8 --section SpeedOfLight ... python benchmarks/ncu_84.py float32
@@ -15,6 +17,7 @@ instead (session 25: channels_last runs at 82% of copy, NCHW at 92%; is it warps
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
 from dwconv._library import conv_arguments
@@ -55,9 +58,24 @@ def backward_cases(dtype, shape=(64, 128, 256, 512), device="cuda"):
     return runs
 
 
-def main(dtype_name="float32", time=False, backward=False):
+def layer_cases(dtype, layer):
+    """One layer's channels_last forward: dwconv's and cuDNN's, and x * 1."""
+    n, c, h, w, k, pad, stride = layer
+    x = torch.randn(n, c, h, w, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(c, 1, k, k, device="cuda", dtype=dtype)
+    geom = conv_geometry(x, weight, None, stride, pad, 1)
+    moved = (x.numel() + n * c * geom.out_h * geom.out_w) * x.element_size()
+    return {
+        "dwconv channels_last": (lambda: conv_forward(x, weight, None, geom), moved),
+        "cuDNN channels_last": (lambda: F.conv2d(x, weight, None, stride, pad, 1, c), moved),
+        "x * 1": (lambda: torch.mul(x, 1.0), 2 * x.numel() * x.element_size()),
+    }
+
+
+def main(dtype_name="float32", time=False, backward=False, layer=None):
     dtype = getattr(torch, dtype_name)
-    for name, (run, moved) in (backward_cases if backward else cases)(dtype).items():
+    runs = layer_cases(dtype, layer) if layer else (backward_cases if backward else cases)(dtype)
+    for name, (run, moved) in runs.items():
         for _ in range(2):
             run()
         if time:
@@ -76,4 +94,9 @@ def main(dtype_name="float32", time=False, backward=False):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(*[a for a in args if not a.startswith("--")], time="--time" in args, backward="--backward" in args)
+    layer = None
+    if "--layer" in args:
+        at = args.index("--layer")
+        layer, args = [int(v) for v in args[at + 1:at + 8]], args[:at] + args[at + 8:]
+    main(*[a for a in args if not a.startswith("--")], time="--time" in args, backward="--backward" in args,
+         layer=layer)
