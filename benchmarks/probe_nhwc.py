@@ -8,6 +8,7 @@ cuDNN channels_last by 4-10%, session 23).
     PYTHONPATH=src python benchmarks/probe_nhwc.py [--config|--pixels BLOCK_H BLOCK_W BLOCK_C WARPS]...
 
 --pixels with BLOCK_C or WARPS 0: the default config's.
+--maxnreg N...: each block under each register cap of the forward (0: none; session 27).
 """
 
 import argparse
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
 from dwconv.bench import graphed
+from dwconv.ops import forward
 from dwconv.ops.forward import MAX_PIXEL_TAPS, ForwardConfig, band_rows, conv_forward, forward_config
 from profile_model import events_ms as time_ms  # (benchmarks/ is on the path when run as a script)
 
@@ -84,6 +86,8 @@ def main():
     p.add_argument("--masked-channels", action="store_true",
                    help="--pixels channel blocks as given, the last one masked (else at most the largest "
                         "power of two dividing the channels)")
+    p.add_argument("--maxnreg", type=int, nargs="+", metavar="N",
+                   help="time the blocks under each register cap (forward.NHWC_PIXELS_MAXNREG; 0: none)")
     args = p.parse_args()
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
     layers = shape_layers(args.dtype, args.shape) if args.shape else channels_last_layers(args.dtype, args.layers)
@@ -98,7 +102,12 @@ def main():
                                   or default.block_c)
                     for bh, bw, bc, warps in args.pixels or []]
         label = f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil} s{geom.stride_h}"
-        time_configs(label, x, w, geom, configs, "cuDNN CL", args.graphs)
+        for cap in args.maxnreg or [None]:
+            if cap is not None:  # (plans hold their constants: dropped for the new cap)
+                forward.NHWC_PIXELS_MAXNREG = {2: cap, 4: cap} if cap else {}
+                forward._FORWARD_PLANS.clear()
+            time_configs(label + ("" if cap is None else f" cap {cap:3d}"), x, w, geom, configs, "cuDNN CL",
+                         args.graphs)
 
 
 if __name__ == "__main__":

@@ -1383,6 +1383,14 @@ def _tile_weight_strides(kernel: str, geom: ConvGeometry, flipped: bool, x: torc
     return (channel, -tap, (taps - 1) * tap) if flipped else (channel, tap, 0)
 
 
+# Register caps (ptxas .maxnreg) of the "nhwc_pixels" forward by element size: none. A sub-partition
+# of an SM holds 16384 registers, so resident warps step at 128, 96, 80 and 64 registers a thread
+# (16, 20, 24, 32 warps an SM). H200, session 27 (benchmarks/probe_nhwc.py --graphs --maxnreg 0 96
+# 80): float32 slower at 96 and 80 on every layer (stride-2 rows 5-14%, #84 2.18 -> 2.70 ms: the
+# spills cost more than the warps gain); bfloat16 within 1-4%.
+NHWC_PIXELS_MAXNREG: dict = {}
+
+
 def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, common: dict,
                flip_weight: bool = False) -> LaunchPlan:
     """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc", "nhwc_pixels":
@@ -1409,4 +1417,7 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
                      PIXEL_X_STRIDE_W=x.stride(3) if pixels else 1, PIXEL_Y_STRIDE_W=out.stride(3) if pixels else 1,
                      BF16_PAIRS=pixels and bf16_pairs_apply(x, geom, block_c, config.num_warps),
                      num_stages=1)  # (bands are unrolled: no loop loads to software-pipeline)
+    register_cap = NHWC_PIXELS_MAXNREG.get(x.element_size()) if pixels else None
+    if register_cap and gpu_plan(x.device):
+        constants["maxnreg"] = register_cap
     return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
