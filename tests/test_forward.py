@@ -215,6 +215,33 @@ def test_default_config_is_valid():
     assert forward_config(geom, x).kernel == "tile"
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_forward_register_cap_reaches_only_the_nhwc_pixels_plans(monkeypatch, layout):
+    """forward.NHWC_PIXELS_MAXNREG (empty: session 27 measured the caps slower) is a probe's hook: a
+    cap set there reaches the GPU's "nhwc_pixels" plans of its element size, and no other plan."""
+    from dwconv.ops import _launch, forward
+
+    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)  # (the GPU's plans for tensors without one)
+    channels_last = layout == "channels_last"
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = randn(2, 64, 14, 14, dtype=torch.bfloat16).contiguous(memory_format=fmt)
+    weight = randn(64, 1, 3, 3, dtype=torch.bfloat16)
+    geom = conv_geometry(x, weight, None, 1, 1, 1)
+    out = torch.empty(geom.output_shape, dtype=x.dtype).contiguous(memory_format=fmt)
+
+    def cap():
+        plan = _forward_plan(geom, None, x, out, False, None)
+        return plan.kernel, plan.constants.get("maxnreg")
+
+    assert forward.NHWC_PIXELS_MAXNREG == {}
+    kernel, default_cap = cap()
+    assert (kernel == "nhwc_pixels") == channels_last and default_cap is None, (kernel, default_cap)
+    monkeypatch.setattr(forward, "NHWC_PIXELS_MAXNREG", {2: 96})
+    assert cap() == (kernel, 96 if channels_last else None)
+    monkeypatch.setattr(forward, "NHWC_PIXELS_MAXNREG", {4: 96})  # (another element size)
+    assert cap() == (kernel, None)
+
+
 def test_nchw_3x3_dispatch_on_the_gpu(monkeypatch):
     """The GPU's NCHW 3x3 stride-1 choices (measured, docs/notes.md): "nchw_pixels" in float32, and
     in half precision on rows over 256 wide (16 rows a program there, 8 in float32); the rows
