@@ -1386,8 +1386,8 @@ def _tile_weight_strides(kernel: str, geom: ConvGeometry, flipped: bool, x: torc
 # Register caps (ptxas .maxnreg) of the "nhwc_pixels" forward by element size: none. A sub-partition
 # of an SM holds 16384 registers, so resident warps step at 128, 96, 80 and 64 registers a thread
 # (16, 20, 24, 32 warps an SM). H200, session 27 (benchmarks/probe_nhwc.py --graphs --maxnreg 0 96
-# 80): float32 slower at 96 and 80 on every layer (stride-2 rows 5-14%, #84 2.18 -> 2.70 ms: the
-# spills cost more than the warps gain); bfloat16 within 1-4%.
+# 80): float32 stride-2 rows 9-16% slower at 96 and #84 2.18 -> 2.70 ms (the spills cost more than
+# the warps gain), stride-1 small layers level at 96; bfloat16 within 1-4% either way.
 NHWC_PIXELS_MAXNREG: dict = {}
 
 
