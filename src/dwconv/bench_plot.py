@@ -19,6 +19,12 @@ def speedups(rows: List[Dict], pass_name: str) -> Dict[str, Dict[str, float]]:
             for ours, theirs, legend in COMPARISONS}
 
 
+def _legend_above(ax, columns: int, **kwargs) -> None:
+    """The legend in a row over the panel: inside it would hide the tallest bars and the points
+    nearest the copy line (#84's, at the right end)."""
+    ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=columns, frameon=False, **kwargs)
+
+
 def plot_rows(rows: List[Dict], copy_gbps: float, path: str, title: str) -> None:
     import matplotlib
 
@@ -35,7 +41,7 @@ def plot_rows(rows: List[Dict], copy_gbps: float, path: str, title: str) -> None
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_yscale("log")
         ax.set_ylabel(f"{pass_name}: speedup (x)")
-        ax.legend(loc="upper right")
+        _legend_above(ax, len(COMPARISONS))
         ax.set_xticks([])
     ax = axes[-1]
     for path_name, marker in (("dwconv", "o"), ("dwconv_cl", "s")):
@@ -48,8 +54,8 @@ def plot_rows(rows: List[Dict], copy_gbps: float, path: str, title: str) -> None
     ax.set_ylabel("GB/s (bytes a pass must move)")
     ax.set_xticks(list(positions))
     ax.set_xticklabels(layers, rotation=90, fontsize=6)
-    ax.legend(loc="upper right", fontsize=7)
+    _legend_above(ax, 3, fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
