@@ -37,6 +37,10 @@ def parse_args():
     p.add_argument("--dtype", nargs="+", default=["float32", "float16", "bfloat16"])
     p.add_argument("--cases", nargs="+", type=int, help="indices among the suite's rows of each dtype")
     p.add_argument("--layouts", nargs="+", default=["nchw", "channels_last"])
+    p.add_argument("--nhwc-backward", nargs=6, type=int, action="append", metavar="N C H W K PAD".split(),
+                   help="instead of suites: probe_nhwc_backward.py's fused passes on these layers (stride 1)")
+    p.add_argument("--rows", nargs="+", type=int, action="append", metavar="N",
+                   help="--nhwc-backward: also the row-sliding pass at these blocks (probe_nhwc_backward.py --rows)")
     p.add_argument("--out", required=True, help="the cache directory to fill (created)")
     p.add_argument("--libtriton", help="the device's libtriton.so, to hash instead of the constant")
     p.add_argument("--pack", metavar="FILE.tar.xz", help="only pack --out for the device (no compiles)")
@@ -71,6 +75,11 @@ def main():
 
     functional.uses_triton = lambda x: True  # CPU tensors take the Triton path (kernels compile only)
     started = time.time()
+    if args.nhwc_backward:
+        for dtype_name in args.dtype:
+            for shape in args.nhwc_backward:
+                compile_nhwc_backward(shape, getattr(torch, dtype_name), args.rows or [], torch)
+        args.suite = []
     for suite in args.suite:
         for dtype_name in args.dtype:
             rows = [c for c in bench.SUITES[suite] if c.dtype == dtype_name]
@@ -103,6 +112,24 @@ def compile_case(case, layouts, torch, dwconv, bench):
                 torch.autograd.grad(out, leaves, torch.empty_like(out))
                 del out, leaves
     print(f"{case.label}: {time.time() - started:.1f} s", flush=True)
+
+
+def compile_nhwc_backward(shape, dtype, rows_specs, torch):
+    """probe_nhwc_backward.py's fused passes (without its two-kernel backward) on one layer: the
+    default tile pass and each --rows spec."""
+    from dwconv._geometry import conv_geometry
+    from dwconv.ops.backward import conv_grad_input_and_weight_nhwc
+    from probe_nhwc_backward import rows_config
+
+    n, c, h, w, k, pad = shape
+    started = time.time()
+    x = torch.empty(n, c, h, w, dtype=dtype, memory_format=torch.channels_last)
+    weight = torch.empty(c, 1, k, k, dtype=dtype)
+    geom = conv_geometry(x, weight, None, 1, pad, 1)
+    grad_out = torch.empty(geom.output_shape, dtype=dtype, memory_format=torch.channels_last)
+    for config in [None] + [rows_config(spec, geom, x) for spec in rows_specs]:
+        conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config)
+    print(f"{dtype} {shape}: {time.time() - started:.1f} s", flush=True)
 
 
 def pack(directory, archive):

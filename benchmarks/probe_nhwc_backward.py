@@ -10,7 +10,11 @@ small layers' backward is otherwise host-bound). --sums BLOCK_E BLOCK_R WARPS: t
 gradient's second pass (ops/weight_sums.py) alone on the default fused pass's partial sums, with
 those blocks (session 22: 23 us of a 65 us backward on 64x384x14x14). --maxnreg N: the fused
 passes' register cap in every dtype, 0 for none (default: backward.NHWC_FUSED_MAXNREG's, session 24).
-Bytes counted: grad_out and x read, grad_input written (the floor of either path).
+--rows BLOCK_W BLOCK_C WARPS PREFETCH [ROWS]: the row-sliding fused pass (depthwise_grad_nhwc_rows_kernel)
+at these blocks (BLOCK_C 0: nhwc_rows_grad_config's channels and warps; ROWS: rows a program, default
+the config's), PREFETCH 1 with the next row's loads issued first. --no-two-kernels: skip the
+two-kernel backward (fewer compiles). Bytes counted: grad_out and x read, grad_input written (the
+floor of either path).
 
     PYTHONPATH=src python benchmarks/probe_nhwc_backward.py [--fused BH BW BC WARPS [RUNS]]... [--layers 0 1]
 """
@@ -30,6 +34,16 @@ from dwconv.ops.weight_sums import depthwise_weight_grad_sums_kernel
 from probe_nhwc import channels_last_layers, copy_rate, shape_layers  # (benchmarks/ is on the path as a script)
 from profile_model import events_ms as time_ms
 
+
+
+def rows_config(spec, geom, x):
+    """The row-sliding pass's ForwardConfig for a --rows spec (BLOCK_W BLOCK_C WARPS PREFETCH [ROWS])."""
+    default = backward.nhwc_rows_grad_config(geom, x)
+    block_w, block_c, warps, prefetch, *rows = spec
+    if block_c == 0:
+        block_c, warps = default.block_c, default.num_warps
+    return ForwardConfig("nhwc_rows", rows[0] if rows else default.block_h, block_w, warps, block_c=block_c,
+                         prefetch=bool(prefetch))
 
 
 def rel_err(got, ref):
@@ -86,6 +100,9 @@ def main():
     p.add_argument("--graphs", action="store_true")
     p.add_argument("--maxnreg", type=int, help="the fused passes' register cap in every dtype (0: none; "
                    "default: backward.NHWC_FUSED_MAXNREG's)")
+    p.add_argument("--rows", nargs="+", type=int, action="append", metavar="N",
+                   help="BLOCK_W BLOCK_C WARPS PREFETCH [ROWS]")
+    p.add_argument("--no-two-kernels", action="store_true")
     p.add_argument("--sums", nargs=3, type=int, action="append", metavar=("BLOCK_E", "BLOCK_R", "WARPS"))
     args = p.parse_args()
     if args.maxnreg is not None:
@@ -99,12 +116,17 @@ def main():
         def two_kernels():
             return conv_grad_input(g, w, geom, x), conv_grad_weight(g, x, geom, w.dtype, False)[0]
 
-        runs = [("two kernels", two_kernels)]
+        runs = [] if args.no_two_kernels else [("two kernels", two_kernels)]
         for blocks in [None] + (args.fused or []):
             config = blocks and ForwardConfig("nhwc_pixels", blocks[0], blocks[1], blocks[3], block_c=blocks[2])
             run_count = blocks[4] if blocks and len(blocks) > 4 else None
             name = "fused " + ("default" if blocks is None else "x".join(map(str, blocks)))
             runs.append((name, lambda c=config, r=run_count: conv_grad_input_and_weight_nhwc(g, x, w, geom, c, r)))
+        for spec in args.rows or []:
+            config = rows_config(spec, geom, x)
+            name = f"rows {config.block_w}x{config.block_c}x{config.num_warps} r{config.block_h}" + \
+                (" pf" if config.prefetch else "")
+            runs.append((name, lambda c=config: conv_grad_input_and_weight_nhwc(g, x, w, geom, c)))
         label = f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil} CL"
         compare_backward(label, x, w, g, pad, dil, runs, timed)
         if args.sums:

@@ -101,20 +101,27 @@ def fma_stats(names, given=None):
                       flush=True)
 
 
-def fused_backward_stats(dtype_name, blocks=((4, 4, 128, 2),)):
+def fused_backward_stats(dtype_name, blocks=((4, 4, 128, 2),), rows_blocks=()):
     """The 3x3 fused backward of #84's channels (128, 2 warps: its channels_last blocks, 4 x 4 x 128)
     against the NCHW fused pass, on a small image (the code is #84's but for integer
     specialisations): registers bound the resident warps (64 threads a program on channels_last).
-    blocks: the channels_last pass's (BLOCK_H, BLOCK_W, BLOCK_C, WARPS) to compile."""
+    blocks: the channels_last pass's (BLOCK_H, BLOCK_W, BLOCK_C, WARPS) to compile; rows_blocks:
+    the row-sliding pass's (BLOCK_W, BLOCK_C, WARPS)."""
     from dwconv.ops.backward import conv_grad_input_and_weight, conv_grad_input_and_weight_nhwc
     from dwconv.ops.forward import ForwardConfig
 
     dtype = getattr(torch, dtype_name)
     runs = [("channels_last " + "x".join(map(str, b)), torch.channels_last, b) for b in blocks]
+    runs += [("channels_last rows " + "x".join(map(str, b)), torch.channels_last, b) for b in rows_blocks]
     for name, layout, block in runs + [("NCHW", torch.contiguous_format, None)]:
         x, weight, geom, grad_out = compile_check.tensors((2, 128, 64, 512), (3, 3), dtype, layout=layout)
         before = len(compile_check.COMPILED)
-        if layout is torch.channels_last:
+        if layout is torch.channels_last and len(block) == 3:
+            for prefetch in (False, True):
+                conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom,
+                                                ForwardConfig("nhwc_rows", 64, block[0], block[2], block_c=block[1],
+                                                              prefetch=prefetch))
+        elif layout is torch.channels_last:
             conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom,
                                             ForwardConfig("nhwc_pixels", block[0], block[1], block[3],
                                                           block_c=block[2]), 64)
@@ -143,11 +150,13 @@ def main():
                     help="the 3x3 fused backward at #84's blocks, channels_last against NCHW (--dtype)")
     ap.add_argument("--fused-blocks", type=int, nargs=4, action="append", metavar=("H", "W", "C", "WARPS"),
                     help="--fused-backward: the channels_last pass at these blocks instead of 4 4 128 2")
+    ap.add_argument("--rows-blocks", type=int, nargs=3, action="append", metavar=("W", "C", "WARPS"),
+                    help="--fused-backward: also the row-sliding pass at these blocks")
     args = ap.parse_args()
     if args.fused_backward:
         print(f"triton {triton.__version__}, sm_90")
         for dtype in args.dtype:
-            fused_backward_stats(dtype, args.fused_blocks or ((4, 4, 128, 2),))
+            fused_backward_stats(dtype, args.fused_blocks or ((4, 4, 128, 2),), args.rows_blocks or ())
         return
     if args.fma or args.fma_blocks:
         print(f"triton {triton.__version__}, sm_90")

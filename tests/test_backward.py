@@ -422,6 +422,45 @@ def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, b
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
+    "shape,kernel,padding,dilation,block",
+    [
+        ((2, 64, 7, 9), (3, 3), 1, 1, None),  # the launcher's blocks (the interpreter's: one strip)
+        ((1, 128, 9, 10), (3, 3), 0, 1, (9, 4, 128)),  # #84's: no padding, 128 channels on 2 warps
+        ((1, 128, 9, 10), (3, 3), 0, 1, (9, 4, 128, "prefetch")),  # the next row's loads issued first
+        ((2, 64, 7, 9), (3, 3), 1, 1, (3, 4, 64)),  # segments of 3 rows, the last short; bf16 pairs
+        ((2, 64, 7, 9), (3, 3), 1, 1, (3, 4, 64, "prefetch")),  # prefetches past a segment and an image
+        ((1, 40, 6, 11), (5, 5), 2, 1, (4, 3, 16)),  # channels and columns not block multiples
+        ((2, 16, 9, 8), (3, 3), 0, 2, (2, 4, 16, "prefetch")),  # dilation 2: a ring of 4 rows
+        ((1, 6, 5, 5), (3, 3), 3, 1, (2, 2, 4)),  # padding past the kernel's reach (cropped grad_out)
+        ((1, 8, 9, 7), (3, 2), (1, 0), 1, (5, 4, 8)),  # a non-square kernel
+        ((1, 8, 6, 5), (1, 3), (0, 1), 1, (4, 4, 8)),  # one kernel row: no ring
+        ((1, 3, 1, 2), (3, 3), 1, 1, (1, 2, 4)),  # a 1 x 2 image
+    ],
+    ids=str,
+)
+def test_fused_backward_channels_last_rows(dtype, shape, kernel, padding, dilation, block):
+    """The row-sliding fused pass (depthwise_grad_nhwc_rows_kernel): each program walks its segment
+    of an image's rows, keeping the grad_out rows it shares with the next step in a ring; grad_input
+    and grad_weight against float64, with programs that start mid-image (the ring's first rows)."""
+    from dwconv.ops.backward import conv_grad_input_and_weight_nhwc, nhwc_rows_grad_config
+
+    x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = randn(shape[1], 1, *kernel, dtype=dtype)
+    geom = conv_geometry(x, weight, None, 1, padding, dilation)
+    grad_out = randn(*geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    config = ForwardConfig("nhwc_rows", block[0], block[1], max(1, block[2] // 64), block_c=block[2],
+                           prefetch="prefetch" in block) if block else nhwc_rows_grad_config(geom, x)
+    grad_x, grad_w = conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config)
+    assert grad_x.is_contiguous(memory_format=torch.channels_last) and grad_w.dtype == dtype
+    ref = reference_grads(x, weight, None, grad_out, 1, padding, dilation)
+    assert_close(grad_x, ref[0], dtype, "grad_input")
+    assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight")
+    again = conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config)
+    assert torch.equal(again[0], grad_x) and torch.equal(again[1], grad_w), "not deterministic"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
     "shape,kernel,stride,padding,dilation,multiplier,block",
     [
         ((2, 64, 7, 9), (3, 3), 1, 1, 1, 1, None),  # the GPU's blocks (4 x 8 outputs, 64 channels: bf16 pairs)

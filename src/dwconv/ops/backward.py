@@ -29,10 +29,11 @@ from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_
 from .large_fma import large_fma_applies, large_fma_grad_weight
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
 from .weight_sums import sum_partials, weight_grad_sums
-from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _row_under_tap,
-                      _stride_unit, _tap_weights, _tile_pixels, bf16_pairs_apply, channels_last_kernel_applies,
-                      ForwardConfig, image_needs_int64, launch_forward, nchw_config, nhwc_pixels_config,
-                      output_memory_format, rows_kernel_fits, window_layout)
+from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _pairs_ok,
+                      _row_pixels, _row_taps, _row_under_tap, _store_pixels, _stride_unit, _tap_weights, _tile_pixels,
+                      _widen_pixels, bf16_pairs_apply, channels_last_kernel_applies, ForwardConfig, image_needs_int64,
+                      launch_forward, nchw_config, nhwc_pixels_config, output_memory_format, rows_kernel_fits,
+                      window_layout)
 
 
 @triton.jit
@@ -345,6 +346,128 @@ def depthwise_grad_nhwc_pixels_kernel(
             tl.store(partial + tap, weight_grads[tap], mask=c_ok)
 
 
+@triton.jit
+def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h, src_w, tile_h,
+                tile_w, src_stride_h, SRC_STRIDE_W: tl.constexpr, q_stride_h, Q_STRIDE_W: tl.constexpr, dx_stride_h,
+                DX_STRIDE_W: tl.constexpr, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
+                DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr,
+                BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, MASKED: tl.constexpr):
+    """The fused pass down grad_input rows first_row..last_row-1 of one BLOCK_W x BLOCK_C strip:
+    each step loads one grad_out row of the strip (with its KW-1 halo columns) and keeps the last
+    (KH-1) * DILATION_H in registers (a ring, rotated by renaming), so a grad_out pixel is loaded
+    (BLOCK_W + KW - 1) / BLOCK_W times, where 4 x 4 tiles load it 2.25 times at 3x3 (session 27:
+    #84's tile pass is bound by those loads from L2, not DRAM). MASKED: column and channel tests
+    (strips at the image's sides); else only the scalar test of grad_out's rows. Returns the taps'
+    weight gradients (flipped taps, as weights). PREFETCH: each step issues the next row's loads
+    before its products."""
+    RING: tl.constexpr = (KH - 1) * DILATION_H
+    PIXELS: tl.constexpr = BLOCK_W + (KW - 1) * DILATION_W
+    first_in_col = first_col - pad_left
+    src_strip = src_base + first_in_col * SRC_STRIDE_W
+    dx_strip = dx_base + first_col * DX_STRIDE_W
+    pairs_ok = _pairs_ok(c_ok, BLOCK_C, BF16_PAIRS)
+    ring = ()
+    for k in tl.static_range(RING):
+        in_row = first_row - pad_top + k
+        ring = ring + _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h), first_in_col,
+                                  src_w, c_ok, pairs_ok, PIXELS, SRC_STRIDE_W, ACC_DTYPE, BLOCK_C, BF16_PAIRS,
+                                  MASKED, not MASKED)
+    weight_grads = ()
+    for tap in tl.static_range(KH * KW):
+        weight_grads = weight_grads + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
+    LOADED: tl.constexpr = q_base.dtype.element_ty  # (the values as loaded, widened where used)
+    if PREFETCH:
+        in_row = first_row - pad_top + RING
+        src_next = _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h), first_in_col,
+                               src_w, c_ok, pairs_ok, PIXELS, SRC_STRIDE_W, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED,
+                               not MASKED, False)
+        q_next = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, LOADED, 1,
+                              BLOCK_W, MASKED)
+    for row in range(first_row, last_row):
+        if PREFETCH:  # the next row's loads in flight while this row's products run
+            src_loaded, q_loaded = src_next, q_next
+            in_row = row + 1 - pad_top + RING  # (past the segment: valid or masked, and unused)
+            src_next = _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h),
+                                   first_in_col, src_w, c_ok, pairs_ok, PIXELS, SRC_STRIDE_W, ACC_DTYPE, BLOCK_C,
+                                   BF16_PAIRS, MASKED, not MASKED, False)
+            q_next = _tile_pixels(q_base, tl.minimum(row + 1, last_row - 1), first_col, c_ok, tile_h, tile_w,
+                                  q_stride_h, Q_STRIDE_W, LOADED, 1, BLOCK_W, MASKED)
+        else:
+            in_row = row - pad_top + RING
+            src_loaded = _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h),
+                                     first_in_col, src_w, c_ok, pairs_ok, PIXELS, SRC_STRIDE_W, ACC_DTYPE, BLOCK_C,
+                                     BF16_PAIRS, MASKED, not MASKED, False)
+            q_loaded = _tile_pixels(q_base, row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, LOADED, 1,
+                                    BLOCK_W, MASKED)
+        window = ring + _widen_pixels(src_loaded, ACC_DTYPE, BLOCK_C, BF16_PAIRS)
+        q = _widen_pixels(q_loaded, ACC_DTYPE, BLOCK_C, False)
+        accs = ()
+        for i in tl.static_range(BLOCK_W):
+            accs = accs + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
+        for kh in tl.static_range(KH):
+            accs, weight_grads = _row_taps(window[kh * DILATION_H * PIXELS:(kh * DILATION_H + 1) * PIXELS],
+                                           kh * DILATION_H, weights, accs, weight_grads, q, KH, KW, 1, DILATION_H,
+                                           1, DILATION_W, 1, BLOCK_W, True, True)
+        _store_pixels(dx_strip, accs, row, first_col, c_ok, tile_h, tile_w, dx_stride_h, DX_STRIDE_W, 1, BLOCK_W,
+                      MASKED)
+        ring = window[PIXELS:]
+    return weight_grads
+
+
+@triton.jit
+def depthwise_grad_nhwc_rows_kernel(
+    src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
+    channels, batch, src_h, src_w, tile_h, tile_w, segments, segment_rows,
+    src_stride_n, src_stride_h, q_stride_n, q_stride_h, dx_stride_n, dx_stride_h,
+    pad_top, pad_left,
+    KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
+    SRC_STRIDE_W: tl.constexpr, Q_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr, INDEX_64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """The channels_last fused backward (stride 1, multiplier 1) sliding down the rows: program
+    (image, segment of segment_rows rows, column strip) walks its rows one at a time (_slide_rows),
+    writing grad_input (dx) as the forward of grad_out (src) with the flipped weight, and one
+    partial weight gradient per tap and channel: partial[slot, channel, tap], slot = (strip
+    column, image, segment), in the weight's tap order. Programs of the same rows are consecutive
+    (neighbouring strips share their halo columns through L2)."""
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(tile_w, BLOCK_W)
+    columns = tl.cdiv(channels, BLOCK_C) * tiles_w
+    rows_block = pid // columns  # (image, segment)
+    column = pid % columns
+    n = (rows_block // segments).to(tl.int64)
+    first_row = (rows_block % segments) * segment_rows
+    last_row = tl.minimum(first_row + segment_rows, tile_h)
+    first_col = (column % tiles_w) * BLOCK_W
+    first_c = (column // tiles_w) * BLOCK_C
+    if INDEX_64:
+        first_row = first_row.to(tl.int64)
+        first_col = first_col.to(tl.int64)
+    c = first_c + tl.arange(0, BLOCK_C)[None, :]
+    c_ok = c < channels
+    weights = _tap_weights(w_ptr + c * (KH * KW) + (KH * KW - 1), -1, c_ok, KH * KW, ACC_DTYPE, True)  # flipped
+    src_base = src_ptr + n * src_stride_n + c
+    q_base = q_ptr + n * q_stride_n + c
+    dx_base = dx_ptr + n * dx_stride_n + c
+    cols_inside = ((first_col + BLOCK_W <= tile_w) & (first_c + BLOCK_C <= channels) & (first_col - pad_left >= 0)
+                   & (first_col + BLOCK_W - 1 - pad_left + (KW - 1) * DILATION_W < src_w))
+    if cols_inside:
+        weight_grads = _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h,
+                                   src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, q_stride_h, Q_STRIDE_W,
+                                   dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW, DILATION_H, DILATION_W,
+                                   ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS, PREFETCH, False)
+    else:
+        weight_grads = _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h,
+                                   src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, q_stride_h, Q_STRIDE_W,
+                                   dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW, DILATION_H, DILATION_W,
+                                   ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS, PREFETCH, True)
+    slot = (column % tiles_w) * (batch * segments) + rows_block  # (channel blocks share a slot)
+    partial = partial_ptr + (slot.to(tl.int64) * channels + c) * (KH * KW)
+    for tap in tl.static_range(KH * KW):  # (tap of the flipped weight: stored at the weight's own)
+        tl.store(partial + (KH * KW - 1 - tap), weight_grads[tap], mask=c_ok)
+
+
 def _input_grad_geometry(geom: ConvGeometry) -> ConvGeometry:
     """For stride 1: grad_input = forward conv of grad_out (out_h x out_w) with the flipped weight,
     padded by (K-1)*dilation - pad before (negative: cropped), giving in_h x in_w."""
@@ -528,6 +651,8 @@ def _launch_nhwc_pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torc
     partial = new_partial(plan, x.device)
     if dx is None:  # the weight gradient: rows of x under the taps, grad_out at the tiles
         launch(depthwise_grad_nhwc_pixels_kernel, plan, x, x, grad_out, x, partial)
+    elif plan.kernel == "grad_nhwc_rows":
+        launch(depthwise_grad_nhwc_rows_kernel, plan, grad_out, weight, x, dx, partial)
     else:
         launch(depthwise_grad_nhwc_pixels_kernel, plan, grad_out, weight, x, dx, partial)
     # partial[slot, channel, tap]
@@ -545,6 +670,9 @@ def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.
     tile_geom = input_grad_geometry(geom) if grad_input else geom
     default_config, default_runs = nhwc_pixels_grad_config(geom, x, grad_input, bias_grad)
     config = config or default_config
+    if config.kernel == "nhwc_rows":
+        assert grad_input, "the row-sliding pass is the fused backward's"
+        return _nhwc_rows_grad_plan(geom, tile_geom, grad_out, x, dx, config)
     row_tiles = cdiv(tile_geom.out_h, config.block_h)
     runs = max(1, min(geom.batch * row_tiles, runs or default_runs))
     taps = geom.kernel_h * geom.kernel_w
@@ -576,6 +704,49 @@ def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return LaunchPlan("grad_nhwc_pixels", (slots * channel_blocks,), scalars, constants,
                       (slots, geom.out_channels, taps + int(bias_grad)), acc_dtype)
+
+
+def nhwc_rows_grad_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
+    """Blocks of the row-sliding fused pass (depthwise_grad_nhwc_rows_kernel): strips of 4 columns
+    and the tile pass's channels; block_h is the rows a program walks, the whole image unless that
+    leaves fewer than 4096 programs (under the interpreter: the whole image, one strip)."""
+    tile_geom = input_grad_geometry(geom)
+    tile_config, _ = nhwc_pixels_grad_config(geom, x, True)
+    if not gpu_plan(x.device):
+        return ForwardConfig("nhwc_rows", tile_geom.out_h, tile_geom.out_w, tile_config.num_warps,
+                             block_c=tile_config.block_c)
+    strips = geom.batch * cdiv(tile_geom.out_w, 4) * cdiv(geom.out_channels, tile_config.block_c)
+    segments = min(tile_geom.out_h, cdiv(4096, strips))
+    return ForwardConfig("nhwc_rows", cdiv(tile_geom.out_h, segments), 4, tile_config.num_warps,
+                         block_c=tile_config.block_c)
+
+
+def _nhwc_rows_grad_plan(geom: ConvGeometry, tile_geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor,
+                         dx: torch.Tensor, config: ForwardConfig) -> LaunchPlan:
+    """depthwise_grad_nhwc_rows_kernel's launch: config.block_h rows a program (a segment of an image),
+    strips of block_w columns by block_c channels."""
+    assert config.block_w * geom.kernel_h * geom.kernel_w <= MAX_PIXEL_TAPS, "too many outputs x taps to unroll"
+    segments = cdiv(tile_geom.out_h, config.block_h)
+    scalars = (geom.out_channels, geom.batch, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w,
+               segments, config.block_h, grad_out.stride(0), grad_out.stride(2), x.stride(0), x.stride(2),
+               dx.stride(0), dx.stride(2), tile_geom.pad_top, tile_geom.pad_left)
+    constants = dict(KH=geom.kernel_h, KW=geom.kernel_w, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w,
+                     SRC_STRIDE_W=grad_out.stride(3), Q_STRIDE_W=x.stride(3), DX_STRIDE_W=dx.stride(3),
+                     INDEX_64=image_needs_int64(grad_out, x, dx), ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32),
+                     BLOCK_W=config.block_w, BLOCK_C=config.block_c,
+                     BF16_PAIRS=bf16_pairs_apply(grad_out, tile_geom, config.block_c, config.num_warps),
+                     PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=1)
+    register_cap = NHWC_ROWS_MAXNREG.get(x.element_size())
+    if register_cap and gpu_plan(x.device):
+        constants["maxnreg"] = register_cap
+    slots = cdiv(tile_geom.out_w, config.block_w) * geom.batch * segments  # (channel blocks share a slot)
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return LaunchPlan("grad_nhwc_rows", (slots * cdiv(geom.out_channels, config.block_c),), scalars, constants,
+                      (slots, geom.out_channels, geom.kernel_h * geom.kernel_w), acc_dtype)
+
+
+# Register caps of the row-sliding pass by element size (none yet: probes set them).
+NHWC_ROWS_MAXNREG: dict = {}
 
 
 def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,

@@ -154,6 +154,107 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
 
 
 @triton.jit
+def _pairs_ok(c_ok, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr):
+    """The channel tests of _row_pixels' bfloat16 pair loads (the even channels' stand for their pairs)."""
+    pairs_ok = c_ok
+    if BF16_PAIRS:
+        pairs_ok = tl.split(tl.reshape(c_ok, [1, BLOCK_C // 2, 2]))[0]
+    return pairs_ok
+
+
+@triton.jit
+def _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok, COUNT: tl.constexpr, X_STRIDE_W: tl.constexpr,
+                ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr,
+                ROW_MASKED: tl.constexpr, WIDEN: tl.constexpr = True):
+    """COUNT pixels of an input row from row_ptr (pixel p at p * X_STRIDE_W; [1, BLOCK_C] channel
+    vectors in ACC_DTYPE) as a tuple. MASKED: zero outside the row's columns, the channels or the
+    image's rows (row_ok); ROW_MASKED: only the row and channel tests (columns inside).
+    BF16_PAIRS: bfloat16 channel pairs load as one 32-bit word (the launcher checks alignment).
+    WIDEN False: the loaded values as they are, for _widen_pixels later (a load in flight)."""
+    if BF16_PAIRS:
+        row_pairs = tl.split(tl.reshape(row_ptr, [1, BLOCK_C // 2, 2]))[0].to(tl.pointer_type(tl.int32))
+    pixels = ()  # (one no output reads is dropped by the compiler)
+    for p in tl.static_range(COUNT):
+        if MASKED:  # (tl.where, not &, in the masks: the interpreter makes a scalar bool & a bool tensor int32)
+            pixel_ok = row_ok & (first_in_col + p >= 0) & (first_in_col + p < in_w)
+        if BF16_PAIRS:
+            if MASKED:
+                x = tl.load(row_pairs + p * (X_STRIDE_W // 2), mask=tl.where(pixel_ok, pairs_ok, False), other=0)
+            elif ROW_MASKED:
+                x = tl.load(row_pairs + p * (X_STRIDE_W // 2), mask=tl.where(row_ok, pairs_ok, False), other=0)
+            else:
+                x = tl.load(row_pairs + p * (X_STRIDE_W // 2))
+        else:
+            if MASKED:
+                x = tl.load(row_ptr + p * X_STRIDE_W, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
+            elif ROW_MASKED:
+                x = tl.load(row_ptr + p * X_STRIDE_W, mask=tl.where(row_ok, c_ok, False), other=0.0)
+            else:
+                x = tl.load(row_ptr + p * X_STRIDE_W)
+        pixels = pixels + (x,)
+    if WIDEN:
+        pixels = _widen_pixels(pixels, ACC_DTYPE, BLOCK_C, BF16_PAIRS)
+    return pixels
+
+
+@triton.jit
+def _widen_pixels(loaded, ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr):
+    """_row_pixels' loaded values in ACC_DTYPE. bfloat16 pairs (32-bit words) widen by a shift and a
+    mask (the compiler's conversion takes three instructions a pair)."""
+    pixels = ()
+    for p in tl.static_range(len(loaded)):
+        if BF16_PAIRS:
+            pair = loaded[p]
+            pixels = pixels + (tl.reshape(tl.join((pair << 16).to(tl.float32, bitcast=True),
+                                                  (pair & -65536).to(tl.float32, bitcast=True)), [1, BLOCK_C]),)
+        else:
+            pixels = pixels + (loaded[p].to(ACC_DTYPE),)
+    return pixels
+
+
+@triton.jit
+def _row_taps(pixels, r: tl.constexpr, weights, accs, weight_grads, inputs_at_outputs,
+              KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr,
+              STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+              OUTPUTS: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
+    """Every product of input row r of a tile (pixels: _row_pixels) into the outputs (accs, row-major
+    BLOCK_H x BLOCK_W) and, WEIGHT_GRAD, into the taps' gradients (times inputs_at_outputs, one
+    value an output). Output (j, i) reads row r through kernel row kh where j * STRIDE_H + kh *
+    DILATION_H == r, and pixel i * STRIDE_W + kw * DILATION_W through tap (kh, kw): the loops visit
+    only those (the tests are on constants, no code; and no local variable for an index, which
+    Triton would make a tensor). Each output takes its taps in (kh, kw) order."""
+    for kh in tl.static_range(KH):
+        for j in tl.static_range(BLOCK_H):
+            if j * STRIDE_H + kh * DILATION_H == r:
+                for kw in tl.static_range(KW):
+                    for i in tl.static_range(BLOCK_W):
+                        if OUTPUTS:
+                            accs = accs[:j * BLOCK_W + i] + (
+                                tl.fma(pixels[i * STRIDE_W + kw * DILATION_W], weights[kh * KW + kw],
+                                       accs[j * BLOCK_W + i]),) + accs[j * BLOCK_W + i + 1:]
+                        if WEIGHT_GRAD:
+                            weight_grads = weight_grads[:kh * KW + kw] + (
+                                tl.fma(pixels[i * STRIDE_W + kw * DILATION_W], inputs_at_outputs[j * BLOCK_W + i],
+                                       weight_grads[kh * KW + kw]),) + weight_grads[kh * KW + kw + 1:]
+    return accs, weight_grads
+
+
+@triton.jit
+def _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_stride_h, Y_STRIDE_W: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, MASKED: tl.constexpr):
+    """Stores a tile's outputs (accs, row-major) from y_strip, its first column's pointer."""
+    for j in tl.static_range(BLOCK_H):
+        for i in tl.static_range(BLOCK_W):
+            value = accs[j * BLOCK_W + i]
+            ptrs = y_strip + (first_row + j) * y_stride_h + i * Y_STRIDE_W
+            if MASKED:
+                out_ok = (first_row + j < out_h) & (first_col + i < out_w)
+                tl.store(ptrs, value.to(y_strip.dtype.element_ty), mask=tl.where(out_ok, c_ok, False))
+            else:
+                tl.store(ptrs, value.to(y_strip.dtype.element_ty))
+
+
+@triton.jit
 def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                  in_h, in_w, out_h, out_w, x_stride_h, X_STRIDE_W: tl.constexpr, y_stride_h, Y_STRIDE_W: tl.constexpr,
                  pad_top, pad_left,
@@ -187,59 +288,19 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
     # offsets of the loads and stores on the GPU)
     x_strip = x_base + first_in_col * X_STRIDE_W
     y_strip = y_base + first_col * Y_STRIDE_W
-    if BF16_PAIRS:  # the even channels' pointers and tests stand for their pairs
-        pairs_ok = tl.split(tl.reshape(c_ok, [1, BLOCK_C // 2, 2]))[0]
+    pairs_ok = _pairs_ok(c_ok, BLOCK_C, BF16_PAIRS)
     for r in tl.static_range((BLOCK_H - 1) * STRIDE_H + (KH - 1) * DILATION_H + 1):
         in_row = first_in_row + r
         row_ptr = x_strip + in_row * x_stride_h
         row_ok = (in_row >= 0) & (in_row < in_h)
-        if BF16_PAIRS:
-            row_pairs = tl.split(tl.reshape(row_ptr, [1, BLOCK_C // 2, 2]))[0].to(tl.pointer_type(tl.int32))
-        pixels = ()  # the row's pixels (one no output reads is dropped by the compiler)
-        for p in tl.static_range((BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1):
-            if MASKED:  # (tl.where, not &, in the masks: the interpreter makes a scalar bool & a bool tensor int32)
-                pixel_ok = row_ok & (first_in_col + p >= 0) & (first_in_col + p < in_w)
-            if BF16_PAIRS:
-                if MASKED:
-                    pair = tl.load(row_pairs + p * (X_STRIDE_W // 2), mask=tl.where(pixel_ok, pairs_ok, False), other=0)
-                else:
-                    pair = tl.load(row_pairs + p * (X_STRIDE_W // 2))
-                x = tl.reshape(tl.join((pair << 16).to(tl.float32, bitcast=True),
-                                       (pair & -65536).to(tl.float32, bitcast=True)), [1, BLOCK_C])
-            else:
-                if MASKED:
-                    x = tl.load(row_ptr + p * X_STRIDE_W, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
-                else:
-                    x = tl.load(row_ptr + p * X_STRIDE_W)
-                x = x.to(ACC_DTYPE)
-            pixels = pixels + (x,)
-        # output (j, i) reads this row through kernel row kh where j * STRIDE_H + kh * DILATION_H == r,
-        # and pixel i * STRIDE_W + kw * DILATION_W through tap (kh, kw): the loops visit only those
-        # (the tests are on constants, no code; and no local variable for an index, which Triton
-        # would make a tensor). Each output takes its taps in (kh, kw) order, as in _conv_band.
-        for kh in tl.static_range(KH):
-            for j in tl.static_range(BLOCK_H):
-                if j * STRIDE_H + kh * DILATION_H == r:
-                    for kw in tl.static_range(KW):
-                        for i in tl.static_range(BLOCK_W):
-                            if OUTPUTS:
-                                accs = accs[:j * BLOCK_W + i] + (
-                                    tl.fma(pixels[i * STRIDE_W + kw * DILATION_W], weights[kh * KW + kw],
-                                           accs[j * BLOCK_W + i]),) + accs[j * BLOCK_W + i + 1:]
-                            if WEIGHT_GRAD:
-                                weight_grads = weight_grads[:kh * KW + kw] + (
-                                    tl.fma(pixels[i * STRIDE_W + kw * DILATION_W], inputs_at_outputs[j * BLOCK_W + i],
-                                           weight_grads[kh * KW + kw]),) + weight_grads[kh * KW + kw + 1:]
+        pixels = _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok,
+                             (BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1, X_STRIDE_W, ACC_DTYPE, BLOCK_C,
+                             BF16_PAIRS, MASKED, False)
+        accs, weight_grads = _row_taps(pixels, r, weights, accs, weight_grads, inputs_at_outputs, KH, KW, STRIDE_H,
+                                       DILATION_H, STRIDE_W, DILATION_W, BLOCK_H, BLOCK_W, OUTPUTS, WEIGHT_GRAD)
     if OUTPUTS:
-        for j in tl.static_range(BLOCK_H):
-            for i in tl.static_range(BLOCK_W):
-                value = accs[j * BLOCK_W + i]
-                ptrs = y_strip + (first_row + j) * y_stride_h + i * Y_STRIDE_W
-                if MASKED:
-                    out_ok = (first_row + j < out_h) & (first_col + i < out_w)
-                    tl.store(ptrs, value.to(y_base.dtype.element_ty), mask=tl.where(out_ok, c_ok, False))
-                else:
-                    tl.store(ptrs, value.to(y_base.dtype.element_ty))
+        _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_stride_h, Y_STRIDE_W, BLOCK_H,
+                      BLOCK_W, MASKED)
     return weight_grads
 
 
@@ -912,6 +973,7 @@ class ForwardConfig:
     vec: int = 1  # output columns a thread owns: "rows" 4 or 8 (window loads, stride_w 1 only), "large_fma" 4-32
     stream: bool = False  # "rows": streaming cache hints (evict_first loads, .cs stores); not yet timed
     block_c: int = 1  # "nhwc" (the tile kernel on channels_last tensors): channels a program covers
+    prefetch: bool = False  # "nhwc_rows" (the row-sliding fused backward): the next row's loads issued first
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
