@@ -41,6 +41,7 @@ def parse_args():
                    help="instead of suites: probe_nhwc_backward.py's fused passes on these layers (stride 1)")
     p.add_argument("--rows", nargs="+", type=int, action="append", metavar="N",
                    help="--nhwc-backward: also the row-sliding pass at these blocks (probe_nhwc_backward.py --rows)")
+    p.add_argument("--rows-maxnreg", type=int, help="--rows: their register cap (probe_nhwc_backward.py's option)")
     p.add_argument("--out", required=True, help="the cache directory to fill (created)")
     p.add_argument("--libtriton", help="the device's libtriton.so, to hash instead of the constant")
     p.add_argument("--pack", metavar="FILE.tar.xz", help="only pack --out for the device (no compiles)")
@@ -76,6 +77,9 @@ def main():
     functional.uses_triton = lambda x: True  # CPU tensors take the Triton path (kernels compile only)
     started = time.time()
     if args.nhwc_backward:
+        from dwconv.ops import backward
+        if args.rows_maxnreg:
+            backward.NHWC_ROWS_MAXNREG = {2: args.rows_maxnreg, 4: args.rows_maxnreg}
         for dtype_name in args.dtype:
             for shape in args.nhwc_backward:
                 compile_nhwc_backward(shape, getattr(torch, dtype_name), args.rows or [], torch)

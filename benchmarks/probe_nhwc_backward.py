@@ -12,7 +12,7 @@ those blocks (session 22: 23 us of a 65 us backward on 64x384x14x14). --maxnreg 
 passes' register cap in every dtype, 0 for none (default: backward.NHWC_FUSED_MAXNREG's, session 24).
 --rows BLOCK_W BLOCK_C WARPS PREFETCH [ROWS]: the row-sliding fused pass (depthwise_grad_nhwc_rows_kernel)
 at these blocks (BLOCK_C 0: nhwc_rows_grad_config's channels and warps; ROWS: rows a program, default
-the config's), PREFETCH 1 with the next row's loads issued first. --no-two-kernels: skip the
+the config's), PREFETCH 1 with the next row's loads issued first; --rows-maxnreg N: their register cap. --no-two-kernels: skip the
 two-kernel backward (fewer compiles). Bytes counted: grad_out and x read, grad_input written (the
 floor of either path).
 
@@ -103,10 +103,13 @@ def main():
     p.add_argument("--rows", nargs="+", type=int, action="append", metavar="N",
                    help="BLOCK_W BLOCK_C WARPS PREFETCH [ROWS]")
     p.add_argument("--no-two-kernels", action="store_true")
+    p.add_argument("--rows-maxnreg", type=int, help="the row-sliding pass's register cap in every dtype")
     p.add_argument("--sums", nargs=3, type=int, action="append", metavar=("BLOCK_E", "BLOCK_R", "WARPS"))
     args = p.parse_args()
     if args.maxnreg is not None:
         backward.NHWC_FUSED_MAXNREG = {2: args.maxnreg, 4: args.maxnreg} if args.maxnreg else {}
+    if args.rows_maxnreg:
+        backward.NHWC_ROWS_MAXNREG = {2: args.rows_maxnreg, 4: args.rows_maxnreg}
     timed = (lambda fn: time_ms(graphed(fn), 50)) if args.graphs else time_ms
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
     layers = shape_layers(args.dtype, args.shape) if args.shape else channels_last_layers(args.dtype, args.layers)
@@ -125,7 +128,7 @@ def main():
         for spec in args.rows or []:
             config = rows_config(spec, geom, x)
             name = f"rows {config.block_w}x{config.block_c}x{config.num_warps} r{config.block_h}" + \
-                (" pf" if config.prefetch else "")
+                (" pf" if config.prefetch else "") + (f" cap{args.rows_maxnreg}" if args.rows_maxnreg else "")
             runs.append((name, lambda c=config: conv_grad_input_and_weight_nhwc(g, x, w, geom, c)))
         label = f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil} CL"
         compare_backward(label, x, w, g, pad, dil, runs, timed)
