@@ -12,9 +12,11 @@ those blocks (session 22: 23 us of a 65 us backward on 64x384x14x14). --maxnreg 
 passes' register cap in every dtype, 0 for none (default: backward.NHWC_FUSED_MAXNREG's, session 24).
 --rows BLOCK_W BLOCK_C WARPS PREFETCH [ROWS]: the row-sliding fused pass (depthwise_grad_nhwc_rows_kernel)
 at these blocks (BLOCK_C 0: nhwc_rows_grad_config's channels and warps; ROWS: rows a program, default
-the config's), PREFETCH 1 with the next row's loads issued first; --rows-maxnreg N: their register cap. --no-two-kernels: skip the
-two-kernel backward (fewer compiles). Bytes counted: grad_out and x read, grad_input written (the
-floor of either path).
+the config's, which session 28's first two calls took from the 4-wide config), PREFETCH 1 with the
+next row's loads issued first; --rows-maxnreg N: their register cap. "fused default" is the
+launcher's choice (the rows pass where nhwc_rows_apply). --no-two-kernels: skip the two-kernel
+backward (fewer compiles). Bytes counted: grad_out and x read, grad_input written (the floor of
+either path).
 
     PYTHONPATH=src python benchmarks/probe_nhwc_backward.py [--fused BH BW BC WARPS [RUNS]]... [--layers 0 1]
 """
@@ -38,8 +40,8 @@ from profile_model import events_ms as time_ms
 
 def rows_config(spec, geom, x):
     """The row-sliding pass's ForwardConfig for a --rows spec (BLOCK_W BLOCK_C WARPS PREFETCH [ROWS])."""
-    default = backward.nhwc_rows_grad_config(geom, x)
     block_w, block_c, warps, prefetch, *rows = spec
+    default = backward.nhwc_rows_grad_config(geom, x, block_w, bool(prefetch))
     if block_c == 0:
         block_c, warps = default.block_c, default.num_warps
     return ForwardConfig("nhwc_rows", rows[0] if rows else default.block_h, block_w, warps, block_c=block_c,

@@ -566,6 +566,32 @@ def test_channels_last_pixel_grad_programs_on_the_gpu(monkeypatch):
             (k, grad_input, partial_mb)
 
 
+def test_channels_last_rows_pass_on_the_gpu(monkeypatch):
+    """Where the GPU's fused channels_last backward slides down rows (nhwc_rows_apply, session 28):
+    the 56-wide small layers (32-channel blocks), in strips of 8 with prefetch, the whole image a
+    program; not #84, 112 or 28 wide, or dilated."""
+    from dwconv.ops.backward import _nhwc_pixels_grad_plan, nhwc_rows_apply, nhwc_rows_grad_config
+
+    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)
+
+    def case(shape, dtype, dilation=1):
+        x = torch.empty(shape, dtype=dtype, device="meta").contiguous(memory_format=torch.channels_last)
+        weight = torch.empty(shape[1], 1, 3, 3, dtype=dtype, device="meta")
+        return conv_geometry(x, weight, None, 1, dilation, dilation), x
+
+    for dtype in (torch.bfloat16, torch.float32):
+        geom, x = case((64, 144, 56, 56), dtype)
+        assert nhwc_rows_apply(geom, x)
+        config = nhwc_rows_grad_config(geom, x)
+        assert (config.block_h, config.block_w, config.block_c, config.prefetch) == (56, 8, 32, True)
+        grad_out = torch.empty(geom.output_shape, dtype=dtype, device="meta").contiguous(
+            memory_format=torch.channels_last)
+        assert _nhwc_pixels_grad_plan(geom, grad_out, x, x, None, None, False).kernel == "grad_nhwc_rows"
+        for shape, dilation in [((64, 128, 256, 512), 1), ((64, 32, 112, 112), 1), ((64, 240, 28, 28), 1),
+                                ((64, 144, 56, 56), 2)]:
+            assert not nhwc_rows_apply(*case(shape, dtype, dilation)), (shape, dilation)
+
+
 @pytest.mark.parametrize("dtype,dilation,cap", [(torch.bfloat16, 1, 128), (torch.float16, 1, 128),
                                                  (torch.float32, 1, None), (torch.bfloat16, 2, None)], ids=str)
 def test_channels_last_fused_register_cap(monkeypatch, dtype, dilation, cap):

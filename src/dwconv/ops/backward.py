@@ -669,6 +669,8 @@ def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.
     assert not (grad_input and bias_grad), "the fused pass has no bias gradient"
     tile_geom = input_grad_geometry(geom) if grad_input else geom
     default_config, default_runs = nhwc_pixels_grad_config(geom, x, grad_input, bias_grad)
+    if config is None and grad_input and nhwc_rows_apply(geom, x):
+        config = nhwc_rows_grad_config(geom, x)
     config = config or default_config
     if config.kernel == "nhwc_rows":
         assert grad_input, "the row-sliding pass is the fused backward's"
@@ -706,19 +708,38 @@ def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.
                       (slots, geom.out_channels, taps + int(bias_grad)), acc_dtype)
 
 
-def nhwc_rows_grad_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
-    """Blocks of the row-sliding fused pass (depthwise_grad_nhwc_rows_kernel): strips of 4 columns
-    and the tile pass's channels; block_h is the rows a program walks, the whole image unless that
-    leaves fewer than 4096 programs (under the interpreter: the whole image, one strip)."""
+# The row-sliding fused pass (depthwise_grad_nhwc_rows_kernel) in place of the tile pass: dilation 1,
+# the small layers' 32-channel blocks, grad_input 48-64 columns wide in whole strips of 8, with prefetch.
+# H200, session 28 (benchmarks/probe_nhwc_backward.py --graphs --rows 8 0 0 1, docs/notes.md): 3x3 on
+# 64x144x56x56 0.081 ms against the tile pass's 0.098 in bfloat16, 0.108 / 0.124 in float32; not
+# at 112 wide (64x32x112x112 bfloat16 0.089 / 0.085), 28 (half a strip empty: bfloat16 0.052 / 0.047)
+# or on #84 (128 channels: 1.96-2.35 ms against 1.83 in bfloat16 at every block tried).
+NHWC_ROWS_WIDTHS = (48, 64)
+# Programs the row-sliding pass aims at (fewer: images cut into segments of rows)
+NHWC_ROWS_PROGRAMS = 2048
+
+
+def nhwc_rows_apply(geom: ConvGeometry, x: torch.Tensor) -> bool:
+    """Whether the GPU's fused channels_last pass (fused_backward_applies) slides down rows (session 28)."""
+    return (gpu_plan(x.device) and geom.dilation_h == geom.dilation_w == 1 and geom.in_w % 8 == 0
+            and NHWC_ROWS_WIDTHS[0] <= geom.in_w <= NHWC_ROWS_WIDTHS[1]
+            and nhwc_pixels_grad_config(geom, x, True)[0].block_c == 32)
+
+
+def nhwc_rows_grad_config(geom: ConvGeometry, x: torch.Tensor, block_w: int = 8, prefetch: bool = True
+                          ) -> ForwardConfig:
+    """Blocks of the row-sliding fused pass: strips of block_w columns and the tile pass's channels;
+    block_h is the rows a program walks, the whole image unless that leaves fewer than
+    NHWC_ROWS_PROGRAMS programs (under the interpreter: the whole image, one strip)."""
     tile_geom = input_grad_geometry(geom)
     tile_config, _ = nhwc_pixels_grad_config(geom, x, True)
     if not gpu_plan(x.device):
         return ForwardConfig("nhwc_rows", tile_geom.out_h, tile_geom.out_w, tile_config.num_warps,
-                             block_c=tile_config.block_c)
-    strips = geom.batch * cdiv(tile_geom.out_w, 4) * cdiv(geom.out_channels, tile_config.block_c)
-    segments = min(tile_geom.out_h, cdiv(4096, strips))
-    return ForwardConfig("nhwc_rows", cdiv(tile_geom.out_h, segments), 4, tile_config.num_warps,
-                         block_c=tile_config.block_c)
+                             block_c=tile_config.block_c, prefetch=prefetch)
+    strips = geom.batch * cdiv(tile_geom.out_w, block_w) * cdiv(geom.out_channels, tile_config.block_c)
+    segments = min(tile_geom.out_h, cdiv(NHWC_ROWS_PROGRAMS, strips))
+    return ForwardConfig("nhwc_rows", cdiv(tile_geom.out_h, segments), block_w, tile_config.num_warps,
+                         block_c=tile_config.block_c, prefetch=prefetch)
 
 
 def _nhwc_rows_grad_plan(geom: ConvGeometry, tile_geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor,
