@@ -347,6 +347,21 @@ def depthwise_grad_nhwc_pixels_kernel(
 
 
 @triton.jit
+def _strip_row_loads(src_strip, q_base, row, first_in_col, first_col, c_ok, pairs_ok, src_h, src_w, tile_h, tile_w,
+                     src_stride_h, SRC_STRIDE_W: tl.constexpr, q_stride_h, Q_STRIDE_W: tl.constexpr, pad_top,
+                     RING: tl.constexpr, PIXELS: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr):
+    """What _slide_rows' step for grad_input row `row` loads, as loaded (widened where used): the
+    newest grad_out row of the strip (zero outside grad_out's rows) and x's row."""
+    in_row = row - pad_top + RING
+    src = _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h), first_in_col, src_w,
+                      c_ok, pairs_ok, PIXELS, SRC_STRIDE_W, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED, not MASKED, False)
+    q = _tile_pixels(q_base, row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, q_base.dtype.element_ty,
+                     1, BLOCK_W, MASKED)
+    return src, q
+
+
+@triton.jit
 def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h, src_w, tile_h,
                 tile_w, src_stride_h, SRC_STRIDE_W: tl.constexpr, q_stride_h, Q_STRIDE_W: tl.constexpr, dx_stride_h,
                 DX_STRIDE_W: tl.constexpr, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
@@ -355,11 +370,11 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
     """The fused pass down grad_input rows first_row..last_row-1 of one BLOCK_W x BLOCK_C strip:
     each step loads one grad_out row of the strip (with its KW-1 halo columns) and keeps the last
     (KH-1) * DILATION_H in registers (a ring, rotated by renaming), so a grad_out pixel is loaded
-    (BLOCK_W + KW - 1) / BLOCK_W times, where 4 x 4 tiles load it 2.25 times at 3x3 (session 27:
-    #84's tile pass is bound by those loads from L2, not DRAM). MASKED: column and channel tests
-    (strips at the image's sides); else only the scalar test of grad_out's rows. Returns the taps'
-    weight gradients (flipped taps, as weights). PREFETCH: each step issues the next row's loads
-    before its products."""
+    (BLOCK_W + KW - 1) / BLOCK_W times, where 4 x 4 tiles load it 2.25 times at 3x3 (session 28:
+    faster on 56-wide small layers, slower on #84, whose tiles issue 52 loads before their
+    products). MASKED: column and channel tests (strips at the image's sides); else only the row
+    test of grad_out. PREFETCH: each step issues the next row's loads before its products (the
+    last step reloads its own row). Returns the taps' weight gradients (flipped taps, as weights)."""
     RING: tl.constexpr = (KH - 1) * DILATION_H
     PIXELS: tl.constexpr = BLOCK_W + (KW - 1) * DILATION_W
     first_in_col = first_col - pad_left
@@ -375,30 +390,23 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
     weight_grads = ()
     for tap in tl.static_range(KH * KW):
         weight_grads = weight_grads + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
-    LOADED: tl.constexpr = q_base.dtype.element_ty  # (the values as loaded, widened where used)
     if PREFETCH:
-        in_row = first_row - pad_top + RING
-        src_next = _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h), first_in_col,
-                               src_w, c_ok, pairs_ok, PIXELS, SRC_STRIDE_W, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED,
-                               not MASKED, False)
-        q_next = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, LOADED, 1,
-                              BLOCK_W, MASKED)
+        src_next, q_next = _strip_row_loads(src_strip, q_base, first_row, first_in_col, first_col, c_ok, pairs_ok,
+                                            src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, q_stride_h,
+                                            Q_STRIDE_W, pad_top, RING, PIXELS, ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS,
+                                            MASKED)
     for row in range(first_row, last_row):
         if PREFETCH:  # the next row's loads in flight while this row's products run
             src_loaded, q_loaded = src_next, q_next
-            in_row = row + 1 - pad_top + RING  # (past the segment: valid or masked, and unused)
-            src_next = _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h),
-                                   first_in_col, src_w, c_ok, pairs_ok, PIXELS, SRC_STRIDE_W, ACC_DTYPE, BLOCK_C,
-                                   BF16_PAIRS, MASKED, not MASKED, False)
-            q_next = _tile_pixels(q_base, tl.minimum(row + 1, last_row - 1), first_col, c_ok, tile_h, tile_w,
-                                  q_stride_h, Q_STRIDE_W, LOADED, 1, BLOCK_W, MASKED)
+            src_next, q_next = _strip_row_loads(src_strip, q_base, tl.minimum(row + 1, last_row - 1), first_in_col,
+                                                first_col, c_ok, pairs_ok, src_h, src_w, tile_h, tile_w, src_stride_h,
+                                                SRC_STRIDE_W, q_stride_h, Q_STRIDE_W, pad_top, RING, PIXELS, ACC_DTYPE,
+                                                BLOCK_W, BLOCK_C, BF16_PAIRS, MASKED)
         else:
-            in_row = row - pad_top + RING
-            src_loaded = _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h),
-                                     first_in_col, src_w, c_ok, pairs_ok, PIXELS, SRC_STRIDE_W, ACC_DTYPE, BLOCK_C,
-                                     BF16_PAIRS, MASKED, not MASKED, False)
-            q_loaded = _tile_pixels(q_base, row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, LOADED, 1,
-                                    BLOCK_W, MASKED)
+            src_loaded, q_loaded = _strip_row_loads(src_strip, q_base, row, first_in_col, first_col, c_ok, pairs_ok,
+                                                    src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W,
+                                                    q_stride_h, Q_STRIDE_W, pad_top, RING, PIXELS, ACC_DTYPE, BLOCK_W,
+                                                    BLOCK_C, BF16_PAIRS, MASKED)
         window = ring + _widen_pixels(src_loaded, ACC_DTYPE, BLOCK_C, BF16_PAIRS)
         q = _widen_pixels(q_loaded, ACC_DTYPE, BLOCK_C, False)
         accs = ()
