@@ -42,6 +42,8 @@ def parse_args():
     p.add_argument("--rows", nargs="+", type=int, action="append", metavar="N",
                    help="--nhwc-backward: also the row-sliding pass at these blocks (probe_nhwc_backward.py --rows)")
     p.add_argument("--rows-maxnreg", type=int, help="--rows: their register cap (probe_nhwc_backward.py's option)")
+    p.add_argument("--toeplitz", nargs=3, type=int, action="append", metavar=("ROWS", "M", "WARPS"),
+                   help="probe_toeplitz_rows.py's variants of the Toeplitz forward (its layers, NCHW)")
     p.add_argument("--out", required=True, help="the cache directory to fill (created)")
     p.add_argument("--libtriton", help="the device's libtriton.so, to hash instead of the constant")
     p.add_argument("--pack", metavar="FILE.tar.xz", help="only pack --out for the device (no compiles)")
@@ -83,6 +85,10 @@ def main():
         for dtype_name in args.dtype:
             for shape in args.nhwc_backward:
                 compile_nhwc_backward(shape, getattr(torch, dtype_name), args.rows or [], torch)
+        args.suite = []
+    if args.toeplitz:
+        for dtype_name in args.dtype:
+            compile_toeplitz_rows(args.toeplitz, getattr(torch, dtype_name), torch, dwconv)
         args.suite = []
     for suite in args.suite:
         for dtype_name in args.dtype:
@@ -134,6 +140,21 @@ def compile_nhwc_backward(shape, dtype, rows_specs, torch):
     for config in [None] + [rows_config(spec, geom, x) for spec in rows_specs]:
         conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config)
     print(f"{dtype} {shape}: {time.time() - started:.1f} s", flush=True)
+
+
+def compile_toeplitz_rows(variants, dtype, torch, dwconv):
+    """probe_toeplitz_rows.py's calls: forward and forward+backward of its layers, NCHW, each variant."""
+    from probe_toeplitz_rows import LAYERS, use_variant
+
+    for variant in variants:
+        started = time.time()
+        use_variant(*variant)
+        for shape, k, pad in LAYERS:
+            x = torch.empty(shape, dtype=dtype).requires_grad_()
+            weight = torch.empty(shape[1], 1, k, k, dtype=dtype).requires_grad_()
+            out = dwconv.depthwise_conv2d(x, weight, None, 1, pad)
+            torch.autograd.grad(out, (x, weight), torch.empty_like(out))
+        print(f"{dtype} Toeplitz rows {variant}: {time.time() - started:.1f} s", flush=True)
 
 
 def pack(directory, archive):

@@ -143,6 +143,8 @@ def main():
     ap.add_argument("--fma", action="store_true", help="the float32 CUDA-core kernel (large_fma.py)")
     ap.add_argument("--fma-blocks", type=int, nargs=4, metavar=("H", "W", "WARPS", "VEC"),
                     help="--fma at these blocks instead of the launcher's")
+    ap.add_argument("--out-rows", type=int, nargs=3, action="append", metavar=("ROWS", "M", "WARPS"),
+                    help="the Toeplitz forward's tiles: output rows a tile, tiles a program, warps")
     ap.add_argument("--prefetch", choices=["on", "off"],
                     help="the forward's next-row prefetch at every kernel size or at none (default: "
                     "toeplitz.PREFETCH_MIN_KERNEL_H)")
@@ -166,6 +168,16 @@ def main():
     if args.prefetch:
         toeplitz.PREFETCH_MIN_KERNEL_H = 1 if args.prefetch == "on" else 1 << 30
     print(f"triton {triton.__version__}, sm_90{', worst-case shift' if args.worst_shift else ''}")
+    for out_rows, block_m, warps in args.out_rows or [(None, None, None)]:
+        if out_rows:  # (the forward's tiles of several output rows: toeplitz.OUT_ROWS)
+            toeplitz.OUT_ROWS, toeplitz._PLANS = out_rows, {}
+            toeplitz.toeplitz_block_m = lambda x, block_m=block_m: block_m
+            toeplitz.toeplitz_num_warps = lambda out_rows, block_m, warps=warps: warps
+            print(f"out_rows {out_rows}, block_m {block_m}, {warps} warps (forward)")
+        layer_stats(args)
+
+
+def layer_stats(args):
     for name in args.layers:
         shape, k, pad = LAYERS[name]
         for dtype in args.dtype:

@@ -100,6 +100,28 @@ def test_toeplitz_forward_prefetch(shape, kernel, stride, padding, dilation, mul
     assert any(plan.constants.get("PREFETCH") for plan in toeplitz._PLANS.values()), geom
 
 
+@pytest.mark.parametrize("out_rows", [2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES, ids=IDS)
+def test_toeplitz_out_rows(shape, kernel, stride, padding, dilation, multiplier, dtype, out_rows, monkeypatch):
+    """Tiles of several output rows (toeplitz.OUT_ROWS): each input row's window multiplied with the
+    bands of every output row reading it. Forward, and grad_input through it (the flipped forward
+    where the stride is 1); strides and dilations across rows, row counts no tile divides, tiles
+    past the last image. (Plans are cached: a fresh cache.)"""
+    monkeypatch.setattr(toeplitz, "OUT_ROWS", out_rows)
+    monkeypatch.setattr(toeplitz, "_PLANS", {})
+    monkeypatch.setattr(large_fma, "LARGE_FMA_MIN_TAPS", 10**9)
+    x = randn(*shape, dtype=dtype)
+    weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
+    bias = randn(shape[1] * multiplier, dtype=dtype)
+    geom = conv_geometry(x, weight, bias, stride, padding, dilation)
+    assert forward_config(geom, x).kernel == "toeplitz"
+    check(x, weight, bias, stride, padding, dilation)
+    if geom.stride_h == geom.stride_w == 1:
+        check_grads(x, weight, bias, stride, padding, dilation)
+    assert {plan.constants["OUT_ROWS"] for key, plan in toeplitz._PLANS.items() if key[0] == "forward"} == {out_rows}
+
+
 @pytest.mark.parametrize("kernel,prefetch", [(31, False), (51, True)])
 def test_toeplitz_prefetch_from_kernel_height(kernel, prefetch):
     """The forward prefetches the next kernel row from PREFETCH_MIN_KERNEL_H up (measured: k51 gains,
@@ -107,7 +129,7 @@ def test_toeplitz_prefetch_from_kernel_height(kernel, prefetch):
     x = randn(1, 2, 8, 8, dtype=torch.bfloat16)
     weight = randn(2, 1, kernel, kernel, dtype=torch.bfloat16)
     geom = conv_geometry(x, weight, None, 1, kernel // 2, 1)
-    plan = toeplitz._forward_plan(geom, x, torch.empty_like(x), False, 64, None, 4, 1)
+    plan = toeplitz._forward_plan(geom, x, torch.empty_like(x), False, 64, None, 4, 1, 1)
     assert plan.constants["PREFETCH"] is prefetch
 
 

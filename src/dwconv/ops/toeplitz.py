@@ -27,6 +27,7 @@ on the CUDA-core kernels. The grad_input of stride 1 is this forward (dwconv.ops
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -62,6 +63,8 @@ TRANSPOSED_GRAD_WEIGHT = True
 # k31 0.299 -> 0.312-0.313 (0.450 -> 0.460): 127 -> 168 registers cost k31 a program an SM.
 # Heights between 31 and 51 are not timed.
 PREFETCH_MIN_KERNEL_H = 51
+# Output rows a forward tile takes (toeplitz_out_rows)
+OUT_ROWS = 1
 # Weight-gradient programs to aim for (grad_weight_rows)
 GRAD_WEIGHT_PROGRAMS = 512
 
@@ -126,57 +129,89 @@ def _input_tile(a_ptrs, in_rows, row_ok, col_ok, in_h, x_stride_h, UNIT: tl.cons
 
 
 @triton.jit
+def _bands(band_ptrs, step, tile_row, stride_h, dilation_h, w_kh_stride, KH: tl.constexpr, OUT_ROWS: tl.constexpr,
+           ROW_STEP: tl.constexpr):
+    """The bands that input row `step` (of a tile's span, ROW_STEP rows apart) meets: for output row
+    tile_row of a tile, T_kh with kh * dilation_h = step * ROW_STEP - tile_row * stride_h, zero where
+    that is no kernel row (OUT_ROWS 1: step is the kernel row, every band exists)."""
+    if OUT_ROWS == 1:
+        return tl.load(band_ptrs + step * w_kh_stride)
+    offset = step * ROW_STEP - tile_row * stride_h
+    kh = offset // dilation_h
+    is_tap = (offset >= 0) & (offset % dilation_h == 0) & (kh < KH)
+    return tl.load(band_ptrs + (tl.where(is_tap, kh, 0) * w_kh_stride)[None, :], mask=is_tap[None, :], other=0.0)
+
+
+@triton.jit
 def depthwise_fwd_toeplitz_kernel(
     x_ptr, w_rows_ptr, b_ptr, y_ptr,
-    out_channels, in_h, in_w, out_h, out_w, total_rows,
+    out_channels, in_h, in_w, out_h, out_w, tiles_h, total_tiles,
     x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
     stride_h, stride_w, pad_top, pad_shift, pad_up, dilation_h, w_row_len,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT_TF32: tl.constexpr, UNIT: tl.constexpr, INDEX_64: tl.constexpr,
     BAND_VECTOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    OUT_ROWS: tl.constexpr, ROW_STEP: tl.constexpr, STEPS: tl.constexpr, PREFETCH: tl.constexpr,
+    OUT_UNIT: tl.constexpr,
 ):
-    """One program = BLOCK_M output rows x BLOCK_W columns of one output channel (unit column steps;
-    x's in_w and strides in UNITs). w_rows: BAND_VECTOR copies of each padded kernel row, copy r
-    starting r elements further (padded_weight_rows). PREFETCH: the next kernel row's input tile
-    is loaded before this row's product (plain loads, cached in L1, in flight during the product)."""
+    """One program = BLOCK_M tiles of OUT_ROWS output rows x BLOCK_W columns of one output channel
+    (tiles numbered over batch x tiles_h; unit column steps; x's in_w and strides in UNITs, y's
+    strides in OUT_UNITs, so that the compiler knows rows start on whole vectors). It walks
+    the STEPS input rows a tile spans (ROW_STEP apart; OUT_ROWS 1: the kernel rows), loads each
+    row's window once and multiplies it with the bands of every output row of the tile that reads
+    it, side by side in one product: an input row loaded once feeds OUT_ROWS output rows (the input
+    tile's loads bound these kernels: module docstring). w_rows: BAND_VECTOR copies of each padded
+    kernel row, copy r starting r elements further (padded_weight_rows). PREFETCH (OUT_ROWS 1): the
+    next kernel row's input tile is loaded before this row's product (plain loads, cached in L1, in
+    flight during the product)."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
-    row_blocks = tl.cdiv(total_rows, BLOCK_M)
+    row_blocks = tl.cdiv(total_tiles, BLOCK_M)
     out_c = pid // (row_blocks * tiles_w)
     first_col = (pid % tiles_w) * BLOCK_W
-    rows = ((pid // tiles_w) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok, out_row, first_in_row, x_base, _ = _tile_rows(
-        rows, total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c, 0, 0, stride_h, pad_top, UNIT, INDEX_64)
+    tiles = ((pid // tiles_w) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile_ok, tile, first_in_row, x_base, _ = _tile_rows(
+        tiles, total_tiles, tiles_h, out_c, MULTIPLIER, x_stride_n, x_stride_c, 0, 0, stride_h * OUT_ROWS, pad_top,
+        UNIT, INDEX_64)
     in_cols, col_ok, shift = _window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT, BLOCK_K)
-    cols = tl.arange(0, BLOCK_W)
+    # the product's columns: OUT_ROWS output rows of BLOCK_W columns side by side
+    tile_row = tl.arange(0, OUT_ROWS * BLOCK_W) // BLOCK_W
+    cols = tl.arange(0, OUT_ROWS * BLOCK_W) % BLOCK_W
     # T[i, j] = row_kh[BAND0 - shift - j * stride_w + i], BAND0 = UNIT - 1 + (BLOCK_W - 1) * stride_w:
-    # the launcher's zero-padded, dilated weight rows make each band one unmasked load. Column j's
-    # run starts at `start`, one element further each column: no column of one row is aligned, but in
-    # the row's copy start % BAND_VECTOR it starts at a multiple of BAND_VECTOR (whole-vector loads)
+    # the launcher's zero-padded, dilated weight rows make each band one load. Column j's run starts
+    # at `start`, one element further each column: no column of one row is aligned, but in the row's
+    # copy start % BAND_VECTOR it starts at a multiple of BAND_VECTOR (whole-vector loads)
     start = UNIT - 1 + (BLOCK_W - 1) * stride_w - shift - cols * stride_w
     w_channel = w_rows_ptr + out_c.to(tl.int64) * (KH * BAND_VECTOR * w_row_len)  # (int64: past 2^31 elements)
     band_ptrs = w_channel + (tl.arange(0, BLOCK_K)[:, None]
                              + ((start % BAND_VECTOR) * w_row_len + (start // BAND_VECTOR) * BAND_VECTOR)[None, :])
+    w_kh_stride = BAND_VECTOR * w_row_len
     a_ptrs = x_ptr + x_base[:, None] + in_cols[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
+    row_step = dilation_h if OUT_ROWS == 1 else ROW_STEP
+    acc = tl.zeros([BLOCK_M, OUT_ROWS * BLOCK_W], dtype=tl.float32)
     if PREFETCH:
-        next_a = _input_tile(a_ptrs, first_in_row, row_ok, col_ok, in_h, x_stride_h, UNIT)
-    for kh in range(KH):
+        next_a = _input_tile(a_ptrs, first_in_row, tile_ok, col_ok, in_h, x_stride_h, UNIT)
+    for step in range(STEPS):
         if PREFETCH:
             a = next_a
-            next_a = _input_tile(a_ptrs, first_in_row + (kh + 1) * dilation_h, row_ok & (kh + 1 < KH), col_ok,
+            next_a = _input_tile(a_ptrs, first_in_row + (step + 1) * row_step, tile_ok & (step + 1 < STEPS), col_ok,
                                  in_h, x_stride_h, UNIT)
         else:
-            a = _input_tile(a_ptrs, first_in_row + kh * dilation_h, row_ok, col_ok, in_h, x_stride_h, UNIT)
-        band = tl.load(band_ptrs + kh * (BAND_VECTOR * w_row_len))
-        acc = _product(a, band, acc, DOT_DTYPE, PRECISION, SPLIT_TF32)
+            a = _input_tile(a_ptrs, first_in_row + step * row_step, tile_ok, col_ok, in_h, x_stride_h, UNIT)
+        bands = _bands(band_ptrs, step, tile_row, stride_h, dilation_h, w_kh_stride, KH, OUT_ROWS, ROW_STEP)
+        acc = _product(a, bands, acc, DOT_DTYPE, PRECISION, SPLIT_TF32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + out_c).to(tl.float32)
-    out_cols = first_col + cols
-    y_base = (rows // out_h).to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c + out_row * y_stride_h
-    tl.store(y_ptr + y_base[:, None] + out_cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (out_cols < out_w)[None, :])
+    # one output row a row of the stored block ([tiles, rows x columns] -> [tiles x rows, columns]:
+    # whole-vector stores along the columns, and an address a row, not one an element)
+    out = tl.reshape(acc.to(y_ptr.dtype.element_ty), [BLOCK_M * OUT_ROWS, BLOCK_W])
+    out_row = tl.reshape(tile[:, None] * OUT_ROWS + tl.arange(0, OUT_ROWS)[None, :], [BLOCK_M * OUT_ROWS])
+    row_ok = tl.reshape(tile_ok[:, None] & (tl.arange(0, OUT_ROWS) < OUT_ROWS)[None, :], [BLOCK_M * OUT_ROWS])
+    n = tl.reshape((tiles // tiles_h)[:, None] + tl.zeros([1, OUT_ROWS], dtype=tl.int32), [BLOCK_M * OUT_ROWS])
+    y_base = (n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c + out_row * y_stride_h) * OUT_UNIT
+    out_cols = first_col + tl.arange(0, BLOCK_W)
+    tl.store(y_ptr + y_base[:, None] + out_cols[None, :], out,
+             mask=(row_ok & (out_row < out_h))[:, None] & (out_cols < out_w)[None, :])
 
 
 @triton.jit
@@ -288,6 +323,15 @@ def load_unit(geom: ConvGeometry, block_w: int, tensors, widths) -> int:
     return unit
 
 
+def store_unit(out: torch.Tensor, block_w: int) -> int:
+    """Elements an output row store takes at once (16 bytes at most): the largest power of two
+    dividing the output's batch, channel and row strides and the strip width."""
+    unit = 16 // out.element_size()
+    while unit > 1 and any(s % unit for s in (*out.stride()[:3], block_w)):
+        unit //= 2
+    return unit
+
+
 def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor, grad_weight: bool = False) -> int:
     """The strip width, by what bounds each dtype (H200, k31 forward unless said; docs/notes.md):
     - half precision: the fewest load instructions per output (each kernel row reloads the window:
@@ -309,6 +353,18 @@ def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor, grad_weight: bool = Fa
     widest = min(32 if grad_weight and x.element_size() == 4 else 64, max(16, next_power_of_2(geom.out_w)))
     narrowest = min(32 if grad_weight else 16, widest)
     return min((w for w in (16, 32, 64) if narrowest <= w <= widest), key=cost)
+
+
+def toeplitz_out_rows(geom: ConvGeometry, x: torch.Tensor) -> int:
+    """Output rows a forward tile takes (OUT_ROWS): each input row it loads then feeds that many
+    output rows' products. Not yet measured on the GPU: 1, the kernel as timed before."""
+    return OUT_ROWS
+
+
+def toeplitz_num_warps(out_rows: int, block_m: int) -> int:
+    """Warps of a forward program: 8 where its float32 accumulator holds 64K elements or more
+    (a warpgroup's 128 threads would need 128 registers a thread for it alone)."""
+    return 8 if out_rows * block_m >= 512 else 4
 
 
 def toeplitz_block_m(x: torch.Tensor) -> int:
@@ -336,15 +392,20 @@ def _unit_columns(t: torch.Tensor) -> torch.Tensor:
 
 def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                      out: torch.Tensor, block_m: Optional[int] = None, block_w: Optional[int] = None,
-                     num_warps: int = 4, num_stages: Optional[int] = None, flip_weight: bool = False) -> torch.Tensor:
+                     num_warps: Optional[int] = None, num_stages: Optional[int] = None, flip_weight: bool = False,
+                     out_rows: Optional[int] = None) -> torch.Tensor:
     """Writes the convolution into out (allocated by the caller, any layout) and returns it.
-    flip_weight: convolve with weight.flip(2, 3) (grad_input), without a flipped copy."""
+    flip_weight: convolve with weight.flip(2, 3) (grad_input), without a flipped copy. out_rows:
+    output rows a tile (toeplitz_out_rows); block_m: tiles a program."""
     x = _unit_columns(x)
+    out_rows = out_rows or toeplitz_out_rows(geom, x)
     block_m, num_stages = block_m or toeplitz_block_m(x), num_stages or NUM_STAGES
+    num_warps = num_warps or toeplitz_num_warps(out_rows, block_m)
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
     plan = cached_plan(_PLANS, ("forward", geom, layout_key(x), layout_key(dst), bias is not None, block_m, block_w,
-                                num_warps, num_stages),
-                       lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps, num_stages))
+                                num_warps, num_stages, out_rows),
+                       lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps, num_stages,
+                                             out_rows))
     w_rows = padded_weight_rows(weight, geom, plan.constants["BLOCK_W"], plan.constants["BLOCK_K"],
                                 plan.constants["UNIT"], plan.constants["BAND_VECTOR"], flip_weight)
     launch(depthwise_fwd_toeplitz_kernel, plan, x, w_rows, bias.contiguous() if bias is not None else w_rows, dst)
@@ -413,25 +474,34 @@ def _band_row(geom: ConvGeometry, block_w: int, block_k: int, unit: int) -> Tupl
 
 
 def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
-                  block_w: Optional[int], num_warps: int, num_stages: int) -> LaunchPlan:
+                  block_w: Optional[int], num_warps: int, num_stages: int, out_rows: int) -> LaunchPlan:
     block_w = block_w or toeplitz_block_w(geom, x)
     unit = load_unit(geom, block_w, (x,), (geom.in_w,))
-    total_rows = geom.batch * geom.out_h
+    tiles_h = cdiv(geom.out_h, out_rows)
+    total_tiles = geom.batch * tiles_h
     block_k = window_width(geom, block_w, unit)
     # the input tile of a product at most 32 KB (its pipeline keeps 3 in shared memory: float32 k51
     # at 128 rows asked for 256 KB, over the H200's 227 KB)
-    block_m = min(block_m, max(16, next_power_of_2(total_rows)), max(16, 32768 // (block_k * x.element_size())))
+    block_m = min(block_m, max(16, next_power_of_2(total_tiles)), max(16, 32768 // (block_k * x.element_size())))
+    # a tile's input rows: ROW_STEP apart (every row its output rows' taps read), STEPS of them
+    row_step = math.gcd(geom.stride_h, geom.dilation_h)
+    steps = geom.kernel_h if out_rows == 1 else \
+        ((out_rows - 1) * geom.stride_h + (geom.kernel_h - 1) * geom.dilation_h) // row_step + 1
     pad_up = cdiv(geom.pad_left, unit)
-    scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w, total_rows,
-               *[s // unit for s in x.stride()[:3]], *out.stride()[:3], geom.stride_h, geom.stride_w, geom.pad_top,
+    out_unit = store_unit(out, block_w)
+    scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w, tiles_h, total_tiles,
+               *[s // unit for s in x.stride()[:3]], *[s // out_unit for s in out.stride()[:3]],
+               geom.stride_h, geom.stride_w, geom.pad_top,
                pad_up * unit - geom.pad_left, pad_up, geom.dilation_h, _band_row(geom, block_w, block_k, unit)[1])
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, HAS_BIAS=has_bias, **_dot_types(x.dtype),
                      UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(out, (geom.out_h, geom.out_w)),
-                     BAND_VECTOR=16 // x.element_size(), PREFETCH=geom.kernel_h >= PREFETCH_MIN_KERNEL_H,
+                     BAND_VECTOR=16 // x.element_size(),
+                     PREFETCH=out_rows == 1 and geom.kernel_h >= PREFETCH_MIN_KERNEL_H,
+                     OUT_ROWS=out_rows, ROW_STEP=row_step, STEPS=steps, OUT_UNIT=out_unit,
                      BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
-    grid = (geom.out_channels * cdiv(total_rows, block_m) * cdiv(geom.out_w, block_w),)
+    grid = (geom.out_channels * cdiv(total_tiles, block_m) * cdiv(geom.out_w, block_w),)
     return LaunchPlan("toeplitz", grid, scalars, constants)
 
 
