@@ -1,4 +1,4 @@
-"""Developer probe (GPU): the Toeplitz forward's tiles of several output rows (toeplitz.OUT_ROWS),
+"""Developer probe (GPU): the Toeplitz forward's tiles of several output rows (toeplitz_out_rows),
 against one row a tile, on issue #6's half-precision layers. Forward (dwconv, CUDA-graph replays)
 and forward+backward (grad_input of stride 1 is the same kernel, flipped; the weight gradient is
 unchanged), errors of dwconv and of PyTorch against float64, PyTorch eager in the same run.
@@ -25,7 +25,7 @@ VARIANTS = [(1, 128, 4), (2, 128, 8), (4, 128, 8), (4, 64, 4), (8, 64, 8)]
 
 def use_variant(out_rows, block_m, warps):
     """The forward's tiles for every later call (the module's defaults replaced; plans rebuilt)."""
-    toeplitz.OUT_ROWS = out_rows
+    toeplitz.toeplitz_out_rows = lambda geom, x: out_rows
     toeplitz.toeplitz_block_m = lambda x: block_m
     toeplitz.toeplitz_num_warps = lambda rows, m: warps
     toeplitz._PLANS.clear()

@@ -169,8 +169,9 @@ def main():
         toeplitz.PREFETCH_MIN_KERNEL_H = 1 if args.prefetch == "on" else 1 << 30
     print(f"triton {triton.__version__}, sm_90{', worst-case shift' if args.worst_shift else ''}")
     for out_rows, block_m, warps in args.out_rows or [(None, None, None)]:
-        if out_rows:  # (the forward's tiles of several output rows: toeplitz.OUT_ROWS)
-            toeplitz.OUT_ROWS, toeplitz._PLANS = out_rows, {}
+        if out_rows:  # (the forward's tiles of several output rows: toeplitz_out_rows)
+            toeplitz._PLANS = {}
+            toeplitz.toeplitz_out_rows = lambda geom, x, out_rows=out_rows: out_rows
             toeplitz.toeplitz_block_m = lambda x, block_m=block_m: block_m
             toeplitz.toeplitz_num_warps = lambda out_rows, block_m, warps=warps: warps
             print(f"out_rows {out_rows}, block_m {block_m}, {warps} warps (forward)")

@@ -104,11 +104,11 @@ def test_toeplitz_forward_prefetch(shape, kernel, stride, padding, dilation, mul
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES, ids=IDS)
 def test_toeplitz_out_rows(shape, kernel, stride, padding, dilation, multiplier, dtype, out_rows, monkeypatch):
-    """Tiles of several output rows (toeplitz.OUT_ROWS): each input row's window multiplied with the
+    """Tiles of several output rows (toeplitz_out_rows, here in every dtype and geometry): each input row's window multiplied with the
     bands of every output row reading it. Forward, and grad_input through it (the flipped forward
     where the stride is 1); strides and dilations across rows, row counts no tile divides, tiles
     past the last image. (Plans are cached: a fresh cache.)"""
-    monkeypatch.setattr(toeplitz, "OUT_ROWS", out_rows)
+    monkeypatch.setattr(toeplitz, "toeplitz_out_rows", lambda geom, x: out_rows)
     monkeypatch.setattr(toeplitz, "_PLANS", {})
     monkeypatch.setattr(large_fma, "LARGE_FMA_MIN_TAPS", 10**9)
     x = randn(*shape, dtype=dtype)
@@ -120,6 +120,23 @@ def test_toeplitz_out_rows(shape, kernel, stride, padding, dilation, multiplier,
     if geom.stride_h == geom.stride_w == 1:
         check_grads(x, weight, bias, stride, padding, dilation)
     assert {plan.constants["OUT_ROWS"] for key, plan in toeplitz._PLANS.items() if key[0] == "forward"} == {out_rows}
+
+
+@pytest.mark.parametrize("dtype,kernel,stride,dilation,rows", [
+    (torch.bfloat16, 31, 1, 1, 4), (torch.float16, 13, 1, 1, 4), (torch.bfloat16, 51, 1, 1, 1),
+    (torch.float32, 31, 1, 1, 1), (torch.bfloat16, 31, 2, 1, 1), (torch.float16, 13, 1, 2, 1)])
+def test_toeplitz_out_rows_choice(dtype, kernel, stride, dilation, rows, monkeypatch):
+    """Tiles of several rows where measured (half precision, rows one apart, below the prefetch's
+    kernel height), and the launcher's plan takes them on 8 warps."""
+    monkeypatch.setattr(large_fma, "LARGE_FMA_MIN_TAPS", 10**9)
+    x = randn(1, 2, 40, 40, dtype=dtype)
+    weight = randn(2, 1, kernel, kernel, dtype=dtype)
+    geom = conv_geometry(x, weight, None, stride, kernel // 2 * dilation, dilation)
+    assert toeplitz.toeplitz_out_rows(geom, x) == rows
+    config = forward_config(geom, x)
+    assert config.num_warps == (8 if rows == 4 else 4)
+    plan = toeplitz._forward_plan(geom, x, torch.empty_like(x), False, 128, None, config.num_warps, 1, rows)
+    assert plan.constants["OUT_ROWS"] == rows and plan.constants["num_warps"] == config.num_warps
 
 
 @pytest.mark.parametrize("kernel,prefetch", [(31, False), (51, True)])

@@ -29,7 +29,8 @@ from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, gpu
                       new_partial, plane_needs_int64)
 from ._lanes import _lane, _pack4
 from .large_fma import large_fma_applies, large_fma_forward, large_fma_forward_blocks
-from .toeplitz import toeplitz_applies, toeplitz_block_m, toeplitz_block_w, toeplitz_forward
+from .toeplitz import (toeplitz_applies, toeplitz_block_m, toeplitz_block_w, toeplitz_forward, toeplitz_num_warps,
+                       toeplitz_out_rows)
 
 
 @triton.jit
@@ -1085,7 +1086,9 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
         block_h, block_w, num_warps, out_vec = large_fma_forward_blocks(geom, x)
         return ForwardConfig("large_fma", block_h, block_w, num_warps, out_vec)
     if toeplitz_applies(geom, x.dtype):
-        return ForwardConfig("toeplitz", toeplitz_block_m(x), toeplitz_block_w(geom, x), 4)
+        block_m = toeplitz_block_m(x)
+        return ForwardConfig("toeplitz", block_m, toeplitz_block_w(geom, x),
+                             toeplitz_num_warps(toeplitz_out_rows(geom, x), block_m))
     if channels_last_kernel_applies(x, out):
         return nhwc_config(geom, x)
     if nchw_pixels_wins(geom, x, out):

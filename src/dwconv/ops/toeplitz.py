@@ -63,8 +63,8 @@ TRANSPOSED_GRAD_WEIGHT = True
 # k31 0.299 -> 0.312-0.313 (0.450 -> 0.460): 127 -> 168 registers cost k31 a program an SM.
 # Heights between 31 and 51 are not timed.
 PREFETCH_MIN_KERNEL_H = 51
-# Output rows a forward tile takes (toeplitz_out_rows)
-OUT_ROWS = 1
+# Output rows a half-precision forward tile takes (toeplitz_out_rows)
+OUT_ROWS = 4
 # Weight-gradient programs to aim for (grad_weight_rows)
 GRAD_WEIGHT_PROGRAMS = 512
 
@@ -356,9 +356,20 @@ def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor, grad_weight: bool = Fa
 
 
 def toeplitz_out_rows(geom: ConvGeometry, x: torch.Tensor) -> int:
-    """Output rows a forward tile takes (OUT_ROWS): each input row it loads then feeds that many
-    output rows' products. Not yet measured on the GPU: 1, the kernel as timed before."""
-    return OUT_ROWS
+    """Output rows a forward tile takes: each input row it loads then feeds that many output rows'
+    products. H200, session 29, (rows, tiles a program, warps), CUDA-graph replays through dwconv,
+    ms, bfloat16 and float16 alike (benchmarks/probe_toeplitz_rows.py):
+
+    | layer | 1, 128, 4 | 2, 128, 8 | 4, 128, 8 | 4, 64, 4 | 8, 64, 8 |
+    |---|---|---|---|---|---|
+    | k31 32x128x56x56 forward | 0.322 | 0.266 | **0.238** | 0.257 | 0.281 |
+    | k13 32x256x28x28 forward | 0.075 | 0.071 | **0.061** | 0.066 | 0.069 |
+    | k51 32x128x56x56 forward (1 row: prefetch) | **0.585** | 0.644 | 0.608 | 0.621 | 0.751 |
+
+    So OUT_ROWS in half precision below PREFETCH_MIN_KERNEL_H, at the timed row step (stride and
+    dilation 1 across rows); float32's products (three TF32 products a step) were not timed: 1."""
+    measured = geom.stride_h == geom.dilation_h == 1 and geom.kernel_h < PREFETCH_MIN_KERNEL_H
+    return OUT_ROWS if x.element_size() == 2 and measured else 1
 
 
 def toeplitz_num_warps(out_rows: int, block_m: int) -> int:
