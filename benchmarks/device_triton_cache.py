@@ -44,6 +44,8 @@ def parse_args():
     p.add_argument("--rows-maxnreg", type=int, help="--rows: their register cap (probe_nhwc_backward.py's option)")
     p.add_argument("--toeplitz", nargs=3, type=int, action="append", metavar=("ROWS", "M", "WARPS"),
                    help="probe_toeplitz_rows.py's variants of the Toeplitz forward (its layers, NCHW)")
+    p.add_argument("--toeplitz-gw", nargs=3, type=int, action="append", metavar=("KH_ROWS", "M", "WARPS"),
+                   help="probe_toeplitz_rows.py's weight-gradient variants (its layers)")
     p.add_argument("--out", required=True, help="the cache directory to fill (created)")
     p.add_argument("--libtriton", help="the device's libtriton.so, to hash instead of the constant")
     p.add_argument("--pack", metavar="FILE.tar.xz", help="only pack --out for the device (no compiles)")
@@ -86,9 +88,10 @@ def main():
             for shape in args.nhwc_backward:
                 compile_nhwc_backward(shape, getattr(torch, dtype_name), args.rows or [], torch)
         args.suite = []
-    if args.toeplitz:
+    if args.toeplitz or args.toeplitz_gw:
         for dtype_name in args.dtype:
-            compile_toeplitz_rows(args.toeplitz, getattr(torch, dtype_name), torch, dwconv)
+            compile_toeplitz_rows(args.toeplitz or [], args.toeplitz_gw or [], getattr(torch, dtype_name), torch,
+                                  dwconv)
         args.suite = []
     for suite in args.suite:
         for dtype_name in args.dtype:
@@ -142,10 +145,20 @@ def compile_nhwc_backward(shape, dtype, rows_specs, torch):
     print(f"{dtype} {shape}: {time.time() - started:.1f} s", flush=True)
 
 
-def compile_toeplitz_rows(variants, dtype, torch, dwconv):
-    """probe_toeplitz_rows.py's calls: forward and forward+backward of its layers, NCHW, each variant."""
+def compile_toeplitz_rows(variants, gw_variants, dtype, torch, dwconv):
+    """probe_toeplitz_rows.py's calls: forward and forward+backward of its layers, NCHW, each
+    variant; the weight gradient alone at each of gw_variants."""
+    from dwconv._geometry import conv_geometry
+    from dwconv.ops import toeplitz
     from probe_toeplitz_rows import LAYERS, use_variant
 
+    for kh_rows, block_m, warps in gw_variants:
+        for shape, k, pad in LAYERS:
+            x = torch.empty(shape, dtype=dtype)
+            geom = conv_geometry(x, torch.empty(shape[1], 1, k, k, dtype=dtype), None, 1, pad, 1)
+            toeplitz.toeplitz_grad_weight(torch.empty_like(x), x, geom, dtype, False, block_m=block_m,
+                                          num_warps=warps, kh_rows=kh_rows)
+        print(f"{dtype} Toeplitz weight gradient {kh_rows, block_m, warps}", flush=True)
     for variant in variants:
         started = time.time()
         use_variant(*variant)

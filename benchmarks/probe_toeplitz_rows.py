@@ -4,7 +4,7 @@ and forward+backward (grad_input of stride 1 is the same kernel, flipped; the we
 unchanged), errors of dwconv and of PyTorch against float64, PyTorch eager in the same run.
 
     PYTHONPATH=src python benchmarks/probe_toeplitz_rows.py [--dtype bfloat16 float16] [--layers 0 1 2]
-        [--variant ROWS M WARPS ...] [--rounds 2]
+        [--variant ROWS M WARPS ...] [--gw-variant KH_ROWS M WARPS ...] [--rounds 2]
 
 device_triton_cache.py --toeplitz ROWS M WARPS compiles the same kernels on a machine without a GPU.
 """
@@ -31,6 +31,22 @@ def use_variant(out_rows, block_m, warps):
     toeplitz._PLANS.clear()
 
 
+def time_grad_weight(name, x, g, ref_gw, pad, variants):
+    """The weight gradient alone (toeplitz_grad_weight), each (kernel rows a pass, rows a block, warps)."""
+    from dwconv._geometry import conv_geometry
+
+    k = ref_gw.shape[-1]
+    geom = conv_geometry(x, torch.empty(x.shape[1], 1, k, k, device=x.device, dtype=x.dtype), None, 1, pad, 1)
+    for kh_rows, block_m, warps in variants:
+        def run():
+            return toeplitz.toeplitz_grad_weight(g, x, geom, x.dtype, False, block_m=block_m, num_warps=warps,
+                                                 kh_rows=kh_rows)
+        err = rel_err(run()[0], ref_gw)
+        ms = events_ms(graphed(run), 20)
+        print(f"{name} grad_weight kh_rows {kh_rows} M {block_m} warps {warps}: {ms:.3f} ms "
+              f"({flops(x.shape, k) / ms / 1e9:.0f} TFLOP/s); err {err:.1e}", flush=True)
+
+
 def rel_err(out, ref):
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
@@ -39,7 +55,7 @@ def flops(shape, k):
     return 2 * shape[0] * shape[1] * shape[2] * shape[3] * k * k
 
 
-def probe_layer(shape, k, pad, dtype, variants, rounds):
+def probe_layer(shape, k, pad, dtype, variants, gw_variants, rounds):
     c = shape[1]
     x = torch.randn(shape, device="cuda", dtype=dtype)
     w = torch.randn(c, 1, k, k, device="cuda", dtype=dtype) / k
@@ -64,6 +80,7 @@ def probe_layer(shape, k, pad, dtype, variants, rounds):
     eager_fb = events_ms(graphed(forward_backward(torch_conv, (x, w), g)), 5)
     print(f"{name}: eager forward {eager_fwd:.3f} ms, forward+backward {eager_fb:.3f} ms", flush=True)
     for round_ in range(rounds):
+        time_grad_weight(name, x, g, ref_gw, pad, gw_variants)
         for variant in variants:
             use_variant(*variant)
             out = ours(x, w)
@@ -83,13 +100,15 @@ def main():
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
     p.add_argument("--layers", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variant", type=int, nargs=3, action="append", metavar=("ROWS", "M", "WARPS"))
+    p.add_argument("--gw-variant", type=int, nargs=3, action="append", metavar=("KH_ROWS", "M", "WARPS"),
+                   help="the weight gradient alone at these kernel rows a pass, rows a block, warps")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for dtype in args.dtype:
         for index in args.layers:
             probe_layer(*LAYERS[index], getattr(torch, dtype), [tuple(v) for v in args.variant or VARIANTS],
-                        args.rounds)
+                        [tuple(v) for v in args.gw_variant or ()], args.rounds)
 
 
 if __name__ == "__main__":

@@ -144,7 +144,8 @@ def main():
     ap.add_argument("--fma-blocks", type=int, nargs=4, metavar=("H", "W", "WARPS", "VEC"),
                     help="--fma at these blocks instead of the launcher's")
     ap.add_argument("--out-rows", type=int, nargs=3, action="append", metavar=("ROWS", "M", "WARPS"),
-                    help="the Toeplitz forward's tiles: output rows a tile, tiles a program, warps")
+                    help="the Toeplitz forward's tiles: output rows a tile, tiles a program, warps (and as many kernel "
+                    "rows a weight-gradient pass)")
     ap.add_argument("--prefetch", choices=["on", "off"],
                     help="the forward's next-row prefetch at every kernel size or at none (default: "
                     "toeplitz.PREFETCH_MIN_KERNEL_H)")
@@ -172,6 +173,7 @@ def main():
         if out_rows:  # (the forward's tiles of several output rows: toeplitz_out_rows)
             toeplitz._PLANS = {}
             toeplitz.toeplitz_out_rows = lambda geom, x, out_rows=out_rows: out_rows
+            toeplitz.toeplitz_grad_weight_kh_rows = lambda geom, x, out_rows=out_rows: out_rows
             toeplitz.toeplitz_block_m = lambda x, block_m=block_m: block_m
             toeplitz.toeplitz_num_warps = lambda out_rows, block_m, warps=warps: warps
             print(f"out_rows {out_rows}, block_m {block_m}, {warps} warps (forward)")

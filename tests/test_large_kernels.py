@@ -104,11 +104,15 @@ def test_toeplitz_forward_prefetch(shape, kernel, stride, padding, dilation, mul
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES, ids=IDS)
 def test_toeplitz_out_rows(shape, kernel, stride, padding, dilation, multiplier, dtype, out_rows, monkeypatch):
-    """Tiles of several output rows (toeplitz_out_rows, here in every dtype and geometry): each input row's window multiplied with the
-    bands of every output row reading it. Forward, and grad_input through it (the flipped forward
-    where the stride is 1); strides and dilations across rows, row counts no tile divides, tiles
-    past the last image. (Plans are cached: a fresh cache.)"""
+    """Tiles of several output rows (toeplitz_out_rows, here in every dtype and geometry): each input
+    row's window multiplied with the bands of every output row reading it. Forward, and grad_input
+    through it (the flipped forward where the stride is 1); strides and dilations across rows, row
+    counts no tile divides, tiles past the last image. The weight gradient's passes of as many
+    kernel rows (toeplitz_grad_weight_kh_rows, where rows are one step apart): kernel heights
+    they do not divide, grad_out rows paired across a plane's end. (Plans are cached: a fresh cache.)"""
     monkeypatch.setattr(toeplitz, "toeplitz_out_rows", lambda geom, x: out_rows)
+    monkeypatch.setattr(toeplitz, "toeplitz_grad_weight_kh_rows",
+                        lambda geom, x: out_rows if geom.stride_h == geom.dilation_h == 1 else 1)
     monkeypatch.setattr(toeplitz, "_PLANS", {})
     monkeypatch.setattr(large_fma, "LARGE_FMA_MIN_TAPS", 10**9)
     x = randn(*shape, dtype=dtype)
@@ -120,6 +124,9 @@ def test_toeplitz_out_rows(shape, kernel, stride, padding, dilation, multiplier,
     if geom.stride_h == geom.stride_w == 1:
         check_grads(x, weight, bias, stride, padding, dilation)
     assert {plan.constants["OUT_ROWS"] for key, plan in toeplitz._PLANS.items() if key[0] == "forward"} == {out_rows}
+    if geom.stride_h == geom.dilation_h == 1:
+        assert {plan.constants["KH_ROWS"] for key, plan in toeplitz._PLANS.items()
+                if key[0] == "grad_weight"} == {out_rows}
 
 
 @pytest.mark.parametrize("dtype,kernel,stride,dilation,rows", [

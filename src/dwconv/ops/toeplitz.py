@@ -65,6 +65,8 @@ TRANSPOSED_GRAD_WEIGHT = True
 PREFETCH_MIN_KERNEL_H = 51
 # Output rows a half-precision forward tile takes (toeplitz_out_rows)
 OUT_ROWS = 4
+# Kernel rows a weight-gradient pass takes (toeplitz_grad_weight_kh_rows)
+GRAD_WEIGHT_KH_ROWS = 1
 # Weight-gradient programs to aim for (grad_weight_rows)
 GRAD_WEIGHT_PROGRAMS = 512
 
@@ -217,17 +219,21 @@ def depthwise_fwd_toeplitz_kernel(
 @triton.jit
 def depthwise_grad_weight_toeplitz_kernel(
     g_ptr, x_ptr, partial_ptr,
-    out_channels, in_h, in_w, out_h, out_w, total_rows, rows_per_split, splits,
+    out_channels, in_h, in_w, out_h, out_w, plane_rows, total_rows, rows_per_split, splits,
     x_stride_n, x_stride_c, x_stride_h, g_stride_n, g_stride_c, g_stride_h,
     stride_h, stride_w, pad_top, pad_shift, pad_up, dilation_h, dilation_w,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SPLIT_TF32: tl.constexpr, UNIT: tl.constexpr,
-    INDEX_64: tl.constexpr, TRANSPOSED: tl.constexpr,
+    INDEX_64: tl.constexpr, TRANSPOSED: tl.constexpr, KH_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program = one output channel, BLOCK_W output columns, rows_per_split rows (a multiple of
     BLOCK_M): partial[out_c, split x column tile, tap] for every tap (and the bias after them).
-    in_w, out_w and the strides of x and grad_out in UNITs."""
+    in_w, out_w and the strides of x and grad_out in UNITs.
+    KH_ROWS kernel rows a pass over the rows (stride and dilation 1 across rows where > 1): row b of
+    a plane (plane_rows = out_h + KH_ROWS - 1 of them) pairs x's row b - pad_top + kh0 with
+    grad_out's rows b - d for kernel rows kh0 + d, side by side in one product, so each x row is
+    loaded once for KH_ROWS kernel rows."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w * UNIT, BLOCK_W)
     out_c = pid // (splits * tiles_w)
@@ -235,38 +241,45 @@ def depthwise_grad_weight_toeplitz_kernel(
     first_col = (part % tiles_w) * BLOCK_W
     first_row = (part // tiles_w) * rows_per_split
     in_cols, col_ok, shift = _window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT, BLOCK_K)
-    cols = tl.arange(0, BLOCK_W)
+    # the product's columns: KH_ROWS kernel rows' BLOCK_W grad_out columns side by side
+    kernel_row = tl.arange(0, KH_ROWS * BLOCK_W) // BLOCK_W
+    cols = tl.arange(0, KH_ROWS * BLOCK_W) % BLOCK_W
     out_cols = first_col + cols
     out_col_ok = out_cols < out_w * UNIT
     # C[j, i] pairs grad_out column j with window column i; tap kw sits on i = shift + j * stride_w + kw * dilation_w
     kws = tl.arange(0, KW_PAD)
     diagonal = tl.minimum(shift + cols[:, None] * stride_w + kws[None, :] * dilation_w, BLOCK_K - 1)
     partial_row = partial_ptr + (out_c.to(tl.int64) * (splits * tiles_w) + part) * (KH * KW + BIAS_GRAD)
-    bias_acc = tl.zeros([BLOCK_W], dtype=tl.float32)
-    step_images, step_rows = BLOCK_M // out_h, BLOCK_M % out_h  # (a row block's step: images, then rows)
-    for kh in range(KH):
-        # C, or its transpose ([BLOCK_K, BLOCK_W]: a product with BLOCK_K rows, which the H200's
+    bias_acc = tl.zeros([KH_ROWS * BLOCK_W], dtype=tl.float32)
+    step_images, step_rows = BLOCK_M // plane_rows, BLOCK_M % plane_rows  # (a row block's step: images, then rows)
+    for kh0 in range(0, KH, KH_ROWS):
+        # C, or its transpose ([BLOCK_K, columns]: a product with BLOCK_K rows, which the H200's
         # warpgroup MMA takes from 64 rows on, where BLOCK_W is 16 or 32)
-        products = tl.zeros([BLOCK_K, BLOCK_W] if TRANSPOSED else [BLOCK_W, BLOCK_K], dtype=tl.float32)
+        products = tl.zeros([BLOCK_K, KH_ROWS * BLOCK_W] if TRANSPOSED else [KH_ROWS * BLOCK_W, BLOCK_K],
+                            dtype=tl.float32)
         rows = first_row + tl.arange(0, BLOCK_M)
-        _, out_row, first_in_row, x_base, g_base = _tile_rows(
-            rows, total_rows, out_h, out_c, MULTIPLIER, x_stride_n, x_stride_c, g_stride_n, g_stride_c, stride_h,
-            pad_top, UNIT, INDEX_64)
-        in_rows = first_in_row + kh * dilation_h
-        g_offsets = g_base + out_row * (g_stride_h * UNIT)
+        _, plane_row, first_in_row, x_base, g_base = _tile_rows(
+            rows, total_rows, plane_rows, out_c, MULTIPLIER, x_stride_n, x_stride_c, g_stride_n, g_stride_c,
+            stride_h, pad_top, UNIT, INDEX_64)
+        in_rows = first_in_row + kh0 * dilation_h
+        g_offsets = g_base + plane_row * (g_stride_h * UNIT)
         x_offsets = x_base + in_rows * (x_stride_h * UNIT)
+        g_columns = out_cols - kernel_row * (g_stride_h * UNIT)  # (kernel row kh0 + d: grad_out's row b - d)
         for m in range(first_row, tl.minimum(first_row + rows_per_split, total_rows), BLOCK_M):
             row_ok = rows < total_rows
-            g = tl.load(g_ptr + g_offsets[:, None] + out_cols[None, :], mask=row_ok[:, None] & out_col_ok[None, :],
-                        other=0.0)
+            g_ok = row_ok[:, None] & out_col_ok[None, :]
+            if KH_ROWS > 1:
+                g_rows = plane_row[:, None] - kernel_row[None, :]
+                g_ok &= (g_rows >= 0) & (g_rows < out_h)
+            g = tl.load(g_ptr + g_offsets[:, None] + g_columns[None, :], mask=g_ok, other=0.0)
             a_ok = (row_ok & (in_rows >= 0) & (in_rows < in_h))[:, None] & col_ok[None, :]
             a = tl.load(x_ptr + x_offsets[:, None] + in_cols[None, :], mask=a_ok, other=0.0)
-            # the next BLOCK_M rows, by steps of the offsets (a division by out_h a row was most of
-            # this loop's instructions): rows_moved rows down, into the next image where they wrap
-            wrap = (out_row + step_rows >= out_h).to(out_row.dtype)
+            # the next BLOCK_M rows, by steps of the offsets (a division by plane_rows a row was most
+            # of this loop's instructions): rows_moved rows down, into the next image where they wrap
+            wrap = (plane_row + step_rows >= plane_rows).to(plane_row.dtype)
             images = (step_images + wrap).to(tl.int64)
-            rows_moved = step_rows - wrap * out_h
-            out_row += rows_moved
+            rows_moved = step_rows - wrap * plane_rows
+            plane_row += rows_moved
             in_rows += rows_moved * stride_h
             g_offsets += (images * g_stride_n + rows_moved * g_stride_h) * UNIT
             x_offsets += (images * x_stride_n + (rows_moved * stride_h) * x_stride_h) * UNIT
@@ -276,12 +289,15 @@ def depthwise_grad_weight_toeplitz_kernel(
             else:
                 products = _product(tl.trans(g), a, products, DOT_DTYPE, PRECISION, SPLIT_TF32)
             if BIAS_GRAD:
-                if kh == 0:
-                    bias_acc += tl.sum(g.to(tl.float32), axis=0)
+                if kh0 == 0:  # (every grad_out row once: kernel row 0's columns)
+                    bias_acc += tl.sum(tl.where((kernel_row == 0)[None, :], g.to(tl.float32), 0.0), axis=0)
         if TRANSPOSED:
             products = tl.trans(products)
-        taps = tl.sum(tl.where(kws[None, :] < KW, tl.gather(products, diagonal, axis=1), 0.0), axis=0)
-        tl.store(partial_row + kh * KW + kws, taps, mask=kws < KW)
+        taps = tl.where(kws[None, :] < KW, tl.gather(products, diagonal, axis=1), 0.0)
+        taps = tl.sum(tl.reshape(taps, [KH_ROWS, BLOCK_W, KW_PAD]), axis=1)
+        kernel_rows = kh0 + tl.arange(0, KH_ROWS)
+        tl.store(partial_row + kernel_rows[:, None] * KW + kws[None, :], taps,
+                 mask=(kernel_rows < KH)[:, None] & (kws < KW)[None, :])
     if BIAS_GRAD:
         tl.store(partial_row + KH * KW, tl.sum(bias_acc, axis=0))
 
@@ -518,19 +534,27 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
 
 def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
                          bias_grad: bool, block_m: int = 64, block_w: Optional[int] = None,
-                         rows_per_split: Optional[int] = None, num_warps: int = 4, num_stages: Optional[int] = None
-                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         rows_per_split: Optional[int] = None, num_warps: int = 4, num_stages: Optional[int] = None,
+                         kh_rows: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
-    rows_per_split: rows a program sums (default: grad_weight_rows)."""
+    rows_per_split: rows a program sums (default: grad_weight_rows); kh_rows: kernel rows a pass
+    over them (toeplitz_grad_weight_kh_rows)."""
     grad_out, x = _unit_columns(grad_out), _unit_columns(x)
     num_stages = num_stages or NUM_STAGES
+    kh_rows = kh_rows or toeplitz_grad_weight_kh_rows(geom, x)
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, block_m,
-                                block_w, rows_per_split, num_warps, num_stages),
+                                block_w, rows_per_split, num_warps, num_stages, kh_rows),
                        lambda: _grad_weight_plan(geom, grad_out, x, bias_grad, block_m, block_w, rows_per_split,
-                                                 num_warps, num_stages))
+                                                 num_warps, num_stages, kh_rows))
     partial = new_partial(plan, x.device)
     launch(depthwise_grad_weight_toeplitz_kernel, plan, grad_out, x, partial)
     return sum_partials(partial, geom, weight_dtype, bias_grad)
+
+
+def toeplitz_grad_weight_kh_rows(geom: ConvGeometry, x: torch.Tensor) -> int:
+    """Kernel rows a weight-gradient pass takes (KH_ROWS): each x row it loads then feeds that many
+    kernel rows' products. Not yet measured on the GPU: 1, the kernel as timed before."""
+    return GRAD_WEIGHT_KH_ROWS if geom.stride_h == geom.dilation_h == 1 else 1
 
 
 def grad_weight_rows(total_rows: int, strips: int) -> int:
@@ -542,11 +566,13 @@ def grad_weight_rows(total_rows: int, strips: int) -> int:
 
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, block_m: int,
-                      block_w: Optional[int], rows_per_split: Optional[int], num_warps: int, num_stages: int
-                      ) -> LaunchPlan:
+                      block_w: Optional[int], rows_per_split: Optional[int], num_warps: int, num_stages: int,
+                      kh_rows: int = 1) -> LaunchPlan:
     block_w = block_w or toeplitz_block_w(geom, x, grad_weight=True)
     unit = load_unit(geom, block_w, (x, grad_out), (geom.in_w, geom.out_w))
-    total_rows = geom.batch * geom.out_h
+    assert kh_rows == 1 or geom.stride_h == geom.dilation_h == 1, "kernel rows side by side need unit row steps"
+    plane_rows = geom.out_h + kh_rows - 1  # (grad_out's rows and the kh_rows - 1 below a plane: kernel_row d
+    total_rows = geom.batch * plane_rows   # pairs row b with grad_out's b - d)
     block_m = min(block_m, max(16, next_power_of_2(total_rows)))
     tiles_w = cdiv(geom.out_w, block_w)
     block_k = window_width(geom, block_w, unit)
@@ -556,8 +582,8 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     rows_per_split = cdiv(rows_per_split, block_m) * block_m
     splits = cdiv(total_rows, rows_per_split)
     pad_up = cdiv(geom.pad_left, unit)
-    scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w // unit, total_rows,
-               rows_per_split, splits, *[s // unit for s in x.stride()[:3]],
+    scalars = (geom.out_channels, geom.in_h, geom.in_w // unit, geom.out_h, geom.out_w // unit, plane_rows,
+               total_rows, rows_per_split, splits, *[s // unit for s in x.stride()[:3]],
                *[s // unit for s in grad_out.stride()[:3]],
                geom.stride_h, geom.stride_w, geom.pad_top, pad_up * unit - geom.pad_left, pad_up, geom.dilation_h,
                geom.dilation_w)
@@ -566,7 +592,7 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
                      **_dot_types(x.dtype), UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
                      or plane_needs_int64(grad_out, (geom.out_h, geom.out_w)),
-                     TRANSPOSED=TRANSPOSED_GRAD_WEIGHT and block_k >= 64 > block_w,
+                     TRANSPOSED=TRANSPOSED_GRAD_WEIGHT and block_k >= 64 > block_w, KH_ROWS=kh_rows,
                      BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     grid = (geom.out_channels * splits * tiles_w,)
     return LaunchPlan("grad_weight_toeplitz", grid, scalars, constants,
