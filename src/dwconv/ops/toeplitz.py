@@ -208,8 +208,8 @@ def depthwise_fwd_toeplitz_kernel(
     # whole-vector stores along the columns, and an address a row, not one an element)
     out = tl.reshape(acc.to(y_ptr.dtype.element_ty), [BLOCK_M * OUT_ROWS, BLOCK_W])
     out_row = tl.reshape(tile[:, None] * OUT_ROWS + tl.arange(0, OUT_ROWS)[None, :], [BLOCK_M * OUT_ROWS])
-    row_ok = tl.reshape(tile_ok[:, None] & (tl.arange(0, OUT_ROWS) < OUT_ROWS)[None, :], [BLOCK_M * OUT_ROWS])
-    n = tl.reshape((tiles // tiles_h)[:, None] + tl.zeros([1, OUT_ROWS], dtype=tl.int32), [BLOCK_M * OUT_ROWS])
+    row_ok = tl.reshape(tl.broadcast_to(tile_ok[:, None], [BLOCK_M, OUT_ROWS]), [BLOCK_M * OUT_ROWS])
+    n = tl.reshape(tl.broadcast_to((tiles // tiles_h)[:, None], [BLOCK_M, OUT_ROWS]), [BLOCK_M * OUT_ROWS])
     y_base = (n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c + out_row * y_stride_h) * OUT_UNIT
     out_cols = first_col + tl.arange(0, BLOCK_W)
     tl.store(y_ptr + y_base[:, None] + out_cols[None, :], out,
