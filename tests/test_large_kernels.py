@@ -112,7 +112,7 @@ def test_toeplitz_out_rows(shape, kernel, stride, padding, dilation, multiplier,
     they do not divide, grad_out rows paired across a plane's end. (Plans are cached: a fresh cache.)"""
     monkeypatch.setattr(toeplitz, "toeplitz_out_rows", lambda geom, x: out_rows)
     monkeypatch.setattr(toeplitz, "toeplitz_grad_weight_kh_rows",
-                        lambda geom, x: out_rows if geom.stride_h == geom.dilation_h == 1 else 1)
+                        lambda geom, x, block_w=None: out_rows if geom.stride_h == geom.dilation_h == 1 else 1)
     monkeypatch.setattr(toeplitz, "_PLANS", {})
     monkeypatch.setattr(large_fma, "LARGE_FMA_MIN_TAPS", 10**9)
     x = randn(*shape, dtype=dtype)
@@ -144,6 +144,18 @@ def test_toeplitz_out_rows_choice(dtype, kernel, stride, dilation, rows, monkeyp
     assert config.num_warps == (8 if rows == 4 else 4)
     plan = toeplitz._forward_plan(geom, x, torch.empty_like(x), False, 128, None, config.num_warps, 1, rows)
     assert plan.constants["OUT_ROWS"] == rows and plan.constants["num_warps"] == config.num_warps
+
+
+@pytest.mark.parametrize("shape,kernel,stride,rows", [
+    ((2, 128, 56, 56), 31, 1, 4), ((2, 256, 28, 28), 13, 1, 4), ((2, 128, 56, 56), 51, 1, 1),
+    ((2, 128, 56, 56), 31, 2, 1)])
+def test_toeplitz_grad_weight_kh_rows_choice(shape, kernel, stride, rows):
+    """The weight gradient's kernel rows a pass: 4 where rows are one step apart and the products fit
+    64 x 128 (k31, k13 at 32-column strips), one on k51's 64 x 128 windows and across strides."""
+    x = randn(*shape, dtype=torch.bfloat16)
+    weight = randn(shape[1], 1, kernel, kernel, dtype=torch.bfloat16)
+    geom = conv_geometry(x, weight, None, stride, kernel // 2, 1)
+    assert toeplitz.toeplitz_grad_weight_kh_rows(geom, x) == rows
 
 
 @pytest.mark.parametrize("kernel,prefetch", [(31, False), (51, True)])

@@ -66,7 +66,7 @@ PREFETCH_MIN_KERNEL_H = 51
 # Output rows a half-precision forward tile takes (toeplitz_out_rows)
 OUT_ROWS = 4
 # Kernel rows a weight-gradient pass takes (toeplitz_grad_weight_kh_rows)
-GRAD_WEIGHT_KH_ROWS = 1
+GRAD_WEIGHT_KH_ROWS = 4
 # Weight-gradient programs to aim for (grad_weight_rows)
 GRAD_WEIGHT_PROGRAMS = 512
 
@@ -534,14 +534,14 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
 
 def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
                          bias_grad: bool, block_m: int = 64, block_w: Optional[int] = None,
-                         rows_per_split: Optional[int] = None, num_warps: int = 4, num_stages: Optional[int] = None,
-                         kh_rows: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         rows_per_split: Optional[int] = None, num_warps: int = 4,
+                         num_stages: Optional[int] = None, kh_rows: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
     rows_per_split: rows a program sums (default: grad_weight_rows); kh_rows: kernel rows a pass
     over them (toeplitz_grad_weight_kh_rows)."""
     grad_out, x = _unit_columns(grad_out), _unit_columns(x)
     num_stages = num_stages or NUM_STAGES
-    kh_rows = kh_rows or toeplitz_grad_weight_kh_rows(geom, x)
+    kh_rows = kh_rows or toeplitz_grad_weight_kh_rows(geom, x, block_w)
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, block_m,
                                 block_w, rows_per_split, num_warps, num_stages, kh_rows),
                        lambda: _grad_weight_plan(geom, grad_out, x, bias_grad, block_m, block_w, rows_per_split,
@@ -551,10 +551,28 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
     return sum_partials(partial, geom, weight_dtype, bias_grad)
 
 
-def toeplitz_grad_weight_kh_rows(geom: ConvGeometry, x: torch.Tensor) -> int:
+def toeplitz_grad_weight_kh_rows(geom: ConvGeometry, x: torch.Tensor, block_w: Optional[int] = None) -> int:
     """Kernel rows a weight-gradient pass takes (KH_ROWS): each x row it loads then feeds that many
-    kernel rows' products. Not yet measured on the GPU: 1, the kernel as timed before."""
-    return GRAD_WEIGHT_KH_ROWS if geom.stride_h == geom.dilation_h == 1 else 1
+    kernel rows' products. H200, session 29, bfloat16, the weight gradient alone (CUDA-graph
+    replays, benchmarks/probe_toeplitz_rows.py --gw-variant), ms at 64 rows a block:
+
+    | layer (strip x window) | 1 row, 4 warps | 2, 4 | 4, 4 | 4, 8 |
+    |---|---|---|---|---|
+    | k31 32x128x56x56 (32 x 64) | 0.482 | 0.478 | **0.329** | 0.315 |
+    | k13 32x256x28x28 (32 x 64) | 0.139 | 0.120 | **0.119** | 0.135 |
+    | k51 32x128x56x56 (64 x 128) | **1.268** | 1.142 | 3.523 | 1.087 |
+
+    So GRAD_WEIGHT_KH_ROWS where rows are one step apart and the pass's float32 products (window x
+    kernel rows x strip) fit 64 x 128 elements on the launcher's 4 warps: in the large suite that
+    took k31 bfloat16 forward+backward from 0.975 to 0.824 ms. k51's 128 x 256 spilled on 4 warps;
+    on 8 it was the fastest alone, but no suite run has timed it there, so it keeps one row.
+    float32 was not timed (its three products a step take the same loads)."""
+    if GRAD_WEIGHT_KH_ROWS == 1 or geom.stride_h != 1 or geom.dilation_h != 1:
+        return 1
+    block_w = block_w or toeplitz_block_w(geom, x, grad_weight=True)
+    unit = load_unit(geom, block_w, (x,), (geom.in_w,))
+    fits = window_width(geom, block_w, unit) * GRAD_WEIGHT_KH_ROWS * block_w <= 64 * 128
+    return GRAD_WEIGHT_KH_ROWS if fits else 1
 
 
 def grad_weight_rows(total_rows: int, strips: int) -> int:
