@@ -7,18 +7,20 @@ j = 0 .. BLOCK_W-1 is
     y[row, j] += sum_i x[row * stride_h + kh * dilation_h, first_col + i] * T_kh[i, j],
     T_kh[i, j] = w[kh, (i - j * stride_w) / dilation_w]  (zero where that is not a tap),
 
-with i running over the BLOCK_K input columns the strip reads. So a program takes BLOCK_M output
-rows (of any images of its channel: rows are numbered over batch x out_h) by BLOCK_W columns, and
-for each kernel row loads a [BLOCK_M, BLOCK_K] input tile and T_kh (from zero-padded weight rows
-the launcher builds) and adds one `tl.dot`. BLOCK_K / kernel_w is the arithmetic spent on T's zeros
+with i running over the BLOCK_K input columns the strip reads. So a program takes BLOCK_M tiles
+of OUT_ROWS output rows (of any images of its channel: tiles are numbered over batch x tiles a
+column) by BLOCK_W columns, and for each input row the tiles span loads a [BLOCK_M, BLOCK_K] input
+tile once and adds one `tl.dot` with the bands T_kh of all OUT_ROWS output rows side by side (from
+zero-padded weight rows the launcher builds; OUT_ROWS 1: one band a kernel row). BLOCK_K / kernel_w is the arithmetic spent on T's zeros
 (2 to 4 at the chosen widths): the loads, not the products, bound these kernels on the H200
 (docs/notes.md, Session 6). float32 uses three TF32 products of its operands' high and low parts
 (float32 accuracy); float16 / bfloat16 multiply natively; all accumulate in float32.
 
 The weight gradient is the same product turned around: for kernel row kh,
 C = grad_out_tile^T @ x_tile ([BLOCK_W, BLOCK_K], a sum over rows), and dw[kh, kw] is the sum of
-C's diagonal C[j, j * stride_w + kw * dilation_w]. One float32 partial sum per program and tap,
-added in a fixed order by the launcher (deterministic, no atomics).
+C's diagonal C[j, j * stride_w + kw * dilation_w]; KH_ROWS kernel rows share a pass (one x tile
+a row, grad_out's rows shifted side by side). One float32 partial sum per program and tap, added
+in a fixed order by the launcher (deterministic, no atomics).
 
 The kernels read rows with unit column steps; a channels_last tensor is copied to NCHW first (on
 the H200 the copies add 0.03-0.21 ms, 5-42%, to the measured forwards). float64 stays
