@@ -391,8 +391,9 @@ def toeplitz_out_rows(geom: ConvGeometry, x: torch.Tensor) -> int:
 
 
 def toeplitz_num_warps(out_rows: int, block_m: int) -> int:
-    """Warps of a forward program: 8 where its float32 accumulator holds 64K elements or more
-    (a warpgroup's 128 threads would need 128 registers a thread for it alone)."""
+    """Warps of a forward program: 8 where its float32 accumulator (tiles x rows x 32-column
+    strips) takes 64 KB or more, which on one warpgroup's 128 threads would be 128 registers a
+    thread for it alone."""
     return 8 if out_rows * block_m >= 512 else 4
 
 
