@@ -544,7 +544,6 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
     over them (toeplitz_grad_weight_kh_rows)."""
     grad_out, x = _unit_columns(grad_out), _unit_columns(x)
     num_stages = num_stages or NUM_STAGES
-    kh_rows = kh_rows or toeplitz_grad_weight_kh_rows(geom, x, block_w)
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, block_m,
                                 block_w, rows_per_split, num_warps, num_stages, kh_rows),
                        lambda: _grad_weight_plan(geom, grad_out, x, bias_grad, block_m, block_w, rows_per_split,
@@ -588,9 +587,10 @@ def grad_weight_rows(total_rows: int, strips: int) -> int:
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, block_m: int,
                       block_w: Optional[int], rows_per_split: Optional[int], num_warps: int, num_stages: int,
-                      kh_rows: int = 1) -> LaunchPlan:
+                      kh_rows: Optional[int] = None) -> LaunchPlan:
     block_w = block_w or toeplitz_block_w(geom, x, grad_weight=True)
     unit = load_unit(geom, block_w, (x, grad_out), (geom.in_w, geom.out_w))
+    kh_rows = kh_rows or toeplitz_grad_weight_kh_rows(geom, x, block_w)  # (once a plan, not a call)
     assert kh_rows == 1 or geom.stride_h == geom.dilation_h == 1, "kernel rows side by side need unit row steps"
     plane_rows = geom.out_h + kh_rows - 1  # (grad_out's rows and the kh_rows - 1 below a plane: kernel_row d
     total_rows = geom.batch * plane_rows   # pairs row b with grad_out's b - d)
