@@ -173,7 +173,7 @@ def main():
         if out_rows:  # (the forward's tiles of several output rows: toeplitz_out_rows)
             toeplitz._PLANS = {}
             toeplitz.toeplitz_out_rows = lambda geom, x, out_rows=out_rows: out_rows
-            toeplitz.toeplitz_grad_weight_kh_rows = lambda geom, x, block_w=None, out_rows=out_rows: out_rows
+            toeplitz.toeplitz_grad_weight_kh_rows = lambda geom, x, block_w=None, out_rows=out_rows, warps=warps: (out_rows, warps)
             toeplitz.toeplitz_block_m = lambda x, block_m=block_m: block_m
             toeplitz.toeplitz_num_warps = lambda out_rows, block_m, warps=warps: warps
             print(f"out_rows {out_rows}, block_m {block_m}, {warps} warps (forward)")

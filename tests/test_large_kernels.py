@@ -112,7 +112,7 @@ def test_toeplitz_out_rows(shape, kernel, stride, padding, dilation, multiplier,
     they do not divide, grad_out rows paired across a plane's end. (Plans are cached: a fresh cache.)"""
     monkeypatch.setattr(toeplitz, "toeplitz_out_rows", lambda geom, x: out_rows)
     monkeypatch.setattr(toeplitz, "toeplitz_grad_weight_kh_rows",
-                        lambda geom, x, block_w=None: out_rows if geom.stride_h == geom.dilation_h == 1 else 1)
+                        lambda geom, x, block_w=None: (out_rows if geom.stride_h == geom.dilation_h == 1 else 1, 4))
     monkeypatch.setattr(toeplitz, "_PLANS", {})
     monkeypatch.setattr(large_fma, "LARGE_FMA_MIN_TAPS", 10**9)
     x = randn(*shape, dtype=dtype)
@@ -146,16 +146,20 @@ def test_toeplitz_out_rows_choice(dtype, kernel, stride, dilation, rows, monkeyp
     assert plan.constants["OUT_ROWS"] == rows and plan.constants["num_warps"] == config.num_warps
 
 
-@pytest.mark.parametrize("shape,kernel,stride,rows", [
-    ((2, 128, 56, 56), 31, 1, 4), ((2, 256, 28, 28), 13, 1, 4), ((2, 128, 56, 56), 51, 1, 1),
-    ((2, 128, 56, 56), 31, 2, 1)])
-def test_toeplitz_grad_weight_kh_rows_choice(shape, kernel, stride, rows):
-    """The weight gradient's kernel rows a pass: 4 where rows are one step apart and the products fit
-    64 x 128 (k31, k13 at 32-column strips), one on k51's 64 x 128 windows and across strides."""
+@pytest.mark.parametrize("shape,kernel,stride,rows,warps", [
+    ((2, 128, 56, 56), 31, 1, 4, 4), ((2, 256, 28, 28), 13, 1, 4, 4), ((2, 128, 56, 56), 51, 1, 4, 8),
+    ((2, 128, 56, 56), 31, 2, 1, 4), ((2, 64, 120, 120), 101, 1, 1, 4)])
+def test_toeplitz_grad_weight_kh_rows_choice(shape, kernel, stride, rows, warps):
+    """The weight gradient's kernel rows a pass and warps: 4 rows where rows are one step apart and
+    the products fit 64 x 128 on 4 warps (k31, k13 at 32-column strips) or 128 x 256 on 8 (k51's
+    64 x 128 windows); one row across strides and past that (k101); the plan takes both."""
     x = randn(*shape, dtype=torch.bfloat16)
     weight = randn(shape[1], 1, kernel, kernel, dtype=torch.bfloat16)
     geom = conv_geometry(x, weight, None, stride, kernel // 2, 1)
-    assert toeplitz.toeplitz_grad_weight_kh_rows(geom, x) == rows
+    assert toeplitz.toeplitz_grad_weight_kh_rows(geom, x) == (rows, warps)
+    grad_out = torch.empty(geom.output_shape, dtype=x.dtype)
+    plan = toeplitz._grad_weight_plan(geom, grad_out, x, False, 64, None, None, None, 1)
+    assert (plan.constants["KH_ROWS"], plan.constants["num_warps"]) == (rows, warps)
 
 
 @pytest.mark.parametrize("kernel,prefetch", [(31, False), (51, True)])

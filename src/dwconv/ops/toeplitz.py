@@ -537,11 +537,11 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
 
 def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
                          bias_grad: bool, block_m: int = 64, block_w: Optional[int] = None,
-                         rows_per_split: Optional[int] = None, num_warps: int = 4,
+                         rows_per_split: Optional[int] = None, num_warps: Optional[int] = None,
                          num_stages: Optional[int] = None, kh_rows: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
-    rows_per_split: rows a program sums (default: grad_weight_rows); kh_rows: kernel rows a pass
-    over them (toeplitz_grad_weight_kh_rows)."""
+    rows_per_split: rows a program sums (default: grad_weight_rows); kh_rows and num_warps: kernel
+    rows a pass over them and the warps (default: toeplitz_grad_weight_kh_rows)."""
     grad_out, x = _unit_columns(grad_out), _unit_columns(x)
     num_stages = num_stages or NUM_STAGES
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, block_m,
@@ -553,9 +553,10 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
     return sum_partials(partial, geom, weight_dtype, bias_grad)
 
 
-def toeplitz_grad_weight_kh_rows(geom: ConvGeometry, x: torch.Tensor, block_w: Optional[int] = None) -> int:
-    """Kernel rows a weight-gradient pass takes (KH_ROWS): each x row it loads then feeds that many
-    kernel rows' products. H200, session 29, bfloat16, the weight gradient alone (CUDA-graph
+def toeplitz_grad_weight_kh_rows(geom: ConvGeometry, x: torch.Tensor, block_w: Optional[int] = None
+                                 ) -> Tuple[int, int]:
+    """Kernel rows a weight-gradient pass takes (KH_ROWS), and its warps: each x row it loads then
+    feeds that many kernel rows' products. H200, session 29, bfloat16, the weight gradient alone (CUDA-graph
     replays, benchmarks/probe_toeplitz_rows.py --gw-variant), ms at 64 rows a block:
 
     | layer (strip x window) | 1 row, 4 warps | 2, 4 | 4, 4 | 4, 8 |
@@ -565,16 +566,17 @@ def toeplitz_grad_weight_kh_rows(geom: ConvGeometry, x: torch.Tensor, block_w: O
     | k51 32x128x56x56 (64 x 128) | **1.268** | 1.142 | 3.523 | 1.087 |
 
     So GRAD_WEIGHT_KH_ROWS where rows are one step apart and the pass's float32 products (window x
-    kernel rows x strip) fit 64 x 128 elements on the launcher's 4 warps: in the large suite that
-    took k31 bfloat16 forward+backward from 0.975 to 0.824 ms. k51's 128 x 256 spilled on 4 warps;
-    on 8 it was the fastest alone, but no suite run has timed it there, so it keeps one row.
+    kernel rows x strip) fit 64 x 128 elements on 4 warps (in the large suite that took k31 bfloat16
+    forward+backward from 0.975 to 0.824 ms), or 128 x 256 on 8 (k51: it spilled on 4).
     float32 was not timed (its three products a step take the same loads)."""
     if GRAD_WEIGHT_KH_ROWS == 1 or geom.stride_h != 1 or geom.dilation_h != 1:
-        return 1
+        return 1, 4
     block_w = block_w or toeplitz_block_w(geom, x, grad_weight=True)
     unit = load_unit(geom, block_w, (x,), (geom.in_w,))
-    fits = window_width(geom, block_w, unit) * GRAD_WEIGHT_KH_ROWS * block_w <= 64 * 128
-    return GRAD_WEIGHT_KH_ROWS if fits else 1
+    products = window_width(geom, block_w, unit) * GRAD_WEIGHT_KH_ROWS * block_w
+    if products > 128 * 256:
+        return 1, 4
+    return GRAD_WEIGHT_KH_ROWS, 4 if products <= 64 * 128 else 8
 
 
 def grad_weight_rows(total_rows: int, strips: int) -> int:
@@ -586,11 +588,12 @@ def grad_weight_rows(total_rows: int, strips: int) -> int:
 
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, block_m: int,
-                      block_w: Optional[int], rows_per_split: Optional[int], num_warps: int, num_stages: int,
+                      block_w: Optional[int], rows_per_split: Optional[int], num_warps: Optional[int], num_stages: int,
                       kh_rows: Optional[int] = None) -> LaunchPlan:
     block_w = block_w or toeplitz_block_w(geom, x, grad_weight=True)
     unit = load_unit(geom, block_w, (x, grad_out), (geom.in_w, geom.out_w))
-    kh_rows = kh_rows or toeplitz_grad_weight_kh_rows(geom, x, block_w)  # (once a plan, not a call)
+    default_rows, default_warps = toeplitz_grad_weight_kh_rows(geom, x, block_w)  # (once a plan, not a call)
+    kh_rows, num_warps = kh_rows or default_rows, num_warps or default_warps
     assert kh_rows == 1 or geom.stride_h == geom.dilation_h == 1, "kernel rows side by side need unit row steps"
     plane_rows = geom.out_h + kh_rows - 1  # (grad_out's rows and the kh_rows - 1 below a plane: kernel_row d
     total_rows = geom.batch * plane_rows   # pairs row b with grad_out's b - d)
