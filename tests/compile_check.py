@@ -221,7 +221,7 @@ CASES = [
      dict(stride=2, padding=2, multiplier=2, layout=CL)),
     ("toeplitz, float32 (tf32x3), k31", forward, ((1, 2, 40, 40), (31, 31), f32, None), dict(padding=15)),
     ("toeplitz, bfloat16, k13, bias", forward, ((2, 2, 20, 20), (13, 13), bf16, None), dict(padding=6)),
-    ("toeplitz, float16, k51, nhwc copied", forward, ((1, 8, 60, 60), (51, 51), f16, None), dict(padding=25, layout=CL)),
+    ("toeplitz, float16, k51, nhwc through the layout transposes", forward, ((1, 8, 60, 60), (51, 51), f16, None), dict(padding=25, layout=CL)),
     ("toeplitz, float32, k51, 128-row products", forward, ((3, 2, 60, 60), (51, 51), f32, None), dict(padding=25)),
     ("toeplitz, stride 2, dilation 2, multiplier 2", forward, ((1, 2, 40, 40), (11, 11), bf16, None),
      dict(stride=2, padding=10, dilation=2, multiplier=2)),

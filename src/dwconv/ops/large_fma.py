@@ -36,6 +36,7 @@ from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._lanes import _lane, _pack4
 from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, gpu_plan, launch, layout_key,
                       new_partial, plane_needs_int64)
+from .layout import copy_into, nchw_copy
 from .toeplitz import TOEPLITZ_MIN_TAPS
 from .weight_sums import sum_partials
 
@@ -308,7 +309,7 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                       out: torch.Tensor, flip_weight: bool = False, blocks=None) -> torch.Tensor:
     """Writes the convolution into out (any layout) and returns it; channels_last x is read from an
     NCHW copy, as the Toeplitz path does. blocks: (block_h, block_w, num_warps, out_vec)."""
-    x = x if x.stride(3) == 1 else x.contiguous()
+    x = nchw_copy(x)
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
     weight_vectors = geom.kernel_h * geom.kernel_w >= WEIGHT_VECTORS_MIN_TAPS
     plan = cached_plan(_PLANS, (geom, layout_key(x), layout_key(dst), bias is not None, flip_weight, blocks,
@@ -319,7 +320,7 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     weight = weight.contiguous() if w_row == geom.kernel_w else F.pad(weight, (0, w_row - geom.kernel_w))
     launch(depthwise_fwd_large_fma_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, dst)
     if dst is not out:
-        out.copy_(dst)
+        copy_into(out, dst)
     return out
 
 
@@ -330,8 +331,8 @@ def large_fma_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeo
                           bias_grad: bool, blocks=None, rows_per_split: Optional[int] = None):
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
     rows_per_split: rows a program sums (default: grad_weight_rows)."""
-    grad_out = grad_out if grad_out.stride(3) == 1 else grad_out.contiguous()
-    x = x if x.stride(3) == 1 else x.contiguous()
+    grad_out = nchw_copy(grad_out)
+    x = nchw_copy(x)
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, blocks,
                                 rows_per_split),
                        lambda: _grad_weight_plan(geom, grad_out, x, bias_grad,

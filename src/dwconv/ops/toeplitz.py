@@ -39,6 +39,7 @@ import triton.language as tl
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..functional import triton_interpreter_enabled
 from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plane_needs_int64
+from .layout import copy_into, nchw_copy
 from .weight_sums import sum_partials
 
 # Kernels with at least this many taps take the Toeplitz path where large_fma does not (half
@@ -415,11 +416,6 @@ def _dot_types(dtype: torch.dtype) -> dict:
     return dict(DOT_DTYPE=tl.float16 if dtype == torch.float16 else tl.bfloat16, PRECISION="tf32", SPLIT_TF32=False)
 
 
-def _unit_columns(t: torch.Tensor) -> torch.Tensor:
-    """The kernels index columns with unit steps: other layouts (channels_last) are copied to NCHW."""
-    return t if t.stride(3) == 1 else t.contiguous()
-
-
 def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                      out: torch.Tensor, block_m: Optional[int] = None, block_w: Optional[int] = None,
                      num_warps: Optional[int] = None, num_stages: Optional[int] = None, flip_weight: bool = False,
@@ -427,7 +423,7 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     """Writes the convolution into out (allocated by the caller, any layout) and returns it.
     flip_weight: convolve with weight.flip(2, 3) (grad_input), without a flipped copy. out_rows:
     output rows a tile (toeplitz_out_rows); block_m: tiles a program."""
-    x = _unit_columns(x)
+    x = nchw_copy(x)
     out_rows = out_rows or toeplitz_out_rows(geom, x)
     block_m, num_stages = block_m or toeplitz_block_m(x), num_stages or NUM_STAGES
     num_warps = num_warps or toeplitz_num_warps(out_rows, block_m)
@@ -440,7 +436,7 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                                 plan.constants["UNIT"], plan.constants["BAND_VECTOR"], flip_weight)
     launch(depthwise_fwd_toeplitz_kernel, plan, x, w_rows, bias.contiguous() if bias is not None else w_rows, dst)
     if dst is not out:
-        out.copy_(dst)
+        copy_into(out, dst)
     return out
 
 
@@ -542,7 +538,7 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
     rows_per_split: rows a program sums (default: grad_weight_rows); kh_rows and num_warps: kernel
     rows a pass over them and the warps (default: toeplitz_grad_weight_kh_rows)."""
-    grad_out, x = _unit_columns(grad_out), _unit_columns(x)
+    grad_out, x = nchw_copy(grad_out), nchw_copy(x)
     num_stages = num_stages or NUM_STAGES
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, block_m,
                                 block_w, rows_per_split, num_warps, num_stages, kh_rows),
