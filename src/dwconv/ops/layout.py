@@ -14,8 +14,8 @@ from ._launch import LaunchPlan, cached_plan, launch, layout_key
 
 
 @triton.jit
-def transpose_images_kernel(src_ptr, dst_ptr, rows, cols, src_stride_n, dst_stride_n, tiles_r, tiles_c,
-                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def transpose_images_kernel(src_ptr, dst_ptr, rows, cols, tiles_r, tiles_c, BLOCK_R: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
     """dst[n] = src[n].T for [rows, cols] row-major images (src) into [cols, rows] ones (dst);
     one BLOCK_R x BLOCK_C tile a program, a tile row's column tiles on neighbouring programs."""
     pid = tl.program_id(0)
@@ -24,8 +24,9 @@ def transpose_images_kernel(src_ptr, dst_ptr, rows, cols, src_stride_n, dst_stri
     r = ((tile // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]).to(tl.int64)
     c = ((tile % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]).to(tl.int64)
     inside = (r < rows) & (c < cols)
-    values = tl.load(src_ptr + n * src_stride_n + r * cols + c, mask=inside)
-    tl.store(dst_ptr + n * dst_stride_n + c * rows + r, values, mask=inside)
+    image = n * rows * cols
+    values = tl.load(src_ptr + image + r * cols + c, mask=inside)
+    tl.store(dst_ptr + image + c * rows + r, values, mask=inside)
 
 
 BLOCK = 64
@@ -43,8 +44,7 @@ def _transpose(src: torch.Tensor, dst: torch.Tensor, rows: int, cols: int) -> No
 
 def _plan(src: torch.Tensor, rows: int, cols: int) -> LaunchPlan:
     tiles_r, tiles_c = cdiv(rows, BLOCK), cdiv(cols, BLOCK)
-    n, stride_n = src.shape[0], rows * cols
-    return LaunchPlan("transpose", (n * tiles_r * tiles_c,), (rows, cols, stride_n, stride_n, tiles_r, tiles_c),
+    return LaunchPlan("transpose", (src.shape[0] * tiles_r * tiles_c,), (rows, cols, tiles_r, tiles_c),
                       dict(BLOCK_R=BLOCK, BLOCK_C=BLOCK, num_warps=4))
 
 

@@ -552,18 +552,19 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
 def toeplitz_grad_weight_kh_rows(geom: ConvGeometry, x: torch.Tensor, block_w: Optional[int] = None
                                  ) -> Tuple[int, int]:
     """Kernel rows a weight-gradient pass takes (KH_ROWS), and its warps: each x row it loads then
-    feeds that many kernel rows' products. H200, session 29, bfloat16, the weight gradient alone (CUDA-graph
-    replays, benchmarks/probe_toeplitz_rows.py --gw-variant), ms at 64 rows a block:
+    feeds that many kernel rows' products. H200, session 29, bfloat16, the weight gradient alone
+    (CUDA-graph replays, benchmarks/probe_toeplitz_rows.py --gw-variant), ms at 64 rows a block:
 
     | layer (strip x window) | 1 row, 4 warps | 2, 4 | 4, 4 | 4, 8 |
     |---|---|---|---|---|
     | k31 32x128x56x56 (32 x 64) | 0.482 | 0.478 | **0.329** | 0.315 |
     | k13 32x256x28x28 (32 x 64) | 0.139 | 0.120 | **0.119** | 0.135 |
-    | k51 32x128x56x56 (64 x 128) | **1.268** | 1.142 | 3.523 | 1.087 |
+    | k51 32x128x56x56 (64 x 128) | 1.268 | 1.142 | 3.523 | **1.087** |
 
     So GRAD_WEIGHT_KH_ROWS where rows are one step apart and the pass's float32 products (window x
     kernel rows x strip) fit 64 x 128 elements on 4 warps (in the large suite that took k31 bfloat16
-    forward+backward from 0.975 to 0.824 ms), or 128 x 256 on 8 (k51: it spilled on 4).
+    forward+backward from 0.975 to 0.824 ms), or 128 x 256 on 8 (k51, spilling on 4: forward+backward
+    2.431 -> 2.252 ms in session 30's suite).
     float32 was not timed (its three products a step take the same loads)."""
     if GRAD_WEIGHT_KH_ROWS == 1 or geom.stride_h != 1 or geom.dilation_h != 1:
         return 1, 4
