@@ -11,10 +11,11 @@ with i running over the BLOCK_K input columns the strip reads. So a program take
 of OUT_ROWS output rows (of any images of its channel: tiles are numbered over batch x tiles a
 column) by BLOCK_W columns, and for each input row the tiles span loads a [BLOCK_M, BLOCK_K] input
 tile once and adds one `tl.dot` with the bands T_kh of all OUT_ROWS output rows side by side (from
-zero-padded weight rows the launcher builds; OUT_ROWS 1: one band a kernel row). BLOCK_K / kernel_w is the arithmetic spent on T's zeros
-(2 to 4 at the chosen widths): the loads, not the products, bound these kernels on the H200
-(docs/notes.md, Session 6). float32 uses three TF32 products of its operands' high and low parts
-(float32 accuracy); float16 / bfloat16 multiply natively; all accumulate in float32.
+zero-padded weight rows the launcher builds; OUT_ROWS 1: one band a kernel row). BLOCK_K / kernel_w
+is the arithmetic spent on T's zeros (2 to 4 at the chosen widths): the loads, not the products,
+bound these kernels on the H200 (docs/notes.md, Session 6). float32 uses three TF32 products of its
+operands' high and low parts (float32 accuracy); float16 / bfloat16 multiply natively; all
+accumulate in float32.
 
 The weight gradient is the same product turned around: for kernel row kh,
 C = grad_out_tile^T @ x_tile ([BLOCK_W, BLOCK_K], a sum over rows), and dw[kh, kw] is the sum of
@@ -22,9 +23,10 @@ C's diagonal C[j, j * stride_w + kw * dilation_w]; KH_ROWS kernel rows share a p
 a row, grad_out's rows shifted side by side). One float32 partial sum per program and tap, added
 in a fixed order by the launcher (deterministic, no atomics).
 
-The kernels read rows with unit column steps; a channels_last tensor is copied to NCHW first (on
-the H200 the copies add 0.03-0.21 ms, 5-42%, to the measured forwards). float64 stays
-on the CUDA-core kernels. The grad_input of stride 1 is this forward (dwconv.ops.backward).
+The kernels read rows with unit column steps; a channels_last tensor is copied to NCHW first, by
+ops/layout.py's transposes (H200, session 30: channels_last 4-11% slower than NCHW on k31 and k51,
+19-44% on k13). float64 stays on the CUDA-core kernels. The grad_input of stride 1 is this forward
+(dwconv.ops.backward).
 """
 
 from __future__ import annotations
@@ -534,7 +536,8 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
 def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
                          bias_grad: bool, block_m: int = 64, block_w: Optional[int] = None,
                          rows_per_split: Optional[int] = None, num_warps: Optional[int] = None,
-                         num_stages: Optional[int] = None, kh_rows: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         num_stages: Optional[int] = None, kh_rows: Optional[int] = None
+                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
     rows_per_split: rows a program sums (default: grad_weight_rows); kh_rows and num_warps: kernel
     rows a pass over them and the warps (default: toeplitz_grad_weight_kh_rows)."""
