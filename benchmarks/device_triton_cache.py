@@ -46,6 +46,9 @@ def parse_args():
                    help="probe_toeplitz_rows.py's variants of the Toeplitz forward (its layers, NCHW)")
     p.add_argument("--toeplitz-gw", nargs=3, type=int, action="append", metavar=("KH_ROWS", "M", "WARPS"),
                    help="probe_toeplitz_rows.py's weight-gradient variants (its layers)")
+    p.add_argument("--layer", nargs=6, type=int, action="append", metavar="N C H W K PAD".split(),
+                   help="instead of suites: these layers (stride 1, with a bias), as compile_case does a suite's "
+                        "(e.g. the depthwise layers of ConvNeXt-T at batch 2 on 96 x 96 images, the GPU test's)")
     p.add_argument("--out", required=True, help="the cache directory to fill (created)")
     p.add_argument("--libtriton", help="the device's libtriton.so, to hash instead of the constant")
     p.add_argument("--pack", metavar="FILE.tar.xz", help="only pack --out for the device (no compiles)")
@@ -92,6 +95,12 @@ def main():
         for dtype_name in args.dtype:
             compile_toeplitz_rows(args.toeplitz or [], args.toeplitz_gw or [], getattr(torch, dtype_name), torch,
                                   dwconv)
+        args.suite = []
+    if args.layer:
+        for dtype_name in args.dtype:
+            for n, c, h, w, k, pad in args.layer:
+                compile_case(bench.Case(n, c, h, w, k, padding=pad, bias=True, dtype=dtype_name), args.layouts, torch,
+                             dwconv, bench)
         args.suite = []
     for suite in args.suite:
         for dtype_name in args.dtype:

@@ -1,5 +1,6 @@
 """Developer tool: logs the inputs of every Triton cache key a run computes, one JSON line each, to
-find why a cache built on the CPU machine (device_triton_cache.py) misses kernels on the GPU one.
+find why a cache built on the CPU machine (device_triton_cache.py) misses kernels on the GPU one,
+and how long each kernel it compiles takes ({"compiled": name, "seconds": s}).
 
 Run the same layer both ways and diff the lines of one kernel:
 
@@ -14,6 +15,7 @@ import hashlib
 import json
 import runpy
 import sys
+import time
 
 
 def install(log_path: str) -> None:
@@ -36,6 +38,22 @@ def install(log_path: str) -> None:
         return key
 
     compiler.get_cache_key = traced
+
+    # and each compile's duration (a cache hit compiles nothing: no line)
+    from triton.runtime import jit
+
+    do_compile = getattr(jit.JITFunction, "_do_compile", None)  # (Triton 3.6's; the hook is skipped elsewhere)
+    if do_compile is None:
+        return
+
+    def timed(self, *args, **kwargs):
+        started = time.time()
+        kernel = do_compile(self, *args, **kwargs)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(dict(compiled=self.fn.__name__, seconds=round(time.time() - started, 2))) + "\n")
+        return kernel
+
+    jit.JITFunction._do_compile = timed
 
 
 def main() -> None:

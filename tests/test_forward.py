@@ -465,6 +465,35 @@ def test_nhwc_pixels_gpu_choice(dtype, shape, kernel, stride, padding, dilation)
     check(x, weight, randn(shape[1], dtype=dtype), stride, padding, dilation, config=config)
 
 
+def test_has_interior_tile_matches_every_tile():
+    """ConvGeometry.has_interior_tile (the tile kernels' INTERIOR_TILES: without it only the masked
+    branch is compiled) against the kernels' own interior test on every tile, over random geometries."""
+    gen = torch.Generator().manual_seed(31)
+    draws = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=gen))  # noqa: E731
+    seen = set()
+    for _ in range(400):
+        kernel, dilation, stride = (draws(1, 7), draws(1, 7)), (draws(1, 2), draws(1, 2)), (draws(1, 2), draws(1, 2))
+        size, padding = (draws(1, 20), draws(1, 20)), (draws(0, 3), draws(0, 3))
+        if any((k - 1) * d + 1 > s + 2 * p for k, d, s, p in zip(kernel, dilation, size, padding)):
+            continue
+        channels, block_c = draws(1, 40), 2 ** draws(0, 5)
+        block_h, block_w = draws(1, 5), draws(1, 8)
+        x, weight = torch.empty(1, channels, *size, device="meta"), torch.empty(channels, 1, *kernel, device="meta")
+        geom = conv_geometry(x, weight, None, stride, padding, dilation)
+
+        def inside(first, block, stride, pad, kernel, dilation, outputs, inputs):
+            return (first + block <= outputs and first * stride - pad >= 0
+                    and (first + block - 1) * stride - pad + (kernel - 1) * dilation < inputs)
+        expected = block_c <= channels and any(
+            inside(r, block_h, geom.stride_h, geom.pad_top, geom.kernel_h, geom.dilation_h, geom.out_h, geom.in_h)
+            for r in range(0, geom.out_h, block_h)) and any(
+            inside(c, block_w, geom.stride_w, geom.pad_left, geom.kernel_w, geom.dilation_w, geom.out_w, geom.in_w)
+            for c in range(0, geom.out_w, block_w))
+        assert geom.has_interior_tile(block_h, block_w, block_c) == expected, (geom, block_h, block_w, block_c)
+        seen.add(expected)
+    assert seen == {True, False}
+
+
 def test_nhwc_pixels_candidate_blocks_fit():
     """nhwc_pixels_config's blocks (the GPU's channels_last choice) make valid plans for the suite's
     layers (issue #4's models, #84) in both dtypes, with bfloat16 pair loads wherever a warp holds 64

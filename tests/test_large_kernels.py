@@ -2,6 +2,8 @@
 (large_fma), forward and every gradient, against float64 F.conv2d. Tiny images under the
 interpreter (CI), the same tests compiled on a GPU."""
 
+import collections
+
 import pytest
 import torch
 
@@ -70,6 +72,32 @@ def test_gradients(shape, kernel, stride, padding, dilation, multiplier, dtype, 
     take_path(path, geom, x, monkeypatch)
     assert not fused_backward_applies(geom, x)
     check_grads(x, weight, randn(shape[1] * multiplier, dtype=dtype), stride, padding, dilation)
+
+
+@pytest.mark.parametrize("dtype,kernel,path", [(torch.float32, 11, "large_fma"), (torch.bfloat16, 13, "toeplitz")],
+                         ids=["large_fma", "toeplitz"])
+@pytest.mark.parametrize("grad_out_format", [torch.channels_last, torch.contiguous_format], ids=["cl", "nchw"])
+def test_channels_last_backward_copies_grad_out_once(dtype, kernel, path, grad_out_format, monkeypatch):
+    """A channels_last grad_out goes to NCHW once for both gradients (the weight gradient's kernel
+    and grad_input's flipped forward both index unit-stride rows), none when it is NCHW already;
+    x once (the weight gradient), and grad_input back once."""
+    from dwconv.ops import layout
+
+    x = randn(2, 3, 12, 14, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = randn(3, 1, kernel, kernel, dtype=dtype)
+    assert forward_config(conv_geometry(x, weight, None, 1, kernel // 2, 1), x).kernel == path
+    sources, transpose = [], layout._transpose
+
+    def spied(src, *args):
+        sources.append(src)  # (held: a freed source's memory would come back under another tensor)
+        transpose(src, *args)
+    monkeypatch.setattr(layout, "_transpose", spied)
+    grads = check_grads(x, weight, None, 1, kernel // 2, grad_out_format=grad_out_format)
+    # by source: the input (the forward's and the weight gradient's copy), the forward's output back,
+    # grad_out once (if channels_last), grad_input back
+    reads = sorted(collections.Counter(src.data_ptr() for src in sources).values())
+    assert reads == ([1, 1, 1, 2] if grad_out_format == torch.channels_last else [1, 1, 2]), reads
+    assert grads[0].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_gradients_strided_multiplier_float32():

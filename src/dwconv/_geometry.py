@@ -66,6 +66,17 @@ class ConvGeometry:
             return (self.pad_top, self.pad_left)
         return None
 
+    def has_interior_tile(self, block_h: int, block_w: int, block_c: int = 1) -> bool:
+        """Whether some tile of block_h x block_w outputs by block_c channels, tiles starting at
+        multiples of the block, reads its whole window inside the input (the kernels' unmasked
+        branch). The first tile past the top (left) padding is the one to test: later ones end lower."""
+        def fits(outputs, inputs, block, stride, pad, kernel, dilation):
+            first = block * cdiv(cdiv(pad, stride), block)
+            return first + block <= outputs and (first + block - 1) * stride - pad + (kernel - 1) * dilation < inputs
+        return (block_c <= self.out_channels
+                and fits(self.out_h, self.in_h, block_h, self.stride_h, self.pad_top, self.kernel_h, self.dilation_h)
+                and fits(self.out_w, self.in_w, block_w, self.stride_w, self.pad_left, self.kernel_w, self.dilation_w))
+
 
 def _pair(value: IntOrPair, name: str) -> Tuple[int, int]:
     if isinstance(value, bool):

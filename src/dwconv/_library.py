@@ -24,6 +24,7 @@ from torch import Tensor
 from ._geometry import ConvGeometry, conv_geometry
 from .ops import backward as _backward
 from .ops.forward import conv_forward, output_memory_format
+from .ops.layout import nchw_copy
 
 
 def _geometry(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
@@ -129,6 +130,8 @@ def _backward_formula(grad_out: Tensor, input: Tensor, weight: Tensor, geom: Con
         else:
             grad_input, grad_weight = _grad_input_weight(grad_out, input, weight, geom)
         return grad_input, grad_weight, None
+    if want_input and (want_weight or want_bias) and _backward.gradients_read_grad_out_as_nchw(geom, input, grad_out):
+        grad_out = grad_out.contiguous() if traced else nchw_copy(grad_out)  # (one copy for both)
     # grad_weight first: its partial sums are freed before grad_input is allocated, so the peak
     # stays at PyTorch's (grad_input + grad_weight beside the saved tensors).
     if want_weight or want_bias:

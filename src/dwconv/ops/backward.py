@@ -267,7 +267,7 @@ def depthwise_grad_nhwc_pixels_kernel(
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
     BIAS_GRAD: tl.constexpr, SRC_STRIDE_W: tl.constexpr, Q_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr,
     INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
-    BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
+    BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, INTERIOR_TILES: tl.constexpr,
 ):
     """The channels_last backward on the unrolled pixels of the "nhwc_pixels" forward (_conv_pixels),
     tiles of BLOCK_H x BLOCK_W positions by BLOCK_C channels:
@@ -283,7 +283,8 @@ def depthwise_grad_nhwc_pixels_kernel(
     order, added in a fixed order by the launcher. Runs across images keep the partial sums small
     where the images are (kernels of many taps on small images). Programs of one run are
     consecutive (all columns of the same rows at once, as session 9 measured #84: whole rows of
-    the image read together, each tile's halo columns shared with its neighbours through L2)."""
+    the image read together, each tile's halo columns shared with its neighbours through L2).
+    INTERIOR_TILES: as the forward's (depthwise_fwd_tile_kernel): without, only the masked branch."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
     columns = tl.cdiv(channels, BLOCK_C) * tiles_w
@@ -303,9 +304,10 @@ def depthwise_grad_nhwc_pixels_kernel(
     weights = ()
     if GRAD_INPUT:  # the weight [channels, taps] read from its last tap back (flipped)
         weights = _tap_weights(w_ptr + c * (KH * KW) + (KH * KW - 1), -1, c_ok, KH * KW, ACC_DTYPE, True)
-    cols_inside = ((first_col + BLOCK_W <= tile_w) & (first_c + BLOCK_C <= channels)
-                   & (first_col * STRIDE_W - pad_left >= 0)
-                   & ((first_col + BLOCK_W - 1) * STRIDE_W - pad_left + (KW - 1) * DILATION_W < src_w))
+    if INTERIOR_TILES:
+        cols_inside = ((first_col + BLOCK_W <= tile_w) & (first_c + BLOCK_C <= channels)
+                       & (first_col * STRIDE_W - pad_left >= 0)
+                       & ((first_col + BLOCK_W - 1) * STRIDE_W - pad_left + (KW - 1) * DILATION_W < src_w))
     for tile in range(run * run_length, tl.minimum((run + 1) * run_length, tiles)):
         n = (tile // row_tiles).to(tl.int64)
         first_row = (tile % row_tiles) * BLOCK_H
@@ -314,8 +316,11 @@ def depthwise_grad_nhwc_pixels_kernel(
         src_base = src_ptr + n * src_stride_n + c // MULTIPLIER
         q_base = q_ptr + n * q_stride_n + c
         dx_base = dx_ptr + n * dx_stride_n + c
-        interior = cols_inside & (first_row + BLOCK_H <= tile_h) & (first_row * STRIDE_H - pad_top >= 0) \
-            & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < src_h)
+        if INTERIOR_TILES:
+            interior = cols_inside & (first_row + BLOCK_H <= tile_h) & (first_row * STRIDE_H - pad_top >= 0) \
+                & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < src_h)
+        else:
+            interior = False
         if interior:
             q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
                              BLOCK_H, BLOCK_W, False)
@@ -534,6 +539,18 @@ def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     return rows_kernel_fits(gi_geom) or not gpu_plan(x.device)  # the interpreter runs every case on rows
 
 
+def gradients_read_grad_out_as_nchw(geom: ConvGeometry, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    """Whether both gradients' kernels read grad_out with unit column steps, through an NCHW copy
+    where it has none (ops/layout.py): the large kernels (Toeplitz, large_fma) for the weight
+    gradient and for grad_input's flipped forward. The backward formula then makes that copy once
+    for both (a channels_last k31 bfloat16 grad_out of 32x128x56x56: ~14 us a copy on the H200)."""
+    if geom.stride_h != 1 or geom.stride_w != 1 or geom.multiplier != 1:
+        return False  # (grad_input's phase kernel reads grad_out as it is)
+    gi_geom = input_grad_geometry(geom)
+    return ((toeplitz_applies(geom, x.dtype) or large_fma_applies(geom, x, backward=True))
+            and (toeplitz_applies(gi_geom, grad_out.dtype) or large_fma_applies(gi_geom, grad_out, backward=True)))
+
+
 def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> ForwardConfig:
     """The grad_input launch of the fused backward: the forward's choice on the GPU (the fused path
     applies where that is the rows kernel), or with FUSED_NCHW_PIXELS "nchw_pixels" where that was
@@ -703,6 +720,7 @@ def _nhwc_pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.
                      ACC_DTYPE=_ACC_DTYPES.get(x.dtype, tl.float32), BLOCK_H=config.block_h,
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
                      BF16_PAIRS=bf16_pairs_apply(src, tile_geom, config.block_c, config.num_warps),
+                     INTERIOR_TILES=tile_geom.has_interior_tile(config.block_h, config.block_w, config.block_c),
                      num_warps=config.num_warps, num_stages=1)
     register_caps = NHWC_FUSED_MAXNREG if grad_input else NHWC_WEIGHT_GRAD_MAXNREG
     register_cap = register_caps.get(x.element_size()) if geom.dilation_h == geom.dilation_w == 1 else None

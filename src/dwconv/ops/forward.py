@@ -339,6 +339,7 @@ def depthwise_fwd_tile_kernel(
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
     PIXELS: tl.constexpr, PIXEL_STRIDE_W: tl.constexpr, PIXEL_DILATION_W: tl.constexpr,
     PIXEL_X_STRIDE_W: tl.constexpr, PIXEL_Y_STRIDE_W: tl.constexpr, BF16_PAIRS: tl.constexpr,
+    INTERIOR_TILES: tl.constexpr,
 ):
     """One program = BLOCK_H output rows (any number, not only powers of 2) of a BLOCK_W x BLOCK_C
     strip (columns, output channels) of one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW
@@ -349,7 +350,10 @@ def depthwise_fwd_tile_kernel(
     PIXELS (channels_last, "nhwc_pixels"): the strip's columns unrolled (_conv_pixels), with the
     column stride and dilation PIXEL_STRIDE_W / PIXEL_DILATION_W and the pixel strides of x and y
     PIXEL_X_STRIDE_W / PIXEL_Y_STRIDE_W known to the compiler (pixel addresses become immediate
-    offsets from a row's)."""
+    offsets from a row's).
+    INTERIOR_TILES: whether any tile can be interior (ConvGeometry.has_interior_tile); if not, only
+    the masked branch is compiled (Triton's coalescing pass takes time superlinear in the code: a
+    7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine)."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
     tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
@@ -371,10 +375,14 @@ def depthwise_fwd_tile_kernel(
     w_taps = w_ptr + w_first_tap + out_c * w_stride_c  # (tap t at + t * w_stride_tap: negative when flipped)
     # Most strips of a large image read only inside it: those skip every bounds test (the masked
     # loads' tests and zero fills were half the instructions of a 3x3 tile).
-    interior = ((first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w) & (first_c + BLOCK_C <= out_channels)
-                & (first_row * STRIDE_H - pad_top >= 0) & (first_col * stride_w - pad_left >= 0)
-                & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < in_h)
-                & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
+    if INTERIOR_TILES:
+        interior = ((first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w)
+                    & (first_c + BLOCK_C <= out_channels)
+                    & (first_row * STRIDE_H - pad_top >= 0) & (first_col * stride_w - pad_left >= 0)
+                    & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < in_h)
+                    & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
+    else:
+        interior = False
     if PIXELS:
         program_weights = ()
         if KH * KW > PER_BRANCH_WEIGHT_TAPS:
@@ -1481,6 +1489,7 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
                      PIXEL_STRIDE_W=geom.stride_w if pixels else 1, PIXEL_DILATION_W=geom.dilation_w if pixels else 1,
                      PIXEL_X_STRIDE_W=x.stride(3) if pixels else 1, PIXEL_Y_STRIDE_W=out.stride(3) if pixels else 1,
                      BF16_PAIRS=pixels and bf16_pairs_apply(x, geom, block_c, config.num_warps),
+                     INTERIOR_TILES=geom.has_interior_tile(config.block_h, config.block_w, block_c),
                      num_stages=1)  # (bands are unrolled: no loop loads to software-pipeline)
     register_cap = NHWC_PIXELS_MAXNREG.get(x.element_size()) if pixels else None
     if register_cap and gpu_plan(x.device):
