@@ -10,7 +10,6 @@ Run the same layer both ways and diff the lines of one kernel:
         --dtype float16 --cases 2 --channels-last --backward --iters 3
 """
 
-import argparse
 import hashlib
 import json
 import runpy
@@ -39,7 +38,7 @@ def install(log_path: str) -> None:
 
     compiler.get_cache_key = traced
 
-    # and each compile's duration (a cache hit compiles nothing: no line)
+    # and each compile's duration (a kernel loaded from the cache logs ~0 s)
     from triton.runtime import jit
 
     do_compile = getattr(jit.JITFunction, "_do_compile", None)  # (Triton 3.6's; the hook is skipped elsewhere)
@@ -57,18 +56,19 @@ def install(log_path: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--log", required=True)
-    p.add_argument("-m", dest="module", help="run this module (as python -m) instead of a script")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="the script (unless -m) and its arguments")
-    args = p.parse_args()
-    install(args.log)
-    if args.module:
-        sys.argv = [args.module] + args.rest
-        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+    """--log FILE, then `-m module args...` or `script args...` (parsed by hand: the run's own options,
+    `-q` and the like, must not reach this tool's parser)."""
+    argv = sys.argv[1:]
+    if len(argv) < 3 or argv[0] != "--log":
+        raise SystemExit("usage: trace_cache_keys.py --log FILE (-m MODULE | SCRIPT) [ARGS...]")
+    install(argv[1])
+    rest = argv[2:]
+    if rest[0] == "-m":
+        sys.argv = rest[1:]
+        runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
     else:
-        sys.argv = args.rest
-        runpy.run_path(args.rest[0], run_name="__main__")
+        sys.argv = rest
+        runpy.run_path(rest[0], run_name="__main__")
 
 
 if __name__ == "__main__":
