@@ -9,11 +9,9 @@ cuDNN channels_last by 4-10%, session 23).
 
 --pixels with BLOCK_C or WARPS 0: the default config's.
 --maxnreg N...: each block under each register cap of the forward (0: none; session 27).
---tile-rows R...: the default blocks with R tiles a program down its column (session 31).
 """
 
 import argparse
-import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +69,8 @@ def time_configs(label, x, w, geom, configs, baseline_name, graphs=False):
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         ms = timed(lambda: conv_forward(x, w, None, geom, config))
         shown = config or forward_config(geom, x)
-        rows = f" r{shown.tile_rows}" if shown.tile_rows > 1 else ""
-        print(f"{label} {shown.kernel} {shown.block_h}x{shown.block_w}x{shown.block_c} w{shown.num_warps}{rows}: "
-              f"dwconv {ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), {baseline_name} {baseline:.3f} ms, "
+        print(f"{label} {shown.kernel} {shown.block_h}x{shown.block_w}x{shown.block_c} w{shown.num_warps}: dwconv "
+              f"{ms:.3f} ms ({bytes_moved / ms / 1e6:.0f} GB/s), {baseline_name} {baseline:.3f} ms, "
               f"x{baseline / ms:.2f}, rel err {err:.1e}", flush=True)
 
 
@@ -91,8 +88,6 @@ def main():
                         "power of two dividing the channels)")
     p.add_argument("--maxnreg", type=int, nargs="+", metavar="N",
                    help="time the blocks under each register cap (forward.NHWC_PIXELS_MAXNREG; 0: none)")
-    p.add_argument("--tile-rows", type=int, nargs="+", metavar="R",
-                   help="also the default blocks with R tiles a program down its column (ForwardConfig.tile_rows)")
     args = p.parse_args()
     print(f"copy {copy_rate():.0f} GB/s", flush=True)
     layers = shape_layers(args.dtype, args.shape) if args.shape else channels_last_layers(args.dtype, args.layers)
@@ -106,8 +101,6 @@ def main():
                                   block_c=(bc if args.masked_channels else min(bc, shape[1] & -shape[1]))
                                   or default.block_c)
                     for bh, bw, bc, warps in args.pixels or []]
-        if default.kernel == "nhwc_pixels":
-            configs += [dataclasses.replace(default, tile_rows=r) for r in args.tile_rows or []]
         label = f"{dtype_name:8s} {str(shape):20s} k{k} p{pad} d{dil} s{geom.stride_h}"
         for cap in args.maxnreg or [None]:
             if cap is not None:  # (plans hold their constants: dropped for the new cap)

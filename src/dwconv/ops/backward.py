@@ -30,10 +30,10 @@ from .large_fma import large_fma_applies, large_fma_grad_weight
 from .toeplitz import toeplitz_applies, toeplitz_grad_weight
 from .weight_sums import sum_partials, weight_grad_sums
 from .forward import (_ACC_DTYPES, MAX_PIXEL_TAPS, PIXEL_KERNEL_TAPS, _conv_pixels, _load_row_window, _pairs_ok,
-                      _row_pixels, _row_taps, _row_under_tap, _rows_inside, _store_pixels, _stride_unit, _tap_weights,
-                      _tile_pixels, _widen_pixels, bf16_pairs_apply, channels_last_kernel_applies, ForwardConfig,
-                      image_needs_int64, launch_forward, nchw_config, nhwc_pixels_config, output_memory_format,
-                      rows_kernel_fits, window_layout)
+                      _row_pixels, _row_taps, _row_under_tap, _store_pixels, _stride_unit, _tap_weights, _tile_pixels,
+                      _widen_pixels, bf16_pairs_apply, channels_last_kernel_applies, ForwardConfig, image_needs_int64,
+                      launch_forward, nchw_config, nhwc_pixels_config, output_memory_format, rows_kernel_fits,
+                      window_layout)
 
 
 @triton.jit
@@ -317,7 +317,8 @@ def depthwise_grad_nhwc_pixels_kernel(
         q_base = q_ptr + n * q_stride_n + c
         dx_base = dx_ptr + n * dx_stride_n + c
         if INTERIOR_TILES:
-            interior = cols_inside & _rows_inside(first_row, tile_h, src_h, pad_top, KH, STRIDE_H, DILATION_H, BLOCK_H)
+            interior = cols_inside & (first_row + BLOCK_H <= tile_h) & (first_row * STRIDE_H - pad_top >= 0) \
+                & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < src_h)
         else:
             interior = False
         if interior:

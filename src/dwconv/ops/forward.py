@@ -323,14 +323,6 @@ def _tile_pixels(base, first_row, first_col, c_ok, rows, cols, stride_h, STRIDE_
     return pixels
 
 
-@triton.jit
-def _rows_inside(first_row, out_h, in_h, pad_top, KH: tl.constexpr, STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr,
-                 BLOCK_H: tl.constexpr):
-    """Whether a tile's BLOCK_H output rows from first_row exist and read only rows inside the input."""
-    return ((first_row + BLOCK_H <= out_h) & (first_row * STRIDE_H - pad_top >= 0)
-            & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < in_h))
-
-
 # pad_left is not specialised: were it known to be 0 (a multiple of 16), the unshifted load would get
 # a 4-wide register layout while the shifted loads and the row stores (rows of odd length) get 1-wide
 # ones, and Triton would convert between them through shared memory on every row.
@@ -341,7 +333,7 @@ def depthwise_fwd_tile_kernel(
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
     w_stride_c, w_stride_tap, w_first_tap,
-    stride_w, pad_top, pad_left, dilation_w, tile_rows,
+    stride_w, pad_top, pad_left, dilation_w,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -359,14 +351,12 @@ def depthwise_fwd_tile_kernel(
     column stride and dilation PIXEL_STRIDE_W / PIXEL_DILATION_W and the pixel strides of x and y
     PIXEL_X_STRIDE_W / PIXEL_Y_STRIDE_W known to the compiler (pixel addresses become immediate
     offsets from a row's).
-    tile_rows: PIXELS programs take that many tiles down the rows of their column (1 otherwise).
     INTERIOR_TILES: whether any tile can be interior (ConvGeometry.has_interior_tile); if not, only
     the masked branch is compiled (Triton's coalescing pass takes time superlinear in the code: a
     7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine)."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(out_w, BLOCK_W)
-    row_tiles = tl.cdiv(out_h, BLOCK_H)
-    tiles_per_plane = tl.cdiv(row_tiles, tile_rows) * tiles_w  # (programs a plane)
+    tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
     channel_blocks = tl.cdiv(out_channels, BLOCK_C)
     plane = pid // tiles_per_plane
     tile = pid % tiles_per_plane
@@ -376,51 +366,40 @@ def depthwise_fwd_tile_kernel(
     in_c = out_c // MULTIPLIER
     x_base = x_ptr + n.to(tl.int64) * x_stride_n + in_c.to(tl.int64) * x_stride_c
     y_base = y_ptr + n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c
-    first_row_tile = (tile // tiles_w) * tile_rows
+    first_row = (tile // tiles_w) * BLOCK_H
     first_col = (tile % tiles_w) * BLOCK_W
     if INDEX_64:
+        first_row = first_row.to(tl.int64)
         first_col = first_col.to(tl.int64)
     c_ok = out_c < out_channels
     w_taps = w_ptr + w_first_tap + out_c * w_stride_c  # (tap t at + t * w_stride_tap: negative when flipped)
     # Most strips of a large image read only inside it: those skip every bounds test (the masked
     # loads' tests and zero fills were half the instructions of a 3x3 tile).
     if INTERIOR_TILES:
-        cols_inside = ((first_col + BLOCK_W <= out_w) & (first_c + BLOCK_C <= out_channels)
-                       & (first_col * stride_w - pad_left >= 0)
-                       & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
+        interior = ((first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w)
+                    & (first_c + BLOCK_C <= out_channels)
+                    & (first_row * STRIDE_H - pad_top >= 0) & (first_col * stride_w - pad_left >= 0)
+                    & ((first_row + BLOCK_H - 1) * STRIDE_H - pad_top + (KH - 1) * DILATION_H < in_h)
+                    & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
+    else:
+        interior = False
     if PIXELS:
         program_weights = ()
         if KH * KW > PER_BRANCH_WEIGHT_TAPS:
             program_weights = _tap_weights(w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True)
-        for row_tile in range(first_row_tile, tl.minimum(first_row_tile + tile_rows, row_tiles)):
-            first_row = row_tile * BLOCK_H
-            if INDEX_64:
-                first_row = first_row.to(tl.int64)
-            if INTERIOR_TILES:
-                interior = cols_inside & _rows_inside(first_row, out_h, in_h, pad_top, KH, STRIDE_H, DILATION_H,
-                                                      BLOCK_H)
-            else:
-                interior = False
-            if interior:
-                weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, False)
-                _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
-                             out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top,
-                             pad_left, KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS,
-                             ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
-            else:
-                weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True)
-                _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
-                             out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top,
-                             pad_left, KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS,
-                             ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), ())
-    else:  # (BLOCK_W a power of 2 here; "nhwc_pixels" takes any; tile_rows 1)
-        first_row = first_row_tile * BLOCK_H
-        if INDEX_64:
-            first_row = first_row.to(tl.int64)
-        if INTERIOR_TILES:
-            interior = cols_inside & _rows_inside(first_row, out_h, in_h, pad_top, KH, STRIDE_H, DILATION_H, BLOCK_H)
+        if interior:
+            weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, False)
+            _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
+                         out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
+                         KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
+                         BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
         else:
-            interior = False
+            weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True)
+            _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
+                         out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
+                         KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
+                         BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), ())
+    else:  # (BLOCK_W a power of 2 here; "nhwc_pixels" takes any)
         out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
         if interior:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
@@ -1004,7 +983,6 @@ class ForwardConfig:
     stream: bool = False  # "rows": streaming cache hints (evict_first loads, .cs stores); not yet timed
     block_c: int = 1  # "nhwc" (the tile kernel on channels_last tensors): channels a program covers
     prefetch: bool = False  # "nhwc_rows" (the row-sliding fused backward): the next row's loads issued first
-    tile_rows: int = 1  # "nhwc_pixels" forward: tiles a program takes down its column
 
 
 _ACC_DTYPES = {torch.float64: tl.float64}
@@ -1499,11 +1477,10 @@ def _tile_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: 
     block_c = config.block_c  # >1 on NCHW too under the interpreter (any channel stride works)
     if nhwc:  # offsets inside one image (not one plane) are 32-bit unless they can reach 2**31
         common = dict(common, INDEX_64=image_needs_int64(x, out))
-    tile_rows = config.tile_rows if pixels else 1
-    tiles = cdiv(cdiv(geom.out_h, config.block_h), tile_rows) * cdiv(geom.out_w, config.block_w)  # (programs)
+    tiles = cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
                *_tile_weight_strides(config.kernel, geom, flip_weight, x), geom.stride_w, geom.pad_top, geom.pad_left,
-               geom.dilation_w, tile_rows)
+               geom.dilation_w)
     unroll = taps <= MAX_BAND_TAPS
     assert config.block_h * taps <= band_limit(x.device) or config.block_h == 1, "band too long to unroll"
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
