@@ -156,6 +156,24 @@ def test_compile_fullgraph_forward_and_backward():
         assert_close(q.grad, p.grad.double(), torch.float32, f"compiled grad of {name}")
 
 
+def test_compile_channels_last_large_kernel():
+    """A channels_last large kernel compiled: its traced backward copies grad_out to NCHW once in the
+    graph (both gradients' kernels index unit-stride rows); values and gradients as eager's."""
+    torch.manual_seed(0)
+    layer = dwconv.DepthwiseConv2d(3, 3, 11, padding=5).to(DEVICE)
+    compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend=BACKEND)
+    x = randn(2, 3, 12, 14).contiguous(memory_format=torch.channels_last)
+    results = []
+    for module in (layer, compiled):
+        leaf = x.detach().requires_grad_()
+        out = module(leaf)
+        grad_out = torch.ones_like(out).contiguous(memory_format=torch.channels_last) * 0.5
+        results.append((out, *torch.autograd.grad(out, (leaf, *module.parameters()), grad_out)))
+    for name, got, want in zip(("output", "grad_input", "grad_weight", "grad_bias"), results[1], results[0]):
+        assert_close(got, want.double(), torch.float32, f"compiled {name}")
+    assert results[1][1].is_contiguous(memory_format=torch.channels_last)
+
+
 def test_compiled_graph_holds_the_custom_ops():
     """The compiled forward graph calls dwconv::conv2d (not F.conv2d), and the backward its grad ops."""
     seen = []
