@@ -32,6 +32,7 @@ CASES = [  # (shape, kernel, multiplier, stride, padding, dilation, channels_las
     ((2, 3, 9, 10), (3, 3), 1, 1, 1, 1, False),
     ((1, 2, 8, 11), (2, 4), 2, 1, "same", 1, False),  # asymmetric padding, multiplier 2
     ((2, 3, 9, 9), (3, 3), 1, 2, 1, 1, True),  # stride 2, channels_last
+    ((1, 2, 8, 9), (11, 11), 1, 1, 5, 1, True),  # a large kernel, channels_last: one grad_out copy traced
 ]
 
 

@@ -546,9 +546,10 @@ def gradients_read_grad_out_as_nchw(geom: ConvGeometry, x: torch.Tensor, grad_ou
     for both (a channels_last k31 bfloat16 grad_out of 32x128x56x56: ~14 us a copy on the H200)."""
     if geom.stride_h != 1 or geom.stride_w != 1 or geom.multiplier != 1:
         return False  # (grad_input's phase kernel reads grad_out as it is)
-    gi_geom = input_grad_geometry(geom)
-    return ((toeplitz_applies(geom, x.dtype) or large_fma_applies(geom, x, backward=True))
-            and (toeplitz_applies(gi_geom, grad_out.dtype) or large_fma_applies(gi_geom, grad_out, backward=True)))
+    if not (toeplitz_applies(geom, x.dtype) or large_fma_applies(geom, x, backward=True)):
+        return False
+    gi_geom = _input_grad_geometry(geom)  # (not the cached one: traced shapes may be SymInts, unhashable)
+    return toeplitz_applies(gi_geom, grad_out.dtype) or large_fma_applies(gi_geom, grad_out, backward=True)
 
 
 def fused_backward_config(gi_geom: ConvGeometry, grad_out: torch.Tensor) -> ForwardConfig:
