@@ -33,8 +33,7 @@ NATIVE_SET_FOR_THE_RUN = "DWCONV_NATIVE" in os.environ
 @pytest.fixture(autouse=True)
 def eager_path(request, monkeypatch):
     """Each test records its own programs (under its own knobs); kernel tests on the Python path."""
-    native._LAYERS.clear()
-    native._KNOWN.clear()
+    native.forget_layers()
     if torch.cuda.is_available() and not NATIVE_SET_FOR_THE_RUN and request.module.__name__ not in EAGER_PATH_MODULES:
         monkeypatch.setenv("DWCONV_NATIVE", "0")
 

@@ -92,7 +92,7 @@ def test_refuses_what_it_cannot_replay():
         program.record(lambda x: x.sum().item(), [x])
     with pytest.raises(program.NotRecordable, match="made before recording"):
         program.record(lambda x: x + made_before.view(1, 2, 1, 1), [x])
-    assert program._launch.RECORDER is None  # (a failed recording leaves none behind)
+    assert program._launch.recorder() is None  # (a failed recording leaves none behind)
 
 
 def test_recording_frees_what_the_pass_frees():

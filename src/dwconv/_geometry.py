@@ -129,6 +129,9 @@ def conv_geometry(
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    for name, t in (("input", input), ("weight", weight), ("bias", bias)):
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor; dwconv does not take layout {t.layout}")
     if input.dim() != 4:
         raise ValueError(f"input must be 4-D (N, C, H, W), got shape {tuple(input.shape)}")
     if weight.dim() != 4:

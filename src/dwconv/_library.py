@@ -38,6 +38,12 @@ def conv_arguments(geom: ConvGeometry) -> Tuple[List[int], List[int], List[int]]
             [geom.dilation_h, geom.dilation_w])
 
 
+def plain(t: Optional[Tensor]) -> Optional[Tensor]:
+    """t as the kernels may read it: a negative-bit view (torch._neg_view, what some ops return
+    lazily) resolved, since the launches read raw memory; any other tensor as it is."""
+    return t.resolve_neg() if t is not None and t.is_neg() else t
+
+
 def _like(t: Tensor, shape=None) -> Tensor:
     """An empty tensor of t's dtype and device, in the memory format the kernels give t's gradients."""
     return torch.empty(t.shape if shape is None else shape, dtype=t.dtype, device=t.device,
@@ -50,7 +56,8 @@ def _like(t: Tensor, shape=None) -> Tensor:
 def conv2d(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
            dilation: List[int]) -> Tensor:
     """The depthwise convolution (groups = input channels); output in the input's memory format."""
-    return conv_forward(input, weight, bias, _geometry(input, weight, bias, stride, padding, dilation))
+    return conv_forward(plain(input), plain(weight), plain(bias),
+                        _geometry(input, weight, bias, stride, padding, dilation))
 
 
 @conv2d.register_fake
@@ -59,7 +66,7 @@ def _(input, weight, bias, stride, padding, dilation):
 
 
 def _grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry) -> Tensor:
-    return _backward.conv_grad_input(grad_out, weight, geom, input)
+    return _backward.conv_grad_input(plain(grad_out), plain(weight), geom, input)
 
 
 @torch.library.custom_op("dwconv::conv2d_grad_input", mutates_args=())
@@ -75,7 +82,7 @@ def _(grad_out, input, weight, stride, padding, dilation):
 
 
 def _grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry, bias_grad: bool) -> List[Tensor]:
-    grad_weight, grad_bias = _backward.conv_grad_weight(grad_out, input, geom, weight.dtype, bias_grad)
+    grad_weight, grad_bias = _backward.conv_grad_weight(plain(grad_out), plain(input), geom, weight.dtype, bias_grad)
     return [grad_weight, grad_bias] if bias_grad else [grad_weight]
 
 
@@ -93,7 +100,7 @@ def _(grad_out, input, weight, stride, padding, dilation, bias_grad):
 
 
 def _grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry) -> Tuple[Tensor, Tensor]:
-    return _backward.conv_grad_input_and_weight(grad_out, input, weight, geom)
+    return _backward.conv_grad_input_and_weight(plain(grad_out), plain(input), plain(weight), geom)
 
 
 @torch.library.custom_op("dwconv::conv2d_grad_input_weight", mutates_args=())
@@ -149,6 +156,52 @@ def _backward_formula(grad_out: Tensor, input: Tensor, weight: Tensor, geom: Con
     return grad_input, grad_weight, grad_bias
 
 
+def _second_order(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry, needs: Tuple[bool, bool, bool],
+                  g_input: Optional[Tensor], g_weight: Optional[Tensor], g_bias: Optional[Tensor], traced: bool):
+    """The backward's own gradients (create_graph=True: gradient penalties, Hessian-vector products):
+    given g_input, g_weight, g_bias flowing into grad_input, grad_weight and grad_bias, the gradients
+    of grad_out, input and weight (those `needs` asks for). grad_input is linear in grad_out and in
+    weight, grad_weight in grad_out and in input, grad_bias in grad_out, so each term is one of
+    dwconv's passes again, itself differentiable: any order works."""
+    if traced:
+        ops, conv = torch.ops.dwconv, conv_arguments(geom)
+
+        def forward(x, w, b):
+            return ops.conv2d(x, w, b, *conv)
+
+        def grad_input(go, x, w):
+            return ops.conv2d_grad_input(go, x, w, *conv)
+
+        def grad_weight(go, x, w):
+            return ops.conv2d_grad_weight(go, x, w, *conv, False)[0]
+    else:
+        def forward(x, w, b):
+            return _differentiable_forward(x, w, b, geom)
+
+        def grad_input(go, x, w):
+            return backward_for_autograd(go, x, w, geom, True, False, False)[0]
+
+        def grad_weight(go, x, w):
+            return backward_for_autograd(go, x, w, geom, False, True, False)[1]
+
+    d_grad_out = d_input = d_weight = None
+    if needs[0]:
+        terms = []
+        if g_input is not None:
+            terms.append(forward(g_input, weight, None))
+        if g_weight is not None:
+            terms.append(forward(input, g_weight, g_bias))
+        elif g_bias is not None:
+            terms.append(g_bias.view(1, -1, 1, 1).expand(geom.output_shape))
+        for term in terms:
+            d_grad_out = term if d_grad_out is None else d_grad_out + term
+    if needs[1] and g_weight is not None:
+        d_input = grad_input(grad_out, input, g_weight)
+    if needs[2] and g_input is not None:
+        d_weight = grad_weight(grad_out, g_input, weight)
+    return d_grad_out, d_input, d_weight
+
+
 def _setup_context(ctx, inputs, output):
     input, weight, bias, stride, padding, dilation = inputs
     ctx.save_for_backward(input, weight)  # only these: neither the output nor grad_out is kept
@@ -170,19 +223,98 @@ def _op_backward(ctx, grad_out):
 conv2d.register_autograd(_op_backward, setup_context=_setup_context)
 
 
+def _setup_backward_op(ctx, inputs, output):
+    grad_out, input, weight, stride, padding, dilation = inputs[:6]
+    ctx.save_for_backward(grad_out, input, weight)
+    ctx.conv = (stride, padding, dilation)
+    ctx.bias_grad = len(inputs) > 6 and inputs[6]
+
+
+def _backward_op_gradients(ctx, g_input, g_weight, g_bias):
+    grad_out, input, weight = ctx.saved_tensors
+    geom = _geometry(input, weight, None, *ctx.conv)
+    return (*_second_order(grad_out, input, weight, geom, ctx.needs_input_grad[:3], g_input, g_weight, g_bias,
+                           traced=True), None, None, None)
+
+
+conv2d_grad_input.register_autograd(lambda ctx, g: _backward_op_gradients(ctx, g, None, None),
+                                    setup_context=_setup_backward_op)
+conv2d_grad_weight.register_autograd(
+    lambda ctx, grads: (*_backward_op_gradients(ctx, None, grads[0], grads[1] if ctx.bias_grad else None), None),
+    setup_context=_setup_backward_op)
+conv2d_grad_input_weight.register_autograd(
+    lambda ctx, g_input, g_weight: _backward_op_gradients(ctx, g_input, g_weight, None),
+    setup_context=_setup_backward_op)
+
+
+# ---- the eager door -----------------------------------------------------------------------------
+
+def backward_for_autograd(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry, want_input: bool,
+                          want_weight: bool, want_bias: bool):
+    """The eager backward (the Python Function's, and the C++ one's where it calls back): straight to
+    the launchers, or under create_graph=True through DepthwiseConv2dBackward, which autograd can
+    differentiate again."""
+    if torch.is_grad_enabled():
+        return DepthwiseConv2dBackward.apply(grad_out, input, weight, geom, want_input, want_weight, want_bias)
+    return _backward_formula(plain(grad_out), plain(input), plain(weight), geom, want_input, want_weight,
+                             want_bias, traced=False)
+
+
+def _differentiable_forward(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: ConvGeometry) -> Tensor:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
+        return DepthwiseConv2dFunction.apply(input, weight, bias, geom)
+    return conv_forward(plain(input), plain(weight), plain(bias), geom)
+
+
 class DepthwiseConv2dFunction(torch.autograd.Function):
-    """The eager door: the same forward and backward without the custom-op dispatch."""
+    """The eager door: the same forward and backward without the custom-op dispatch. Forward-mode AD
+    (torch.autograd.forward_ad) through `jvp`."""
 
     @staticmethod
     def forward(ctx, input, weight, bias, geom):
         ctx.save_for_backward(input, weight)
+        ctx.save_for_forward(input, weight)
         ctx.geom, ctx.has_bias = geom, bias is not None
-        return conv_forward(input, weight, bias, geom)
+        return conv_forward(plain(input), plain(weight), plain(bias), geom)
 
     @staticmethod
     def backward(ctx, grad_out):
         input, weight = ctx.saved_tensors
-        return (*_backward_formula(grad_out, input, weight, ctx.geom, *_wanted(ctx), traced=False), None)
+        return (*backward_for_autograd(grad_out, input, weight, ctx.geom, *_wanted(ctx)), None)
+
+    @staticmethod
+    def jvp(ctx, input_tangent, weight_tangent, bias_tangent, _):
+        """The output's tangent: the convolution is linear in input and in (weight, bias)."""
+        input, weight = ctx.saved_tensors
+        tangent = None
+        if input_tangent is not None:
+            tangent = _differentiable_forward(input_tangent, weight, None, ctx.geom)
+        if weight_tangent is not None:
+            term = _differentiable_forward(input, weight_tangent, bias_tangent, ctx.geom)
+            tangent = term if tangent is None else tangent + term
+        elif bias_tangent is not None:
+            term = bias_tangent.view(1, -1, 1, 1).expand(ctx.geom.output_shape)
+            tangent = term.contiguous() if tangent is None else tangent + term
+        return tangent
+
+
+class DepthwiseConv2dBackward(torch.autograd.Function):
+    """The eager backward as a Function of its own, taken under create_graph=True: its backward
+    (`_second_order`) is made of dwconv's passes again."""
+
+    @staticmethod
+    def forward(ctx, grad_out, input, weight, geom, want_input, want_weight, want_bias):
+        ctx.save_for_backward(grad_out, input, weight)
+        ctx.geom = geom
+        ctx.set_materialize_grads(False)  # (an unused gradient stays None: no pass over zeros)
+        return _backward_formula(plain(grad_out), plain(input), plain(weight), geom, want_input, want_weight,
+                                 want_bias, traced=False)
+
+    @staticmethod
+    def backward(ctx, g_input, g_weight, g_bias):
+        grad_out, input, weight = ctx.saved_tensors
+        return (*_second_order(grad_out, input, weight, ctx.geom, ctx.needs_input_grad[:3], g_input, g_weight,
+                               g_bias, traced=False), None, None, None, None)
 
 
 __all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_input_weight", "conv_arguments",

@@ -6,6 +6,7 @@ import os
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 from ._geometry import IntOrPair, Padding, conv_geometry
@@ -44,12 +45,14 @@ def depthwise_conv2d(
     'same'. float32, float16 and bfloat16 accumulate in float32; float64 runs and
     accumulates in float64. Under torch.autocast the inputs are cast as F.conv2d casts them.
     CPU tensors fall back to PyTorch unless TRITON_INTERPRET=1. Differentiable in input, weight
-    and bias. Under torch.compile it is the custom op torch.ops.dwconv.conv2d (no graph break).
+    and bias, to any order (create_graph=True), and in forward mode (torch.autograd.forward_ad).
+    Under torch.func transforms, and for tensor subclasses that dispatch in Python, F.conv2d
+    computes it. Under torch.compile it is the custom op torch.ops.dwconv.conv2d (no graph break).
     """
     if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
         input, weight, bias = _autocast(input, weight, bias)
     if _EAGER is not None and isinstance(input, torch.Tensor) and not torch.compiler.is_compiling() \
-            and _EAGER[2].enabled(input):
+            and _EAGER[2].enabled(input) and forward_ad._current_level < 0:
         out = _EAGER[2].conv_known(input, weight, bias, stride, padding, dilation)  # (seen before: no checks)
         if out is not None:
             return out
@@ -60,14 +63,32 @@ def depthwise_conv2d(
         from ._library import conv_arguments
 
         return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
+    if _pytorch_must_run(input, weight, bias):
+        return F.conv2d(input, weight, bias, stride, padding, dilation, groups=geom.in_channels)
+    if input.is_neg() or weight.is_neg() or (bias is not None and bias.is_neg()):
+        input, weight, bias = (None if t is None else t.resolve_neg() for t in (input, weight, bias))
     function, conv_forward, native = _eager_path()
-    if native.enabled(input):
+    # (forward-mode AD: the Python Function, whose jvp gives the tangent; the C++ one has none)
+    dual = forward_ad._current_level >= 0
+    if not dual and native.enabled(input):
         out = native.conv(input, weight, bias, geom, (stride, padding, dilation))
         if out is not None:
             return out
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
+    if dual or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))):
         return function.apply(input, weight, bias, geom)
     return conv_forward(input, weight, bias, geom)
+
+
+def _pytorch_must_run(*tensors: Optional[torch.Tensor]) -> bool:
+    """Tensors without memory of their own for the kernels to read: torch.func's wrappers (grad,
+    vmap, jacrev, ...) and tensor subclasses that dispatch in Python. F.conv2d computes these, with
+    every transform PyTorch supports."""
+    for t in tensors:
+        if t is not None and (torch._C._functorch.is_functorch_wrapped_tensor(t) or (
+                type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
+                and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python))):
+            return True
+    return False
 
 
 _EAGER = None

@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #ifdef DWCONV_CUDA_LAUNCH
@@ -240,19 +241,70 @@ class Program {
   std::vector<std::vector<int64_t>> release_after_;  // by step: the values no later step reads
 };
 
+// A tensor as the launches must read it: a negative-bit view (torch._neg_view) is resolved, since
+// the kernels read raw memory. (No copy for any other tensor.)
+at::Tensor plain(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  if (t.is_neg()) return t.resolve_neg();
+  return t;
+}
+
+// What a recorded program depends on in one tensor: dtype, device, 16-byte alignment, sizes and
+// strides (the recorded launches were planned and compiled for exactly these).
+void append_layout(std::vector<int64_t>& key, const at::Tensor& t) {
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(static_cast<int64_t>(t.device().type()));
+  key.push_back(t.device().index());
+  key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16));
+  key.push_back(t.dim());
+  key.insert(key.end(), t.sizes().begin(), t.sizes().end());
+  key.insert(key.end(), t.strides().begin(), t.strides().end());
+}
+
+// Python objects released only with the GIL held (a layer can die on an autograd device thread), and
+// never after the interpreter is gone (then they are left to the process's end).
+void release_python(py::object& object) {
+  if (!object) return;
+  if (!Py_IsInitialized() || _Py_IsFinalizing()) {
+    object.release();
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  object = py::object();
+}
+
 // One layer key (shapes, strides, dtypes, conv arguments: ops/native.py): its forward program and
-// its backward programs by (wanted gradients, grad_out's strides and 16-byte alignment), recorded by
-// a Python callable on first need.
-struct Layer {
+// its backward programs by (wanted gradients, and the layout of each tensor the backward reads:
+// grad_out, and the saved input and weight, which saved-tensor hooks can hand back in another
+// layout, offset or device), recorded by a Python callable on first need. A null program: that
+// backward could not be recorded and runs in Python (`python_backward`), as every backward that
+// builds a graph (create_graph=True) does. Held by the registry and by every autograd node of it,
+// so evicting a layer never strands a graph that still needs its backward.
+struct Layer : torch::CustomClassHolder {
   std::shared_ptr<Program> forward;
-  py::object record_backward;  // (mask, grad_out, input, weight) -> Program
+  py::object record_backward;  // (mask, grad_out, input, weight) -> Program, or None where not recordable
+  py::object python_backward;  // (mask, grad_out, input, weight) -> [grad_input, grad_weight, grad_bias]
   std::mutex mutex;
   std::map<std::vector<int64_t>, std::shared_ptr<Program>> backward;
 
+  ~Layer() override {
+    if (!Py_IsInitialized() || _Py_IsFinalizing()) {  // (programs may hold Python launch callbacks)
+      new std::shared_ptr<Program>(std::move(forward));
+      new std::map<std::vector<int64_t>, std::shared_ptr<Program>>(std::move(backward));
+    } else {
+      py::gil_scoped_acquire gil;
+      forward.reset();
+      backward.clear();
+    }
+    release_python(record_backward);
+    release_python(python_backward);
+  }
+
+  // nullptr: take python_backward
   std::shared_ptr<Program> backward_for(int64_t mask, const at::Tensor& grad_out, const at::Tensor& input,
                                         const at::Tensor& weight) {
-    std::vector<int64_t> key{mask, static_cast<int64_t>(reinterpret_cast<uintptr_t>(grad_out.data_ptr()) % 16)};
-    key.insert(key.end(), grad_out.strides().begin(), grad_out.strides().end());
+    std::vector<int64_t> key{mask};
+    for (const at::Tensor* t : {&grad_out, &input, &weight}) append_layout(key, *t);
     {
       std::lock_guard<std::mutex> lock(mutex);
       auto found = backward.find(key);
@@ -261,42 +313,94 @@ struct Layer {
     std::shared_ptr<Program> program;
     {
       py::gil_scoped_acquire gil;
-      program = record_backward(mask, grad_out, input, weight).cast<std::shared_ptr<Program>>();
+      py::object recorded = record_backward(mask, grad_out, input, weight);
+      if (!recorded.is_none()) program = recorded.cast<std::shared_ptr<Program>>();
     }
     std::lock_guard<std::mutex> lock(mutex);
     return backward.emplace(key, program).first->second;
   }
+
+  torch::autograd::variable_list run_python_backward(int64_t mask, const at::Tensor& grad_out,
+                                                     const at::Tensor& input, const at::Tensor& weight) {
+    py::gil_scoped_acquire gil;
+    auto grads = python_backward(mask, grad_out, input, weight).cast<std::vector<std::optional<at::Tensor>>>();
+    torch::autograd::variable_list out(3);
+    for (size_t i = 0; i < 3 && i < grads.size(); ++i) {
+      if (grads[i]) out[i] = *grads[i];
+    }
+    return out;
+  }
 };
 
-std::vector<std::shared_ptr<Layer>>& layers() {
-  // never destroyed: its Python callables must not be released after the interpreter has finalized
-  static auto* registry = new std::vector<std::shared_ptr<Layer>>();
-  return *registry;
+// The layers by number, as ops/native.py registers and evicts them (its bounded LRU).
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, c10::intrusive_ptr<Layer>> layers;
+  int64_t next = 0;
+};
+
+Registry& registry() {
+  // never destroyed: its layers' Python callables must not be released after the interpreter has finalized
+  static auto* instance = new Registry();
+  return *instance;
 }
 
-int64_t register_layer(std::shared_ptr<Program> forward, py::object record_backward) {
-  auto layer = std::make_shared<Layer>();
+int64_t register_layer(std::shared_ptr<Program> forward, py::object record_backward, py::object python_backward) {
+  auto layer = c10::make_intrusive<Layer>();
   layer->forward = std::move(forward);
   layer->record_backward = std::move(record_backward);
-  layers().push_back(layer);
-  return static_cast<int64_t>(layers().size()) - 1;
+  layer->python_backward = std::move(python_backward);
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  reg.layers.emplace(reg.next, std::move(layer));
+  return reg.next++;
+}
+
+c10::intrusive_ptr<Layer> find_layer(int64_t number) {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  auto found = reg.layers.find(number);
+  return found == reg.layers.end() ? c10::intrusive_ptr<Layer>() : found->second;
+}
+
+void release_layer(int64_t number) {
+  c10::intrusive_ptr<Layer> layer;  // (dropped after the registry's lock: its destructor takes the GIL)
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  auto found = reg.layers.find(number);
+  if (found != reg.layers.end()) {
+    layer = std::move(found->second);
+    reg.layers.erase(found);
+  }
+}
+
+int64_t layer_count() {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  return static_cast<int64_t>(reg.layers.size());
 }
 
 // The passes of an autograd Function, with or without a bias argument (an undefined tensor in its
 // place is not accepted by torch::autograd::Function::apply).
 at::Tensor forward_pass(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                        const std::optional<at::Tensor>& bias, int64_t layer) {
-  ctx->saved_data["layer"] = layer;
+                        const std::optional<at::Tensor>& bias, const c10::intrusive_ptr<Layer>& layer) {
+  ctx->saved_data["layer"] = c10::IValue::make_capsule(layer);
   ctx->save_for_backward({input, weight});  // only these, as the Python Function
-  return *layers().at(layer)->forward->replay({input, weight, bias}).at(0);
+  return *layer->forward->replay({input, weight, bias}).at(0);
 }
 
 // grads of input, weight and bias (undefined where not wanted); mask bits: 1 input, 2 weight, 4 bias
 torch::autograd::variable_list backward_pass(torch::autograd::AutogradContext* ctx, const at::Tensor& grad_out,
                                              int64_t mask) {
   auto saved = ctx->get_saved_variables();
-  auto& layer = layers().at(ctx->saved_data["layer"].toInt());
-  auto result = layer->backward_for(mask, grad_out, saved[0], saved[1])->replay({grad_out, saved[0], saved[1]});
+  auto layer = c10::static_intrusive_pointer_cast<Layer>(ctx->saved_data["layer"].toCapsule());
+  if (at::GradMode::is_enabled()) {  // create_graph: a backward autograd can differentiate again
+    return layer->run_python_backward(mask, grad_out, saved[0], saved[1]);
+  }
+  at::Tensor grad = plain(grad_out), input = plain(saved[0]), weight = plain(saved[1]);
+  auto program = layer->backward_for(mask, grad, input, weight);
+  if (!program) return layer->run_python_backward(mask, grad, input, weight);
+  auto result = program->replay({grad, input, weight});
   torch::autograd::variable_list out(3);
   for (size_t i = 0; i < 3 && i < result.size(); ++i) {
     if (result[i]) out[i] = *result[i];
@@ -312,7 +416,7 @@ int64_t wanted(torch::autograd::AutogradContext* ctx, bool has_bias) {
 class ConvFunction : public torch::autograd::Function<ConvFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                            int64_t layer) {
+                            const c10::intrusive_ptr<Layer>& layer) {
     return forward_pass(ctx, input, weight, std::nullopt, layer);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -325,7 +429,7 @@ class ConvFunction : public torch::autograd::Function<ConvFunction> {
 class ConvBiasFunction : public torch::autograd::Function<ConvBiasFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                            const at::Tensor& bias, int64_t layer) {
+                            const at::Tensor& bias, const c10::intrusive_ptr<Layer>& layer) {
     return forward_pass(ctx, input, weight, bias, layer);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -335,8 +439,11 @@ class ConvBiasFunction : public torch::autograd::Function<ConvBiasFunction> {
   }
 };
 
-at::Tensor conv(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                int64_t layer) {
+// None where the layer has been evicted meanwhile (the caller takes the full path).
+std::optional<at::Tensor> conv(const at::Tensor& input, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, int64_t number) {
+  auto layer = find_layer(number);
+  if (!layer) return std::nullopt;
   return bias ? ConvBiasFunction::apply(input, weight, *bias, layer) : ConvFunction::apply(input, weight, layer);
 }
 
@@ -344,6 +451,8 @@ at::Tensor conv(const at::Tensor& input, const at::Tensor& weight, const std::op
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_layer", &register_layer);
+  m.def("release_layer", &release_layer);
+  m.def("layer_count", &layer_count);
   m.def("conv", &conv);
   py::class_<Program, std::shared_ptr<Program>>(m, "Program")
       .def(py::init<int64_t>())

@@ -11,11 +11,13 @@ of the data pointer, which are also what Triton specialises a kernel on.
 from __future__ import annotations
 
 import contextlib
-import os
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, Optional, Tuple, TypeVar
 
 import torch
+
+from .._env import switch
 
 T = TypeVar("T")
 _PLAN_LIMIT = 4096  # distinct (geometry, layout) pairs kept; past it the cache starts over
@@ -34,7 +36,9 @@ class LaunchPlan:
 
 
 def layout_key(t: torch.Tensor) -> Hashable:
-    return (t.shape, t.stride(), t.dtype, t.device.type, t.data_ptr() % 16)
+    # (is_neg: a negative-bit view reads as its negation; dwconv resolves it, so a plan or a recorded
+    # program of a plain tensor must never be taken for one)
+    return (t.shape, t.stride(), t.dtype, t.device.type, t.data_ptr() % 16, t.is_neg())
 
 
 _MISSING = object()
@@ -69,9 +73,9 @@ def new_partial(plan: LaunchPlan, device: torch.device) -> torch.Tensor:
     return torch.empty(plan.partial_shape, device=device, dtype=plan.partial_dtype)
 
 
-# On since session 10 (GPU tests passed with it; the launchers' host time halved on two of four
-# small layers, docs/notes.md); DWCONV_FAST_LAUNCH=0 turns it off (Triton's launch hooks, say).
-FAST_LAUNCH = os.environ.get("DWCONV_FAST_LAUNCH", "1") == "1"
+# On by default (GPU tests passed with it; the launchers' host time halved on two of four small
+# layers, docs/notes.md); DWCONV_FAST_LAUNCH=0 (or false/off/no) turns it off (Triton's launch hooks, say).
+FAST_LAUNCH = switch("DWCONV_FAST_LAUNCH") is not False
 
 
 def on_device_of(t: torch.Tensor):
@@ -82,15 +86,29 @@ def on_device_of(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
-# ops/program.py's recorder while it records a pass (None otherwise): it logs each launch, then
-# launches through launch_now with its dispatch mode off.
-RECORDER = None
+# ops/program.py's recorder while it records a pass on this thread (`recorder`, None otherwise): it
+# logs each launch, then launches through launch_now with its dispatch mode off. One a thread, as
+# TorchDispatchMode's stack is: threads meeting new layers at once (DataParallel's replicas, the
+# autograd engine's device threads, a serving pool) each record their own pass.
+RECORDING = threading.local()
+RECORDING.recorder = None
+
+
+def recorder():
+    """This thread's recorder, or None."""
+    return getattr(RECORDING, "recorder", None)
+
+
+# Triton's interpreter keeps the running program's grid index in one process-wide object, so two
+# threads' launches under it must not overlap (CPU tests only; compiled launches need no lock).
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def launch(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
-    """Every kernel launch of dwconv goes through here (launch_now), or to the recorder while one records."""
-    if RECORDER is not None:
-        RECORDER.launch(kernel, plan, tensors)
+    """Every kernel launch of dwconv goes through here (launch_now), or to this thread's recorder."""
+    active = getattr(RECORDING, "recorder", None)
+    if active is not None:
+        active.launch(kernel, plan, tensors)
         return
     launch_now(kernel, plan, *tensors)
 
@@ -107,7 +125,11 @@ def launch_now(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
         with torch.cuda.device(tensors[0].device):
             launch_now(kernel, plan, *tensors)
         return
-    if not (FAST_LAUNCH and tensors[0].is_cuda):
+    if not tensors[0].is_cuda:
+        with _INTERPRETER_LOCK:
+            kernel[plan.grid](*tensors, *plan.scalars, **plan.constants)
+        return
+    if not FAST_LAUNCH:
         kernel[plan.grid](*tensors, *plan.scalars, **plan.constants)
         return
     key = (kernel, torch.cuda.current_device())  # (Triton compiles and caches per current device)

@@ -12,18 +12,19 @@ backward are such programs: eager calls on CUDA tensors take it once the replaye
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shutil
 import sys
 import threading
 import warnings
+from collections import OrderedDict
 from typing import List, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._env import switch
 from . import _launch
 from .program import LaunchStep, NotRecordable, OpStep, Program, Ref, program_key, record
 
@@ -31,8 +32,8 @@ SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "repla
 
 
 def _build_arguments(cuda_launches: bool) -> dict:
-    """torch.utils.cpp_extension.load's keyword arguments for the replayer (plain data: the
-    background build passes them to another process)."""
+    """torch.utils.cpp_extension.load's keyword arguments for the replayer (plain data: the build
+    runs in another process)."""
     flags, includes, ldflags = ["-O2"], [], []
     if cuda_launches:
         import triton
@@ -42,87 +43,185 @@ def _build_arguments(cuda_launches: bool) -> dict:
         includes.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include"))
         torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
         ldflags = [f"-L{d}" for d in libcuda_dirs()] + ["-lcuda", f"-L{torch_lib}", "-lc10_cuda"]
-    return dict(name="dwconv_replay" + ("_cuda" if cuda_launches else "_cpu"), sources=[SOURCE],
-                extra_cflags=flags, extra_include_paths=includes, extra_ldflags=ldflags, verbose=False)
+    name = "dwconv_replay" + ("_cuda" if cuda_launches else "_cpu")
+    return dict(name=name, sources=[SOURCE], extra_cflags=flags, extra_include_paths=includes,
+                extra_ldflags=ldflags, build_directory=_build_directory(name), verbose=False)
 
 
-def _ninja_on_path() -> None:
-    if shutil.which("ninja") is None:  # (pip's ninja puts it beside the interpreter, maybe not on PATH)
-        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+def _build_directory(name: str) -> str:
+    """Where the replayer is built: torch's extension root (TORCH_EXTENSIONS_DIR or its default), one
+    folder per Python and torch version, so that a build is never loaded into another torch."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return os.path.join(root, "dwconv", re.sub(r"[^A-Za-z0-9_.-]", "_", tag), name)
 
 
-@functools.lru_cache(maxsize=None)
+# A build that takes longer is given up (the first build of the CUDA replayer takes about a minute);
+# a build lock older than this was left by a build that was killed, and is removed.
+BUILD_TIMEOUT_S = 600.0
+
+# Runs in a process of its own: torch's build takes a lock file that a process killed mid-build
+# leaves behind, and needs ninja on PATH, which is set for that process alone.
+_BUILD_SCRIPT = ("import json, sys; from torch.utils.cpp_extension import load; "
+                 "print(load(**json.loads(sys.argv[1])).__file__)")
+
+
+class BuildFailed(RuntimeError):
+    """The replayer could not be built or loaded."""
+
+
+def _build(arguments: dict) -> str:
+    """Builds the replayer in a subprocess (a no-op where it is built already) and returns the path
+    of the module. Never waits past BUILD_TIMEOUT_S; removes a stale lock first."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    directory = arguments["build_directory"]
+    os.makedirs(directory, exist_ok=True)
+    lock = os.path.join(directory, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > BUILD_TIMEOUT_S:
+            os.remove(lock)
+            warnings.warn(f"dwconv: removed the C++ replayer's build lock {lock}, left by a build that did not "
+                          "finish", RuntimeWarning)
+    except FileNotFoundError:
+        pass
+    env = dict(os.environ)
+    if shutil.which("ninja") is None:  # (pip's ninja sits beside the interpreter, maybe not on PATH)
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    started = time.time()
+    try:
+        child = subprocess.Popen([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(arguments)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    except OSError as error:
+        raise BuildFailed(repr(error)) from None
+    try:
+        out, err = child.communicate(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)  # (the compiler too: the build's process group)
+        child.communicate()
+        try:  # (our build's own lock: made after it started)
+            if os.path.getmtime(lock) >= started - 1:
+                os.remove(lock)
+        except FileNotFoundError:
+            pass
+        raise BuildFailed(f"the build took more than {BUILD_TIMEOUT_S:.0f} s (another build holding {lock}?)") \
+            from None
+    lines = out.strip().splitlines()
+    if child.returncode or not lines or not os.path.exists(lines[-1]):
+        raise BuildFailed((err.strip().splitlines() or ["no message"])[-1])
+    return lines[-1]
+
+
+_MODULES: dict = {}  # cuda_launches -> the loaded replayer
+_FAILURES: dict = {}  # cuda_launches -> why it could not be built (warned once)
+_DEFAULT_MODULE: list = []  # the one of this machine (CUDA launches where CUDA is available), once loaded
+_BUILD_LOCK = threading.Lock()
+
+
 def extension(cuda_launches: Optional[bool] = None):
-    """The compiled replayer (torch.utils.cpp_extension.load: cached on disk between processes).
-    cuda_launches: with cuLaunchKernel (needs CUDA's driver library; default: where CUDA is available)."""
-    from torch.utils.cpp_extension import load
+    """The compiled replayer, built first if it must be (see `_build`).
+    cuda_launches: with cuLaunchKernel (needs CUDA's driver library; default: where CUDA is available).
+    Raises BuildFailed, the same each time, where it cannot be built."""
+    if cuda_launches is None:
+        if _DEFAULT_MODULE:
+            return _DEFAULT_MODULE[0]
+        cuda_launches = torch.cuda.is_available()
+    module = _MODULES.get(cuda_launches)
+    if module is not None:
+        return module
+    with _BUILD_LOCK:
+        if cuda_launches in _FAILURES:
+            raise BuildFailed(_FAILURES[cuda_launches])
+        if cuda_launches not in _MODULES:
+            arguments = _build_arguments(cuda_launches)
+            try:
+                _MODULES[cuda_launches] = _import(arguments["name"], _build(arguments))
+                if cuda_launches == torch.cuda.is_available():
+                    _DEFAULT_MODULE.append(_MODULES[cuda_launches])
+            except Exception as error:
+                _FAILURES[cuda_launches] = str(error) if isinstance(error, BuildFailed) else repr(error)
+                raise BuildFailed(_FAILURES[cuda_launches]) from None
+    return _MODULES[cuda_launches]
 
-    _ninja_on_path()
-    return load(**_build_arguments(torch.cuda.is_available() if cuda_launches is None else cuda_launches))
+
+def _import(name: str, path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---- when eager calls take this path ----------------------------------------------------------
 
 def enabled(input: torch.Tensor) -> bool:
-    """Whether dwconv's eager call on `input` goes through `conv` (below). DWCONV_NATIVE=0: never;
-    =1: always (the replayer is built now if it must be). Unset: CUDA tensors, once the replayer is
-    built: the first call starts the build in the background and calls keep the Python path, which
+    """Whether dwconv's eager call on `input` goes through `conv` (below). DWCONV_NATIVE=0 (false,
+    off, no): never; =1 (true, on, yes): always, the replayer built now if it must be (where it
+    cannot be, one warning and the Python path). Unset: CUDA tensors, once the replayer is built:
+    the first call starts the build in the background and calls keep the Python path, which
     launches the same kernels, until it is done. Never under a TorchDispatchMode (a mode would see
     the recorded ops but not the launches the Python path makes, and a recording would log its ops)."""
-    setting = os.environ.get("DWCONV_NATIVE")
-    if setting == "0" or torch._C._len_torch_dispatch_stack():
+    setting = switch("DWCONV_NATIVE")
+    if setting is False or torch._C._len_torch_dispatch_stack():
         return False
-    return setting == "1" or (input.is_cuda and _built_in_background())
+    if setting:
+        return _forced()
+    return input.is_cuda and _built_in_background()
 
 
-_BACKGROUND: dict = {}  # "thread": the build's watcher; "built": the build finished and succeeded
+def _forced() -> bool:
+    if _DEFAULT_MODULE:
+        return True
+    return _load_or_warn("DWCONV_NATIVE=1")
+
+
+def _load_or_warn(why: str) -> bool:
+    failed = torch.cuda.is_available() in _FAILURES
+    try:
+        extension()
+        return True
+    except BuildFailed as error:
+        if not failed:
+            warnings.warn(f"dwconv: the C++ replayer could not be built ({error}); {why}: eager calls keep the "
+                          "Python path (README, 'Launches on the GPU')", RuntimeWarning)
+        return False
 
 
 def prepare() -> bool:
     """Build or load the CUDA replayer now, unless DWCONV_NATIVE=0: eager calls on CUDA tensors then
     take the C++ path from the first (benchmarks, warm-up). False where it cannot be built (warned)."""
-    if os.environ.get("DWCONV_NATIVE") == "0":
+    if switch("DWCONV_NATIVE") is False:
         return False
-    try:
-        extension(True)
-    except Exception as error:
-        warnings.warn(f"dwconv: the C++ replayer could not be built ({error!r}); eager calls keep the "
-                      "Python path", RuntimeWarning)
+    if not _load_or_warn("prepare()"):
         return False
     _BACKGROUND["built"] = True
     return True
 
 
+_BACKGROUND: dict = {}  # "thread": the build's watcher; "built": the build finished and succeeded
+
+
 def _built_in_background() -> bool:
-    """True once the CUDA replayer is built; the first call starts building it in a detached process
-    (its first build on a machine takes about a minute, later ones find it on disk in seconds). A
-    process of its own, not a thread doing the build: torch's build holds a lock file that a process
-    ending mid-build would leave behind, and every later build would wait on it."""
+    """True once the CUDA replayer is built; the first call starts building it in a thread that
+    waits on the build's process (its first build on a machine takes about a minute, later ones
+    find it on disk in seconds)."""
     if _BACKGROUND.get("built"):
         return True
     if "thread" not in _BACKGROUND:
-        _BACKGROUND["thread"] = threading.Thread(target=_build_detached, name="dwconv-native-build", daemon=True)
+        _BACKGROUND["thread"] = threading.Thread(target=_build_in_background, name="dwconv-native-build", daemon=True)
         _BACKGROUND["thread"].start()
     return False
 
 
-def _build_detached() -> None:
-    import json
-    import subprocess
-
-    _ninja_on_path()
-    script = "import json, sys; from torch.utils.cpp_extension import load; load(**json.loads(sys.argv[1]))"
-    try:
-        build = subprocess.run([sys.executable, "-c", script, json.dumps(_build_arguments(True))],
-                               capture_output=True, text=True, start_new_session=True)
-        failure = build.returncode and (build.stderr.strip().splitlines() or ["no message"])[-1]
-    except Exception as error:  # (no CUDA driver library, no interpreter to run)
-        failure = repr(error)
-    if failure:
-        warnings.warn(f"dwconv: the C++ replayer could not be built ({failure}); eager calls keep the "
-                      "Python path (docs: README, 'Launches on the GPU')", RuntimeWarning)
-    else:
-        _BACKGROUND["built"] = True  # (loaded by the next call: torch's loader finds it built)
+def _build_in_background() -> None:
+    if _load_or_warn("built in the background"):
+        _BACKGROUND["built"] = True
 
 
 class NativeProgram:
@@ -248,12 +347,22 @@ def native_program(program: Program, python_launches: bool = False) -> NativePro
 
 # dwconv's eager calls where `enabled` says so go through `conv`, an autograd Function written in
 # C++ whose passes are recorded programs (host time of a small layer's forward+backward on the H200
-# machine about half the Python Function's: docs/notes.md, session 20).
-_LAYERS: dict = {}  # (program_key of the tensors, geometry) -> the extension's layer number, or None
-# (program_key of the tensors, repr of (stride, padding, dilation) as the caller gave them) -> layer
-# number: calls that passed the argument checks before and were recorded (`conv_known`). The repr,
-# not the values: 1, True and 1.0 are equal keys, and the checks accept only the first.
+# machine about half the Python Function's: docs/notes.md, "The C++ replayer").
+#
+# The recorded layers, least recently used first: (program_key of the tensors, geometry) ->
+# [the extension's layer number (None: not recordable, the Python path), the `_KNOWN` keys naming it].
+# Bounded: past LAYER_CAPACITY the least recently used layer is released here and in C++ (a model
+# fed many input sizes kept every layer it ever saw: +57.6 MB after 4000 sizes). An autograd graph
+# holds its layer, so a backward after the eviction still finds its programs.
+LAYER_CAPACITY = 512
+_LAYERS: "OrderedDict[tuple, list]" = OrderedDict()
+# (program_key of the tensors, repr of (stride, padding, dilation) as the caller gave them) ->
+# (layer key, layer number): calls that passed the argument checks before and were recorded
+# (`conv_known`). The repr, not the values: 1, True and 1.0 are equal keys, and the checks accept
+# only the first.
 _KNOWN: dict = {}
+_SPELLINGS_PER_LAYER = 16  # (more spellings of one layer's arguments take the full path)
+_LAYERS_LOCK = threading.Lock()  # (insertions and evictions; lookups run without it)
 
 
 def conv_known(input, weight, bias, stride, padding, dilation) -> Optional[torch.Tensor]:
@@ -262,10 +371,16 @@ def conv_known(input, weight, bias, stride, padding, dilation) -> Optional[torch
     geometry again (about half of the Python host time of a small layer's forward on the CPU
     machine). None for any other call: the caller takes the full path."""
     try:
-        layer = _KNOWN.get((program_key((input, weight, bias)), repr((stride, padding, dilation))))
+        known = _KNOWN.get((program_key((input, weight, bias)), repr((stride, padding, dilation))))
     except (AttributeError, TypeError, RuntimeError):  # (not tensors, no storage: the full path decides)
         return None
-    return None if layer is None else extension().conv(input, weight, bias, layer)
+    if known is None:
+        return None
+    try:
+        _LAYERS.move_to_end(known[0])
+    except KeyError:  # (evicted by another thread just now)
+        return None
+    return _DEFAULT_MODULE[0].conv(input, weight, bias, known[1])
 
 
 def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom,
@@ -277,39 +392,81 @@ def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     gave them, under which `conv_known` will find this layer."""
     tensors_key = program_key((input, weight, bias))
     key = (tensors_key, geom)
-    layer = _LAYERS.get(key, _NEW)
-    if layer is _NEW:
-        if len(_LAYERS) >= 4096:  # (as the launch plans' caches)
-            _LAYERS.clear()
-            _KNOWN.clear()
+    entry = _LAYERS.get(key)
+    if entry is None:
         try:
-            layer = _register(input, weight, bias, geom)
+            number = _register(input, weight, bias, geom)
         except NotRecordable:
-            layer = None
-        _LAYERS[key] = layer
-    if layer is None:
+            number = None
+        except Exception as error:  # (the replayer refused a step: as not recordable, said once)
+            warnings.warn(f"dwconv: a layer's forward could not be recorded for the C++ path ({error!r}); it "
+                          "keeps the Python path", RuntimeWarning)
+            number = None
+        entry = _remember(key, number)
+    else:
+        try:
+            _LAYERS.move_to_end(key)
+        except KeyError:
+            pass
+    number, spellings = entry
+    if number is None:
         return None
-    if arguments:
-        if len(_KNOWN) >= 4096:  # (many spellings of the same arguments can name one layer)
-            _KNOWN.clear()
-        _KNOWN[(tensors_key, repr(arguments))] = layer
-    return extension().conv(input, weight, bias, layer)
+    if arguments and len(spellings) < _SPELLINGS_PER_LAYER:
+        known = (tensors_key, repr(arguments))
+        if known not in _KNOWN:
+            spellings.append(known)
+            _KNOWN[known] = (key, number)
+    return extension().conv(input, weight, bias, number)
 
 
-_NEW = object()
+def _remember(key, number: Optional[int]) -> list:
+    with _LAYERS_LOCK:
+        entry = _LAYERS.setdefault(key, [number, []])
+        if entry[0] != number and number is not None:  # (another thread registered it first)
+            extension().release_layer(number)
+        while len(_LAYERS) > LAYER_CAPACITY:
+            _, (old, spellings) = _LAYERS.popitem(last=False)
+            for known in spellings:
+                _KNOWN.pop(known, None)
+            if old is not None:
+                extension().release_layer(old)
+    return entry
+
+
+def forget_layers() -> None:
+    """Releases every recorded layer (tests: each records its own programs under its own knobs)."""
+    with _LAYERS_LOCK:
+        numbers = [number for number, _ in _LAYERS.values() if number is not None]
+        _LAYERS.clear()
+        _KNOWN.clear()
+        for number in numbers:
+            extension().release_layer(number)
 
 
 def _register(input, weight, bias, geom) -> int:
-    from .._library import _backward_formula
+    from .._library import backward_for_autograd, _backward_formula
     from .forward import conv_forward
 
     python_launches = not input.is_cuda  # (CPU tensors: the interpreter, called back from C++)
     _, forward = record(lambda x, w, b: conv_forward(x, w, b, geom), [input, weight, bias])
 
     def record_backward(mask: int, grad_out: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+        """This backward's program, or None: then it runs python_backward (below), always."""
         def grads(grad_out, x, w):
             return _backward_formula(grad_out, x, w, geom, bool(mask & 1), bool(mask & 2), bool(mask & 4),
                                      traced=False)
-        return NativeProgram(record(grads, [grad_out, x, w])[1], python_launches).native
+        try:
+            return NativeProgram(record(grads, [grad_out, x, w])[1], python_launches).native
+        except NotRecordable:
+            return None
+        except Exception as error:  # (the Python path then raises again if the pass itself failed)
+            warnings.warn(f"dwconv: a layer's backward could not be recorded for the C++ path ({error!r}); it "
+                          "keeps the Python path", RuntimeWarning)
+            return None
 
-    return extension().register_layer(NativeProgram(forward, python_launches).native, record_backward)
+    def python_backward(mask: int, grad_out: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+        """The Python Function's backward: differentiable again under create_graph=True."""
+        return list(backward_for_autograd(grad_out, x, w, geom, bool(mask & 1), bool(mask & 2), bool(mask & 4)))
+
+    return extension().register_layer(NativeProgram(forward, python_launches).native, record_backward,
+                                      python_backward)

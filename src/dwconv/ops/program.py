@@ -152,16 +152,17 @@ class _Recorder(TorchDispatchMode):
 
 
 def record(fn: Callable, inputs: Sequence[Optional[torch.Tensor]], *args) -> Tuple[Any, Program]:
-    """fn(*inputs, *args) run once (its results returned) and recorded as a program over inputs."""
-    if _launch.RECORDER is not None:
-        raise NotRecordable("already recording")
+    """fn(*inputs, *args) run once (its results returned) and recorded as a program over inputs.
+    Records this thread's ops and launches only (other threads run theirs as usual meanwhile)."""
+    if _launch.recorder() is not None:
+        raise NotRecordable("already recording on this thread")
     recorder = _Recorder(inputs)
-    _launch.RECORDER = recorder
+    _launch.RECORDING.recorder = recorder
     try:
         with torch.no_grad(), recorder:
             out = fn(*inputs, *args)
     finally:
-        _launch.RECORDER = None
+        _launch.RECORDING.recorder = None
     leaves, spec = tree_flatten(out)
     outputs = tree_unflatten([recorder.ref(t) if isinstance(t, torch.Tensor) else t for t in leaves], spec)
     for finalizer in recorder.finalizers:  # (the map is done with: no callbacks when these tensors die)

@@ -1,0 +1,25 @@
+"""dwconv's environment switches, parsed the one way everywhere."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
+
+
+def switch(name: str) -> Optional[bool]:
+    """The environment variable `name` as a switch: True for 1/true/on/yes, False for 0/false/off/no
+    (any case, spaces ignored), None when unset or empty. Anything else raises: a typo must not turn
+    a path on or off unseen."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return None
+    word = value.strip().lower()
+    if word in _ON:
+        return True
+    if word in _OFF:
+        return False
+    raise ValueError(f"dwconv: environment variable {name}={value!r} is not a switch; "
+                     f"use one of {'/'.join(_ON)} or {'/'.join(_OFF)}")
