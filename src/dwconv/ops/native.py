@@ -93,7 +93,7 @@ def _build(arguments: dict) -> str:
     env = dict(os.environ)
     if shutil.which("ninja") is None:  # (pip's ninja sits beside the interpreter, maybe not on PATH)
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    started = time.time()
+    ours = not os.path.exists(lock)  # (a lock there now is another build's: never removed below)
     try:
         child = subprocess.Popen([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(arguments)], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -104,11 +104,8 @@ def _build(arguments: dict) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)  # (the compiler too: the build's process group)
         child.communicate()
-        try:  # (our build's own lock: made after it started)
-            if os.path.getmtime(lock) >= started - 1:
-                os.remove(lock)
-        except FileNotFoundError:
-            pass
+        if ours and os.path.exists(lock):  # (our killed build's own lock)
+            os.remove(lock)
         raise BuildFailed(f"the build took more than {BUILD_TIMEOUT_S:.0f} s (another build holding {lock}?)") \
             from None
     lines = out.strip().splitlines()
