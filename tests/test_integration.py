@@ -321,6 +321,50 @@ def test_convert_a_single_layer_and_bad_input():
         dwconv.convert("not a model")
 
 
+def test_convert_a_layer_used_twice():
+    """One nn.Conv2d in two places (weights tied): converted in both, still one layer (before: only
+    where it first appeared, which broke the tie)."""
+    shared = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+    model = nn.Sequential(shared, nn.ReLU(), nn.Sequential(shared))
+    converted = dwconv.convert(model, verbose=False)
+    assert converted.dwconv_converted == 1
+    assert isinstance(converted[0], dwconv.DepthwiseConv2d) and converted[0] is converted[2][0]
+    x = randn(2, 4, 6, 7)
+    assert_close(converted(x), model(x).double(), torch.float32, "tied model")
+
+
+def test_convert_keeps_hooks_and_parametrizations():
+    """weight_norm and spectral_norm (torch.nn.utils.parametrizations), the older hook-based
+    weight_norm and pruning: every such layer converted, in place, with the same outputs and
+    gradients as the stock model (before: the first hook-based layer raised midway, the model left
+    half-converted; parametrized layers were left alone)."""
+    from torch.nn.utils import parametrizations, prune
+
+    def model():
+        torch.manual_seed(0)
+        layers = [nn.Conv2d(4, 4, 3, padding=1, groups=4) for _ in range(5)]
+        parametrizations.weight_norm(layers[1])
+        with pytest.warns(FutureWarning):
+            torch.nn.utils.weight_norm(layers[2])
+        prune.l1_unstructured(layers[3], "weight", amount=0.4)
+        parametrizations.spectral_norm(layers[4])
+        return nn.Sequential(*layers).to(DEVICE)
+
+    stock, converted = model(), model()
+    same = dwconv.convert(converted, inplace=True, verbose=False)
+    assert same is converted and converted.dwconv_converted == 5
+    assert all(isinstance(m, dwconv.DepthwiseConv2d) for m in converted)
+    assert torch.nn.utils.parametrize.type_before_parametrizations(converted[1]) is dwconv.DepthwiseConv2d
+    assert list(stock.state_dict()) == list(converted.state_dict())
+    x = randn(2, 4, 7, 6)
+    outs = [m(x) for m in (stock, converted)]
+    assert_close(outs[1], outs[0].double(), torch.float32, "output")
+    for m, out in zip((stock, converted), outs):
+        out.square().sum().backward()
+    for (name, p), (_, q) in zip(stock.named_parameters(), converted.named_parameters()):
+        assert_close(q.grad, p.grad.double(), torch.float32, f"gradient of {name}")
+
+
 def test_model_bench_helpers():
     """`bench --model`'s building blocks on the tiny model (the timing itself needs a GPU)."""
     from dwconv.bench_models import build_model, compare_gradients, compare_outputs

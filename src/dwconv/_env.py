@@ -7,6 +7,8 @@ from typing import Optional
 
 _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
+_PARSED: dict = {None: None}
+_UNPARSED = object()
 
 
 def switch(name: str) -> Optional[bool]:
@@ -14,12 +16,14 @@ def switch(name: str) -> Optional[bool]:
     (any case, spaces ignored), None when unset or empty. Anything else raises: a typo must not turn
     a path on or off unseen."""
     value = os.environ.get(name)
+    parsed = _PARSED.get(value, _UNPARSED)  # (read on every eager call: parsed once a spelling)
+    if parsed is not _UNPARSED:
+        return parsed
     if value is None or not value.strip():
         return None
     word = value.strip().lower()
-    if word in _ON:
-        return True
-    if word in _OFF:
-        return False
+    if word in _ON or word in _OFF:
+        _PARSED[value] = word in _ON
+        return _PARSED[value]
     raise ValueError(f"dwconv: environment variable {name}={value!r} is not a switch; "
                      f"use one of {'/'.join(_ON)} or {'/'.join(_OFF)}")

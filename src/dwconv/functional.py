@@ -83,12 +83,10 @@ def _pytorch_must_run(*tensors: Optional[torch.Tensor]) -> bool:
     """Tensors without memory of their own for the kernels to read: torch.func's wrappers (grad,
     vmap, jacrev, ...) and tensor subclasses that dispatch in Python. F.conv2d computes these, with
     every transform PyTorch supports."""
-    for t in tensors:
-        if t is not None and (torch._C._functorch.is_functorch_wrapped_tensor(t) or (
-                type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
-                and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python))):
-            return True
-    return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:  # (a transform is running)
+        return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    return any(t is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
+               and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python) for t in tensors)
 
 
 _EAGER = None

@@ -36,9 +36,7 @@ class LaunchPlan:
 
 
 def layout_key(t: torch.Tensor) -> Hashable:
-    # (is_neg: a negative-bit view reads as its negation; dwconv resolves it, so a plan or a recorded
-    # program of a plain tensor must never be taken for one)
-    return (t.shape, t.stride(), t.dtype, t.device.type, t.data_ptr() % 16, t.is_neg())
+    return (t.shape, t.stride(), t.dtype, t.device.type, t.data_ptr() % 16)
 
 
 _MISSING = object()

@@ -59,8 +59,11 @@ class LaunchStep:
 
 def program_key(tensors: Sequence[Optional[torch.Tensor]], *extra) -> tuple:
     """What a recorded pass depends on: each tensor's layout_key (shape, strides, dtype, device type,
-    data pointer mod 16) and device index, or None, and the other arguments as given."""
-    return tuple(None if t is None else (_launch.layout_key(t), t.device.index) for t in tensors) + extra
+    data pointer mod 16), device index and negative bit (dwconv resolves a torch._neg_view before
+    recording, so a program of a plain tensor must never be taken for one), or None, and the other
+    arguments as given."""
+    return tuple(None if t is None else (_launch.layout_key(t), t.device.index, t.is_neg())
+                 for t in tensors) + extra
 
 
 class Program:
