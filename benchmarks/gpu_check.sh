@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the forward variant sweep, then the user-facing benchmark.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncu84bwd|ncularge|native|nativepath|outliers|clsmall|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
+# Usage (on the GPU machine, from the repo root): bash benchmarks/gpu_check.sh [tests|tests1|tests2|tests3|safety|sweep|sweep84|sweepbwd|probe|pixels|host|thread|fastlaunch|graphs|ab|fma|crossover|nchw84|ncu84|ncu84bwd|ncularge|native|nativepath|outliers|clsmall|blocks|savecache|models|ddp|backward|bench|bench84|cl|suite|all]...
 # Logs go to $OUT (or ./out) so they come back from the device tool.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -134,6 +134,18 @@ for step in $steps; do
     native) python3 benchmarks/probe_native_launch.py 2>&1 | tee "$OUT/probe_native.log" ;;
     # the C++ eager path (ops/native.py; the default since session 20, forced here): its tests and
     # the gradient tests through it, then host time against the Python Function on small layers
+    # the eager path under PyTorch's other features (hooks, double backward, threads, streams, a
+    # randomized differential test), then the eager host time of the tree against .ab_old's (carried)
+    safety) (PYTHONPATH=.ab_old/src python3 -c 'from dwconv.ops import native; native.prepare()' >/dev/null 2>&1 &)
+            timeout ${SAFETY_TESTS_S:-380} python3 -m pytest -v -rf $xdist tests/test_autograd_safety.py tests/test_differential.py \
+              tests/test_native.py -p no:cacheprovider >"$OUT/safety_tests.log" 2>&1
+            tests_summary "$OUT/safety_tests.log"
+            for round in 1 2; do
+              for tree in ${AB_TREES:-.ab_old/src src}; do
+                echo "tree $tree" | tee -a "$OUT/safety_host.log"
+                PYTHONPATH=$tree timeout 120 python3 benchmarks/probe_native_host.py 2>&1 | tail -2 | tee -a "$OUT/safety_host.log"
+              done
+            done ;;
     nativepath) DWCONV_NATIVE=1 python3 -m pytest -v -rf $xdist tests/test_native.py tests/test_backward.py \
                   -k "native or gradient_grid or gradient_dtypes or partial_requires or mixed_layouts or expanded or network or deterministic or through_autograd" \
                   -p no:cacheprovider >"$OUT/native_tests.log" 2>&1

@@ -227,6 +227,9 @@ def test_native_background_build(monkeypatch, outcome):
                             lambda cuda_launches: dict(build_arguments(False), name="dwconv_missing",
                                                        sources=["/nonexistent/replay.cpp"]))
     monkeypatch.setattr(native, "_BACKGROUND", {})
+    for loaded in ("_MODULES", "_FAILURES"):  # (as in a fresh process: nothing built or refused yet)
+        monkeypatch.setattr(native, loaded, {})
+    monkeypatch.setattr(native, "_DEFAULT_MODULE", [])
     assert not native._built_in_background()  # (the first call only starts it)
     with pytest.warns(RuntimeWarning, match="could not be built") if outcome == "fails" else contextlib.nullcontext():
         native._BACKGROUND["thread"].join(timeout=900)
