@@ -325,7 +325,7 @@ def test_convert_a_layer_used_twice():
     """One nn.Conv2d in two places (weights tied): converted in both, still one layer (before: only
     where it first appeared, which broke the tie)."""
     shared = nn.Conv2d(4, 4, 3, padding=1, groups=4)
-    model = nn.Sequential(shared, nn.ReLU(), nn.Sequential(shared))
+    model = nn.Sequential(shared, nn.ReLU(), nn.Sequential(shared)).to(DEVICE)
     converted = dwconv.convert(model, verbose=False)
     assert converted.dwconv_converted == 1
     assert isinstance(converted[0], dwconv.DepthwiseConv2d) and converted[0] is converted[2][0]
