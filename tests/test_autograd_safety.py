@@ -419,6 +419,18 @@ def test_native_off_spelled_any_way(monkeypatch, value):
     assert type(out.grad_fn).__name__ == "DepthwiseConv2dFunctionBackward"
 
 
+@pytest.mark.parametrize("value,expected", [("yes", True), ("true", True), ("off", False)])
+def test_fast_launch_switch(value, expected):
+    """DWCONV_FAST_LAUNCH, read once at import (a fresh process): before, 'true' and 'yes' turned it off."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DWCONV_FAST_LAUNCH=value)
+    shown = subprocess.run([sys.executable, "-c", "from dwconv.ops import _launch; print(_launch.FAST_LAUNCH)"],
+                           env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert shown == str(expected)
+
+
 # ---- on the GPU: alignment and streams -------------------------------------------------------------
 
 @GPU
