@@ -2,7 +2,7 @@
 meets many input sizes (DWCONV_NATIVE=1). Each size is a new layer: recorded once, then evicted
 past ops.native.LAYER_CAPACITY.
 
-    TRITON_INTERPRET=1 python benchmarks/probe_layer_registry.py --sizes 4000
+    TRITON_INTERPRET=1 python benchmarks/probe_layer_registry.py --sizes 400 --every 50 --capacity 64
 """
 
 import argparse
@@ -26,7 +26,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, default=4000)
     parser.add_argument("--every", type=int, default=500)
+    parser.add_argument("--capacity", type=int, default=native.LAYER_CAPACITY)
     args = parser.parse_args()
+    native.LAYER_CAPACITY = args.capacity
     device = "cuda" if torch.cuda.is_available() else "cpu"
     weight = torch.randn(2, 1, 3, 3, device=device, requires_grad=True)
     start = None
