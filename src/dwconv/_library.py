@@ -40,7 +40,8 @@ def conv_arguments(geom: ConvGeometry) -> Tuple[List[int], List[int], List[int]]
 
 def plain(t: Optional[Tensor]) -> Optional[Tensor]:
     """t as the kernels may read it: a negative-bit view (torch._neg_view, what some ops return
-    lazily) resolved, since the launches read raw memory; any other tensor as it is."""
+    lazily) resolved, since the launches read raw memory; any other tensor as it is. Each door
+    resolves once, where it takes its tensors: the ops' bodies, the eager Functions."""
     return t.resolve_neg() if t is not None and t.is_neg() else t
 
 
@@ -66,14 +67,14 @@ def _(input, weight, bias, stride, padding, dilation):
 
 
 def _grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry) -> Tensor:
-    return _backward.conv_grad_input(plain(grad_out), plain(weight), geom, input)
+    return _backward.conv_grad_input(grad_out, weight, geom, input)
 
 
 @torch.library.custom_op("dwconv::conv2d_grad_input", mutates_args=())
 def conv2d_grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, stride: List[int], padding: List[int],
                       dilation: List[int]) -> Tensor:
     """grad of the input (input gives its shape, dtype and memory format)."""
-    return _grad_input(grad_out, input, weight, _geometry(input, weight, None, stride, padding, dilation))
+    return _grad_input(plain(grad_out), input, plain(weight), _geometry(input, weight, None, stride, padding, dilation))
 
 
 @conv2d_grad_input.register_fake
@@ -82,7 +83,7 @@ def _(grad_out, input, weight, stride, padding, dilation):
 
 
 def _grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry, bias_grad: bool) -> List[Tensor]:
-    grad_weight, grad_bias = _backward.conv_grad_weight(plain(grad_out), plain(input), geom, weight.dtype, bias_grad)
+    grad_weight, grad_bias = _backward.conv_grad_weight(grad_out, input, geom, weight.dtype, bias_grad)
     return [grad_weight, grad_bias] if bias_grad else [grad_weight]
 
 
@@ -90,7 +91,8 @@ def _grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeom
 def conv2d_grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, stride: List[int], padding: List[int],
                        dilation: List[int], bias_grad: bool) -> List[Tensor]:
     """[grad_weight] or, with bias_grad, [grad_weight, grad_bias], from one pass over grad_out and input."""
-    return _grad_weight(grad_out, input, weight, _geometry(input, weight, None, stride, padding, dilation), bias_grad)
+    geom = _geometry(input, weight, None, stride, padding, dilation)
+    return _grad_weight(plain(grad_out), plain(input), weight, geom, bias_grad)
 
 
 @conv2d_grad_weight.register_fake
@@ -100,7 +102,7 @@ def _(grad_out, input, weight, stride, padding, dilation, bias_grad):
 
 
 def _grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry) -> Tuple[Tensor, Tensor]:
-    return _backward.conv_grad_input_and_weight(plain(grad_out), plain(input), plain(weight), geom)
+    return _backward.conv_grad_input_and_weight(grad_out, input, weight, geom)
 
 
 @torch.library.custom_op("dwconv::conv2d_grad_input_weight", mutates_args=())
@@ -110,6 +112,7 @@ def conv2d_grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, st
     `ops.backward.fused_backward_applies` (stride 1, multiplier 1, ...), else from the two kernels:
     the op takes any geometry (the backward formula asks before it calls)."""
     geom = _geometry(input, weight, None, stride, padding, dilation)
+    grad_out, input, weight = plain(grad_out), plain(input), plain(weight)
     if not _backward.fused_backward_applies(geom, input):
         return _grad_input(grad_out, input, weight, geom), _grad_weight(grad_out, input, weight, geom, False)[0]
     return _grad_input_weight(grad_out, input, weight, geom)
