@@ -57,14 +57,13 @@ def compile_instead_of_launch(self, grid):
 driver.set_active(CompileOnlyDriver())
 JITFunction.__getitem__ = compile_instead_of_launch
 
-from dwconv.ops import _launch  # noqa: E402
+from dwconv import tuning  # noqa: E402
 
-_launch.PLAN_AS_GPU = True  # the launchers' GPU choices for these CPU tensors (what the GPU compiles)
+tuning.override(plan_as_gpu=True).__enter__()  # the launchers' GPU choices for these CPU tensors (what the GPU compiles)
 
 from dwconv._geometry import conv_geometry  # noqa: E402
-from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight,  # noqa: E402
-                                 conv_grad_weight)
-from dwconv.ops.forward import ForwardConfig, conv_forward, launch_forward  # noqa: E402
+from dwconv.dispatch import (ForwardConfig, GradWeightConfig, conv_forward, conv_grad_input,  # noqa: E402
+                             conv_grad_input_and_weight, conv_grad_weight, launch_forward)
 
 CL = torch.channels_last
 
@@ -88,7 +87,7 @@ def fused_backward(shape, kernel, dtype, config, **conv):
 
 
 def capped_fused_backward(shape, kernel, dtype, config, **conv):
-    """The fused channels_last pass, whose half-precision default cap (backward.NHWC_FUSED_MAXNREG)
+    """The fused channels_last pass, whose half-precision default cap (tuning: nhwc_fused_half_maxnreg)
     must reach ptxas."""
     before = len(COMPILED)
     fused_backward(shape, kernel, dtype, config, **conv)
@@ -102,20 +101,15 @@ def grad_weight(shape, kernel, dtype, config, **conv):
 
 
 def large_fma_grad_weight(shape, kernel, dtype, config, **conv):
-    from dwconv.ops.large_fma import large_fma_grad_weight as grad_weight_fma
+    from dwconv.kernels.large_fma import large_fma_grad_weight as grad_weight_fma
 
     x, weight, geom, grad_out = tensors(shape, kernel, dtype, **conv)
     grad_weight_fma(grad_out, x, geom, dtype, True)
 
 
 def forward_weight_vectors(shape, kernel, dtype, config, **conv):
-    from dwconv.ops import large_fma
-
-    taps, large_fma.WEIGHT_VECTORS_MIN_TAPS = large_fma.WEIGHT_VECTORS_MIN_TAPS, 0
-    try:
+    with tuning.override(weight_vectors_min_taps=0):
         flipped_forward(shape, kernel, dtype, config, **conv)
-    finally:
-        large_fma.WEIGHT_VECTORS_MIN_TAPS = taps
 
 
 def flipped_forward(shape, kernel, dtype, config, **conv):
@@ -133,7 +127,6 @@ f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float6
 # keep the same constexprs: #84-like rows of 510 outputs, narrow rows, strides, dilation, NHWC.
 CASES = [
     ("rows, 4-vectors, odd output rows aligned", forward, ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("rows", 128, 512, 2, 4)), {}),
-    ("rows, streaming hints", forward, ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("rows", 128, 512, 2, 4, stream=True)), {}),
     ("rows, 4-vectors, bfloat16", forward, ((1, 2, 18, 512), (3, 3), bf16, ForwardConfig("rows", 128, 512, 2, 4)), {}),
     ("rows, 1 column a lane, dilation", forward, ((1, 2, 40, 64), (3, 3), f32, ForwardConfig("rows", 32, 64, 1)),
      dict(padding=2, dilation=2)),

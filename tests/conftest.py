@@ -9,18 +9,17 @@ if not torch.cuda.is_available():
     # Must happen before triton.jit decorates dwconv's kernels (Triton reads it then).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import dwconv.ops._launch  # noqa: E402  (after TRITON_INTERPRET is set)
-from dwconv.ops import large_fma  # noqa: E402
+import contextlib  # noqa: E402
+
+from dwconv import replay, tuning  # noqa: E402  (after TRITON_INTERPRET is set)
 
 # Every partial-sum buffer starts as NaN in the tests: an entry no program writes fails the test.
-dwconv.ops._launch.POISON_PARTIALS = True
-
-from dwconv.ops import native  # noqa: E402
+tuning.override(poison_partials=True).__enter__()
 
 if torch.cuda.is_available():
-    # eager calls on CUDA take the C++ replayer once it is built (ops/native.py): built now, so that
+    # eager calls on CUDA take the C++ replayer once it is built (replay/native.py): built now, so that
     # the tests of the eager path take the path users get, not whichever the background build allows
-    native.prepare()
+    replay.prepare()
 
 # Modules that test the eager path as users get it. The others test kernels and their dispatch,
 # some with dispatch knobs patched or launches spied on, which a program recorded by an earlier
@@ -34,16 +33,22 @@ NATIVE_SET_FOR_THE_RUN = "DWCONV_NATIVE" in os.environ
 @pytest.fixture(autouse=True)
 def eager_path(request, monkeypatch):
     """Each test records its own programs (under its own knobs); kernel tests on the Python path."""
-    native.forget_layers()
+    replay.forget_layers()
     if torch.cuda.is_available() and not NATIVE_SET_FOR_THE_RUN and request.module.__name__ not in EAGER_PATH_MODULES:
         monkeypatch.setenv("DWCONV_NATIVE", "0")
 
 
+@pytest.fixture
+def retune():
+    """retune(name=value, ...): the tuning table changed for the rest of the test (tuning.override)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(tuning.override(**changes))
+
+
 @pytest.fixture(autouse=True)
-def default_kernels_on_small_images(request, monkeypatch):
+def default_kernels_on_small_images(request, retune):
     """The forward and backward grids test the default kernels: on their small images the dispatcher
     would take large_fma for every 3x3 kernel (it does on planes up to 28 wide), which
     test_large_kernels.py tests at those sizes."""
     if request.module.__name__ in ("test_forward", "test_backward"):
-        monkeypatch.setattr(large_fma, "LARGE_FMA_SMALL_KERNEL_MAX_WIDTH", 0)
-        monkeypatch.setattr(large_fma, "LARGE_FMA_HALF_FORWARD_MAX_WIDTH", 0)
+        retune(large_fma_small_kernel_max_width=0, large_fma_half_forward_max_width=0)

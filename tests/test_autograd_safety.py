@@ -16,8 +16,8 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import dwconv
-from dwconv import _env
-from dwconv.ops import native, program
+from dwconv import _env, tuning
+from dwconv.replay import native, program
 from helpers import DEVICE, assert_close, randn
 
 PATHS = {"python": "0", "native": "1"}
@@ -294,12 +294,12 @@ def test_backward_that_cannot_be_recorded_falls_back(monkeypatch):
 
 # ---- the layer registry ---------------------------------------------------------------------------
 
-def test_layer_registry_is_bounded(monkeypatch):
-    """Many input sizes: the recorded layers stay at LAYER_CAPACITY here and in C++ (before: the C++
+def test_layer_registry_is_bounded(retune, monkeypatch):
+    """Many input sizes: the recorded layers stay at replay_layer_capacity here and in C++ (before: the C++
     registry grew by every size, +57.6 MB after 4000), least recently used out first, and a graph
     recorded before its layer's eviction still runs its backward."""
     monkeypatch.setenv("DWCONV_NATIVE", "1")
-    monkeypatch.setattr(native, "LAYER_CAPACITY", 3)
+    retune(replay_layer_capacity=3)
     weight = randn(2, 1, 3, 3)
     kept = leaves_of([randn(1, 2, 4, 4), weight])
     kept_out = dwconv.depthwise_conv2d(*kept, None, 1, 1)
@@ -349,17 +349,17 @@ def test_build_removes_a_stale_lock(fake_build):
     """A lock left by a killed build (older than the build timeout) is removed, with a warning;
     before, every later build waited on it forever."""
     fake_build.write_text("")
-    old = time.time() - 2 * native.BUILD_TIMEOUT_S
+    old = time.time() - 2 * tuning.tuned().replay_build_timeout_s
     os.utime(fake_build, (old, old))
     with pytest.warns(RuntimeWarning, match="removed the C\\+\\+ replayer's build lock"):
         module = native.extension(False)
     assert module.BUILT and not fake_build.exists()
 
 
-def test_build_never_waits_past_its_timeout(fake_build, monkeypatch):
-    """A lock held by a live build: the build gives up after BUILD_TIMEOUT_S, and the caller gets the
+def test_build_never_waits_past_its_timeout(retune, fake_build, monkeypatch):
+    """A lock held by a live build: the build gives up after replay_build_timeout_s, and the caller gets the
     same error each time, not a hang."""
-    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 4.0)
+    retune(replay_build_timeout_s=4.0)
     fake_build.write_text("")
     started = time.time()
     with pytest.raises(native.BuildFailed, match="took more than 4 s"):
@@ -422,7 +422,7 @@ def test_fast_launch_switch(value, expected):
     import sys
 
     env = dict(os.environ, DWCONV_FAST_LAUNCH=value)
-    shown = subprocess.run([sys.executable, "-c", "from dwconv.ops import _launch; print(_launch.FAST_LAUNCH)"],
+    shown = subprocess.run([sys.executable, "-c", "from dwconv.tuning import tuned; print(tuned().fast_launch)"],
                            env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert shown == str(expected)
 

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 import dwconv
 from dwconv._geometry import conv_geometry
-from dwconv.ops import _launch
-from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight, conv_grad_weight,
+from dwconv.kernels import _launch
+from dwconv.dispatch import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight, conv_grad_weight,
                                  fused_backward_applies)
-from dwconv.ops.forward import ForwardConfig
+from dwconv.dispatch import ForwardConfig
 from helpers import CONV_OPTIONS, DEVICE, DTYPES, assert_close, poisoned, randn
 
 KERNELS = [(1, 1), (2, 2), (3, 3), (5, 5), (1, 3), (5, 3)]
@@ -95,26 +95,30 @@ def test_gradient_dtypes(dtype, multiplier, kernel, stride, padding, layout):
 def test_channels_last_gradients_with_the_gpu_forward_choice(monkeypatch, kernel, stride, padding, width):
     """channels_last forward and grad_input on the blocks the GPU picks ("nhwc_pixels"), here under
     the interpreter: grad_input's geometry (padding k-1-p, flipped taps) runs the same kernel."""
-    from dwconv.ops import forward
+    from dwconv import dispatch
+    from dwconv.kernels import tile
 
-    monkeypatch.setattr(forward, "nhwc_config", lambda geom, x: forward.nhwc_pixels_config(geom, x))
+    monkeypatch.setattr(tile, "nhwc_blocks", lambda geom, x: tile.nhwc_pixels_blocks(geom, x))
     x = randn(2, 64, 7, width).contiguous(memory_format=torch.channels_last)
     weight = randn(64, 1, kernel, kernel)
-    assert forward.forward_config(conv_geometry(x, weight, None, stride, padding, 1), x).kernel == "nhwc_pixels"
+    assert dispatch.forward_config(conv_geometry(x, weight, None, stride, padding, 1), x).kernel == "nhwc_pixels"
     check_grads(x, weight, randn(64), stride, padding)
 
 
 def test_channels_last_takes_the_nhwc_kernels():
     """grad_weight of channels_last x and grad_out on the NHWC kernel, grad_input (stride 1) on the
     forward's NHWC kernel; an NCHW grad_out keeps the strided NCHW kernels."""
-    from dwconv.ops.backward import _grad_input_plan, _grad_weight_plan, input_grad_geometry
-    from dwconv.ops.forward import NHWC_KERNELS, forward_config
+    from dwconv._geometry import input_grad_geometry
+    from dwconv.dispatch import forward_config
+    from dwconv.kernels import grad_weight, tile
+    from dwconv.kernels.grad_input import _plan as _grad_input_plan
+    from dwconv.kernels.tile import NHWC_KERNELS
     x = randn(2, 5, 9, 9).contiguous(memory_format=torch.channels_last)
     geom = conv_geometry(x, randn(5, 1, 3, 3), None, 1, 1, 1)
     grad_out = randn(*geom.output_shape).contiguous(memory_format=torch.channels_last)
-    assert _grad_weight_plan(geom, None, grad_out, x, True).kernel == "grad_weight_nhwc"
+    assert tile._grad_weight_plan(geom, None, grad_out, x, True).kernel == "grad_weight_nhwc"
     assert forward_config(input_grad_geometry(geom), grad_out, torch.empty_like(x)).kernel in NHWC_KERNELS
-    assert _grad_weight_plan(geom, None, grad_out.contiguous(), x, True).kernel == "grad_weight"
+    assert grad_weight._plan(geom, None, grad_out.contiguous(), x, True).kernel == "grad_weight"
     strided = conv_geometry(x, randn(5, 1, 3, 3), None, 2, 1, 1)  # stride 2: the gather kernel, by channel blocks
     grad_out = randn(*strided.output_shape).contiguous(memory_format=torch.channels_last)
     assert _grad_input_plan(strided, grad_out, torch.empty_like(x)).constants["BLOCK_C"] > 1
@@ -123,9 +127,9 @@ def test_channels_last_takes_the_nhwc_kernels():
 
 def test_grad_input_blocks_are_powers_of_two():
     """The phase kernel's blocks, as the GPU and the interpreter take them, over strides 1-4 a side
-    and plane sizes: powers of two (session 16: the GPU's table gave 5 rows for stride (2, 3) on 9-wide
+    and plane sizes: powers of two (the GPU's table once gave 5 rows for stride (2, 3) on 9-wide
     input rows, which did not compile; the interpreter's table, the only one CPU tests run, gave 16)."""
-    from dwconv.ops.backward import grad_input_blocks
+    from dwconv.kernels.grad_input import blocks as grad_input_blocks
     for stride_h, stride_w, size, channels_last, gpu in itertools.product(
             range(1, 5), range(1, 5), (7, 18, 19, 56, 113), (False, True), (False, True)):
         x = torch.empty(2, 3, size, size + 2)
@@ -138,8 +142,8 @@ def test_grad_input_blocks_are_powers_of_two():
                                                                  (False, 112, 1, 2)])
 def test_phase_kernel_values_a_thread_on_the_gpu(channels_last, width, stride, values):
     """The GPU's phase-kernel programs give a thread 8 values of a tile on channels_last and on wide
-    strided NCHW planes, 2 elsewhere (session 24's measurements)."""
-    from dwconv.ops.backward import grad_input_blocks
+    strided NCHW planes, 2 elsewhere (as measured best)."""
+    from dwconv.kernels.grad_input import blocks as grad_input_blocks
 
     x = torch.empty(64, 144, width, width, device="meta")
     geom = conv_geometry(x, torch.empty(288, 1, 3, 3, device="meta"), None, stride, 1, 1)
@@ -357,23 +361,18 @@ def test_fused_backward_nchw_pixels(dtype, shape, kernel, padding, dilation, blo
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the switch picks the GPU's fused blocks")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_nchw_pixels_switch(monkeypatch, dtype):
-    """backward.FUSED_NCHW_PIXELS: autograd's NCHW fused backward on "nchw_pixels" (rows of #84's
-    width, a 3x3 and a 5x5 layer)."""
-    import dwconv.ops.backward as ops
-
-    monkeypatch.setattr(ops, "FUSED_NCHW_PIXELS", True)
-    monkeypatch.setattr(ops, "_FUSED_CONFIGS", {})
+def test_fused_nchw_pixels(dtype):
+    """autograd's NCHW fused backward on "nchw_pixels" (rows of KernelBench 84's width, a 3x3 and a
+    5x5 layer)."""
     check_grads(randn(2, 3, 18, 512, dtype=dtype), randn(3, 1, 3, 3, dtype=dtype), None, 1, 0)
     check_grads(randn(2, 4, 21, 40, dtype=dtype), randn(4, 1, 5, 5, dtype=dtype), None, 1, 2)
 
 
 def test_fused_backward_through_autograd(monkeypatch):
-    import dwconv.ops.backward as ops
+    import dwconv.dispatch as ops
 
     calls = []
     fused = ops.conv_grad_input_and_weight
-    monkeypatch.setattr(ops, "FUSED_BACKWARD", True)
     monkeypatch.setattr(ops, "conv_grad_input_and_weight", lambda *a, **k: calls.append(1) or fused(*a, **k))
     x = randn(2, 2, 8, 34)
     weight = randn(2, 1, 3, 3)
@@ -404,7 +403,7 @@ def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, b
     """grad_input and grad_weight of channels_last tensors from one pass of the unrolled-pixels kernel
     over grad_out (each grad_out x input pair in one FMA of one tile; partial sums per column of
     tiles and run)."""
-    from dwconv.ops.backward import conv_grad_input_and_weight_nhwc
+    from dwconv.dispatch import conv_grad_input_and_weight as conv_grad_input_and_weight_nhwc
 
     x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
     weight = randn(shape[1], 1, *kernel, dtype=dtype)
@@ -442,7 +441,8 @@ def test_fused_backward_channels_last_rows(dtype, shape, kernel, padding, dilati
     """The row-sliding fused pass (depthwise_grad_nhwc_rows_kernel): each program walks its segment
     of an image's rows, keeping the grad_out rows it shares with the next step in a ring; grad_input
     and grad_weight against float64, with programs that start mid-image (the ring's first rows)."""
-    from dwconv.ops.backward import conv_grad_input_and_weight_nhwc, nhwc_rows_grad_config
+    from dwconv.dispatch import conv_grad_input_and_weight as conv_grad_input_and_weight_nhwc
+    from dwconv.kernels.tile import rows_grad_blocks as nhwc_rows_grad_config
 
     x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
     weight = randn(shape[1], 1, *kernel, dtype=dtype)
@@ -477,7 +477,7 @@ def test_grad_weight_channels_last_pixels(dtype, shape, kernel, stride, padding,
     """The weight and bias gradients of channels_last tensors on the unrolled pixels (the GPU's path
     up to 7x7): tiles of grad_out, each tap adding the input under it; partial sums per column of
     tiles and run, with one run a column (the interpreter's) and with runs across images."""
-    from dwconv.ops.backward import _launch_nhwc_pixels_grad
+    from dwconv.kernels.tile import _pixels_grad as _launch_nhwc_pixels_grad
 
     x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
     weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
@@ -500,12 +500,13 @@ def test_grad_weight_channels_last_pixels(dtype, shape, kernel, stride, padding,
 def test_grad_weight_channels_last_pixels_through_autograd(monkeypatch):
     """Where grad_weight_pixels_applies (the GPU up to 7x7), autograd's weight and bias gradients of
     channels_last tensors come from the unrolled pixels: strided, dilated, with a multiplier."""
-    import dwconv.ops.backward as ops
+    import dwconv.dispatch as ops
+    from dwconv.kernels import tile
 
     calls = []
-    launch = ops._launch_nhwc_pixels_grad
+    launch = tile.grad_weight_pixels
     monkeypatch.setattr(ops, "grad_weight_pixels_applies", lambda geom, x, g: ops.channels_last_kernel_applies(x, g))
-    monkeypatch.setattr(ops, "_launch_nhwc_pixels_grad", lambda *a, **k: calls.append(a[3] is None) or launch(*a, **k))
+    monkeypatch.setattr(tile, "grad_weight_pixels", lambda *a, **k: calls.append(True) or launch(*a, **k))
     x = randn(2, 16, 9, 8).contiguous(memory_format=torch.channels_last)
     check_grads(x, randn(32, 1, 3, 3), randn(32), 2, 1, 1)
     check_grads(x, randn(16, 1, 5, 3), randn(16), 1, (2, 1), (1, 2))
@@ -513,14 +514,13 @@ def test_grad_weight_channels_last_pixels_through_autograd(monkeypatch):
 
 
 def test_fused_backward_channels_last_through_autograd(monkeypatch):
-    """With FUSED_NHWC_BACKWARD on, autograd takes the channels_last fused pass where it applies
-    (stride 1, no bias gradient) and the two kernels elsewhere; an NCHW grad_out is made channels_last."""
-    import dwconv.ops.backward as ops
+    """autograd takes the channels_last fused pass where it applies (stride 1, no bias gradient) and
+    the two kernels elsewhere; an NCHW grad_out is made channels_last."""
+    from dwconv.kernels import tile as ops
 
     calls = []
-    fused = ops.conv_grad_input_and_weight_nhwc
-    monkeypatch.setattr(ops, "FUSED_NHWC_BACKWARD", True)
-    monkeypatch.setattr(ops, "conv_grad_input_and_weight_nhwc", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    fused = ops.grad_input_and_weight
+    monkeypatch.setattr(ops, "grad_input_and_weight", lambda *a, **k: calls.append(1) or fused(*a, **k))
     x = randn(2, 32, 6, 7).contiguous(memory_format=torch.channels_last)
     weight = randn(32, 1, 3, 3)
     check_grads(x, weight, None, 1, 1, 1)
@@ -534,14 +534,17 @@ def test_fused_backward_channels_last_through_autograd(monkeypatch):
     assert not calls, "the fused path ran where it does not apply"
 
 
-def test_channels_last_pixel_grad_programs_on_the_gpu(monkeypatch):
-    """nhwc_pixels_grad_config's GPU answer: #84's fused pass keeps the measured layout (one program
-    an image column of tiles, 128 channels); small layers keep their partial sums near a twelfth of
-    the tensors (session 22: 14 MB of them on 64x384x14x14, more than x, made the backward 3x
-    slower) with at least MIN_PIXEL_GRAD_PROGRAMS programs, and the fused pass takes 32 channels."""
-    from dwconv.ops.backward import MIN_PIXEL_GRAD_PROGRAMS, nhwc_pixels_grad_config
+def test_channels_last_pixel_grad_programs_on_the_gpu(retune, monkeypatch):
+    """pixels_grad_blocks' GPU answer: KernelBench 84's fused pass keeps the measured layout (one
+    program an image column of tiles, 128 channels); small layers keep their partial sums near a
+    twelfth of the tensors (14 MB of them on 64x384x14x14, more than x, made the backward 3x slower)
+    with at least min_pixel_grad_programs programs, and the fused pass takes 32 channels."""
+    from dwconv.kernels.tile import pixels_grad_blocks as nhwc_pixels_grad_config
+    from dwconv.tuning import tuned
 
-    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)  # (the GPU's plans for tensors without one)
+    MIN_PIXEL_GRAD_PROGRAMS = tuned().min_pixel_grad_programs
+
+    retune(plan_as_gpu=True)  # (the GPU's plans for tensors without one)
 
     def on_gpu(shape, dtype):
         return torch.empty(shape, dtype=dtype, device="meta")
@@ -566,13 +569,15 @@ def test_channels_last_pixel_grad_programs_on_the_gpu(monkeypatch):
             (k, grad_input, partial_mb)
 
 
-def test_channels_last_rows_pass_on_the_gpu(monkeypatch):
-    """Where the GPU's fused channels_last backward slides down rows (nhwc_rows_apply, session 28):
-    the 56-wide small layers (32-channel blocks), in strips of 8 with prefetch, the whole image a
-    program; not #84, 112 or 28 wide, or dilated."""
-    from dwconv.ops.backward import _nhwc_pixels_grad_plan, nhwc_rows_apply, nhwc_rows_grad_config
+def test_channels_last_rows_pass_on_the_gpu(retune, monkeypatch):
+    """Where the GPU's fused channels_last backward slides down rows (nhwc_rows_apply): the 56-wide
+    small layers (32-channel blocks), in strips of 8 with prefetch, the whole image a program; not
+    KernelBench 84, 112 or 28 wide, or dilated."""
+    from dwconv.dispatch import fused_backward_config, nhwc_rows_apply
+    from dwconv.kernels.tile import _pixels_grad_plan as _nhwc_pixels_grad_plan
+    from dwconv.kernels.tile import rows_grad_blocks as nhwc_rows_grad_config
 
-    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)
+    retune(plan_as_gpu=True)
 
     def case(shape, dtype, dilation=1):
         x = torch.empty(shape, dtype=dtype, device="meta").contiguous(memory_format=torch.channels_last)
@@ -586,7 +591,8 @@ def test_channels_last_rows_pass_on_the_gpu(monkeypatch):
         assert (config.block_h, config.block_w, config.block_c, config.prefetch) == (56, 8, 32, True)
         grad_out = torch.empty(geom.output_shape, dtype=dtype, device="meta").contiguous(
             memory_format=torch.channels_last)
-        assert _nhwc_pixels_grad_plan(geom, grad_out, x, x, None, None, False).kernel == "grad_nhwc_rows"
+        chosen, _ = fused_backward_config(geom, x, grad_out)
+        assert _nhwc_pixels_grad_plan(geom, grad_out, x, x, chosen, None, False).kernel == "grad_nhwc_rows"
         for shape, dilation in [((64, 128, 256, 512), 1), ((64, 32, 112, 112), 1), ((64, 240, 28, 28), 1),
                                 ((64, 144, 56, 56), 2)]:
             assert not nhwc_rows_apply(*case(shape, dtype, dilation)), (shape, dilation)
@@ -594,13 +600,13 @@ def test_channels_last_rows_pass_on_the_gpu(monkeypatch):
 
 @pytest.mark.parametrize("dtype,dilation,cap", [(torch.bfloat16, 1, 128), (torch.float16, 1, 128),
                                                  (torch.float32, 1, None), (torch.bfloat16, 2, None)], ids=str)
-def test_channels_last_fused_register_cap(monkeypatch, dtype, dilation, cap):
+def test_channels_last_fused_register_cap(retune, monkeypatch, dtype, dilation, cap):
     """The GPU's fused channels_last pass is capped at 128 registers in half precision at dilation 1
-    only (session 24: #84 bfloat16 gains 9%, the dilated layer loses 18%, float32 gains nothing);
+    only (KernelBench 84 bfloat16 gained 9%, the dilated layer lost 18%, float32 gained nothing);
     the weight gradient alone is never capped."""
-    from dwconv.ops.backward import _nhwc_pixels_grad_plan
+    from dwconv.kernels.tile import _pixels_grad_plan as _nhwc_pixels_grad_plan
 
-    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)
+    retune(plan_as_gpu=True)
     x = randn(2, 64, 12, 12, dtype=dtype).contiguous(memory_format=torch.channels_last)
     weight = randn(64, 1, 3, 3, dtype=dtype)
     geom = conv_geometry(x, weight, None, 1, dilation, dilation)
@@ -614,17 +620,17 @@ def test_channels_last_fused_register_cap(monkeypatch, dtype, dilation, cap):
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("bias_grad", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_weight_grad_sums(monkeypatch, weight_dtype, bias_grad, path):
+def test_weight_grad_sums(retune, monkeypatch, weight_dtype, bias_grad, path):
     """The second pass of every weight gradient: partial sums over (outer, inner) parts, in a layout
     with padding between taps rows (as the kernels' padded taps), added per channel and tap in the
     partial's precision and cast to the weight's dtype; 70 parts (more than a GPU step's 64); by the
-    kernel, and by torch's sum past KERNEL_MAX_PARTS."""
-    from dwconv.ops import weight_sums
-    from dwconv.ops.weight_sums import weight_grad_sums
+    kernel, and by torch's sum past weight_sums_max_parts."""
+    from dwconv.kernels import weight_sums
+    from dwconv.kernels.weight_sums import weight_grad_sums
 
     launches = []
     monkeypatch.setattr(weight_sums, "launch", lambda *a: launches.append(a[0]) or _launch.launch(*a))
-    monkeypatch.setattr(weight_sums, "KERNEL_MAX_PARTS", 70 if path == "kernel" else 69)
+    retune(weight_sums_max_parts=70 if path == "kernel" else 69)
 
     channels, kernel, outer, inner, padded = 5, (3, 2), 7, 10, 8
     x = randn(1, channels, 4, 4)

@@ -9,8 +9,9 @@ import torch
 
 import dwconv
 from dwconv._geometry import conv_geometry
-from dwconv.ops.forward import (NHWC_KERNELS, ForwardConfig, _forward_plan, conv_forward, forward_config,
-                                launch_forward, odd_rows_alignable, output_memory_format)
+from dwconv.dispatch import ForwardConfig, _forward_plan, conv_forward, forward_config, launch_forward
+from dwconv.kernels._shared import odd_rows_alignable, output_memory_format
+from dwconv.kernels.tile import NHWC_KERNELS
 from helpers import CONV_OPTIONS as OPTIONS, DEVICE, DTYPES, assert_close, poisoned, randn, reference_conv
 
 KERNELS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (7, 7), (1, 3), (3, 1), (5, 3)]
@@ -200,13 +201,6 @@ def test_row_sliding_odd_output_rows(dtype, shape, kernel, padding, dilation, bl
     check(x, weight, randn(shape[1], dtype=dtype), 1, padding, dilation, config=config)
 
 
-def test_row_sliding_streaming_hints():
-    """ForwardConfig.stream only adds cache hints: the same values."""
-    x = randn(2, 2, 10, 24)
-    weight = randn(2, 1, 3, 3)
-    check(x, weight, randn(2), 1, 0, 1, config=ForwardConfig("rows", 5, 16, 1, 4, stream=True))
-
-
 def test_default_config_is_valid():
     x = randn(1, 2, 9, 9)
     geom = conv_geometry(x, randn(2, 1, 3, 3), None, 2, 1, 1)
@@ -215,40 +209,13 @@ def test_default_config_is_valid():
     assert forward_config(geom, x).kernel == "tile"
 
 
-@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-def test_forward_register_cap_reaches_only_the_nhwc_pixels_plans(monkeypatch, layout):
-    """forward.NHWC_PIXELS_MAXNREG (empty: session 27 measured the caps slower) is a probe's hook: a
-    cap set there reaches the GPU's "nhwc_pixels" plans of its element size, and no other plan."""
-    from dwconv.ops import _launch, forward
-
-    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)  # (the GPU's plans for tensors without one)
-    channels_last = layout == "channels_last"
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    x = randn(2, 64, 14, 14, dtype=torch.bfloat16).contiguous(memory_format=fmt)
-    weight = randn(64, 1, 3, 3, dtype=torch.bfloat16)
-    geom = conv_geometry(x, weight, None, 1, 1, 1)
-    out = torch.empty(geom.output_shape, dtype=x.dtype).contiguous(memory_format=fmt)
-
-    def cap():
-        plan = _forward_plan(geom, None, x, out, False, None)
-        return plan.kernel, plan.constants.get("maxnreg")
-
-    assert forward.NHWC_PIXELS_MAXNREG == {}
-    kernel, default_cap = cap()
-    assert (kernel == "nhwc_pixels") == channels_last and default_cap is None, (kernel, default_cap)
-    monkeypatch.setattr(forward, "NHWC_PIXELS_MAXNREG", {2: 96})
-    assert cap() == (kernel, 96 if channels_last else None)
-    monkeypatch.setattr(forward, "NHWC_PIXELS_MAXNREG", {4: 96})  # (another element size)
-    assert cap() == (kernel, None)
-
-
-def test_nchw_3x3_dispatch_on_the_gpu(monkeypatch):
+def test_nchw_3x3_dispatch_on_the_gpu(retune, monkeypatch):
     """The GPU's NCHW 3x3 stride-1 choices (measured, docs/notes.md): "nchw_pixels" in float32, and
     in half precision on rows over 256 wide (16 rows a program there, 8 in float32); the rows
     kernel for narrower half-precision rows; dilation leaves "nchw_pixels"."""
-    from dwconv.ops import _launch
+    from dwconv.kernels import _launch
 
-    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)  # (the GPU's plans for tensors without one)
+    retune(plan_as_gpu=True)  # (the GPU's plans for tensors without one)
 
     def config(shape, dtype, padding=0, dilation=1):
         x = torch.empty(shape, dtype=dtype, device="meta")
@@ -327,17 +294,17 @@ def test_nchw_pixels_odd_output_rows(dtype, shape, kernel, padding, dilation, bl
 @pytest.mark.parametrize("config", [ForwardConfig("nhwc_pixels", 2, 4, 1, block_c=8),
                                     ForwardConfig("nhwc", 4, 4, 1, block_c=8)], ids=lambda c: c.kernel)
 @pytest.mark.parametrize("flip", [False, True], ids=["forward", "flipped"])
-def test_nhwc_weight_layouts(monkeypatch, taps_major, config, flip):
+def test_nhwc_weight_layouts(retune, monkeypatch, taps_major, config, flip):
     """The channels_last kernels read the weight taps-major (a copy made per call, for large inputs)
-    or as given ([C, taps], small inputs: NHWC_TAPS_MAJOR_MIN_BYTES), forward and flipped, a 5x3
+    or as given ([C, taps], small inputs: nhwc_taps_major_min_bytes), forward and flipped, a 5x3
     kernel with a bias (and a multiplier of 2 unflipped)."""
-    import dwconv.ops.forward as forward
+    from dwconv.kernels import tile
 
-    monkeypatch.setattr(forward, "NHWC_TAPS_MAJOR_MIN_BYTES", 0 if taps_major else 1 << 60)
+    retune(nhwc_taps_major_min_bytes=0 if taps_major else 1 << 60)
     multiplier = 1 if flip else 2
     x = randn(2, 3, 11, 16).contiguous(memory_format=torch.channels_last)
     weight, bias = randn(3 * multiplier, 1, 5, 3), randn(3 * multiplier)
-    assert forward.nhwc_weight_taps_major(x) == taps_major
+    assert tile.weight_taps_major(config.kernel, x) == taps_major
     geom = conv_geometry(x, weight, bias, 1, (2, 1), 1)
     out = poisoned(geom.output_shape, x.dtype, memory_format=torch.channels_last)
     out, _ = launch_forward(x, weight, bias, geom, config, out=out, flip_weight=flip)
@@ -455,7 +422,7 @@ def test_nhwc_pixels(dtype, shape, kernel, multiplier, stride, padding, dilation
 )
 def test_nhwc_pixels_gpu_choice(dtype, shape, kernel, stride, padding, dilation):
     """The blocks nhwc_config picks on the GPU (nhwc_pixels_config), run here under the interpreter."""
-    from dwconv.ops.forward import nhwc_pixels_config
+    from dwconv.kernels.tile import nhwc_pixels_blocks as nhwc_pixels_config
 
     x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
     weight = randn(shape[1], 1, kernel, kernel, dtype=dtype)
@@ -499,7 +466,7 @@ def test_nhwc_pixels_candidate_blocks_fit():
     layers (issue #4's models, #84) in both dtypes, with bfloat16 pair loads wherever a warp holds 64
     channels that divide the channel count."""
     from dwconv.bench import MODEL_LAYERS
-    from dwconv.ops.forward import nhwc_pixels_config
+    from dwconv.kernels.tile import nhwc_pixels_blocks as nhwc_pixels_config
 
     for case in MODEL_LAYERS:
         for dtype in (torch.float32, torch.bfloat16):
@@ -520,7 +487,7 @@ def test_nhwc_pixels_candidate_blocks_fit():
 def test_nhwc_pixels_channel_block_of_runs_of_16(dtype, block_c):
     """5x5 on 240 channels (EfficientNet-B0): float32 in 16-channel blocks, half precision in 32 with
     the last block masked (session 23: bfloat16 0.039 ms against 0.067 with 16 on the H200)."""
-    from dwconv.ops.forward import nhwc_pixels_config
+    from dwconv.kernels.tile import nhwc_pixels_blocks as nhwc_pixels_config
 
     x = torch.empty(1, 240, 28, 28, dtype=dtype).contiguous(memory_format=torch.channels_last)
     weight = torch.empty(240, 1, 5, 5, dtype=dtype)

@@ -9,9 +9,11 @@ import torch
 
 import dwconv
 from dwconv._geometry import conv_geometry
-from dwconv.ops import _launch, large_fma, toeplitz
-from dwconv.ops.backward import fused_backward_applies
-from dwconv.ops.forward import ForwardConfig, forward_config
+from dwconv import dispatch
+from dwconv.dispatch import fused_backward_applies
+from dwconv.kernels import _launch, large_fma, toeplitz
+from dwconv.tuning import tuned
+from dwconv.dispatch import ForwardConfig, forward_config
 from helpers import DEVICE, DTYPES, assert_close, randn
 from test_backward import assert_close_sum, check_grads, reference_grads
 from test_forward import check
@@ -36,14 +38,14 @@ IDS = ["k13-same", "k11-same-mult2", "k4x31-wide", "k9x12-stride", "k11-dil2", "
        "k5x31-full-window", "k4x26-shift7"]
 
 
-def take_path(path, geom, x, monkeypatch):
+def take_path(path, geom, x, retune):
     """The dispatcher's large-kernel path ("default": large_fma where it applies, else Toeplitz), or
     "toeplitz" forced where the default is large_fma (NCHW: channels_last only adds a copy)."""
-    fma = large_fma.large_fma_applies(geom, x)
+    fma = dispatch.large_fma_applies(geom, x)
     if path == "toeplitz":
         if not fma or x.is_contiguous(memory_format=torch.channels_last):
             pytest.skip("the default path is the Toeplitz one")
-        monkeypatch.setattr(large_fma, "LARGE_FMA_MIN_TAPS", 10**9)
+        retune(large_fma_min_taps=10**9)
         fma = False
     assert forward_config(geom, x).kernel == ("large_fma" if fma else "toeplitz")
 
@@ -52,11 +54,11 @@ def take_path(path, geom, x, monkeypatch):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES, ids=IDS)
-def test_forward(shape, kernel, stride, padding, dilation, multiplier, dtype, layout, path, monkeypatch):
+def test_forward(shape, kernel, stride, padding, dilation, multiplier, dtype, layout, path, retune):
     x = randn(*shape, dtype=dtype).contiguous(memory_format=LAYOUTS[layout])
     weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
     bias = randn(shape[1] * multiplier, dtype=dtype)
-    take_path(path, conv_geometry(x, weight, bias, stride, padding, dilation), x, monkeypatch)
+    take_path(path, conv_geometry(x, weight, bias, stride, padding, dilation), x, retune)
     check(x, weight, bias, stride, padding, dilation)
 
 
@@ -65,11 +67,11 @@ def test_forward(shape, kernel, stride, padding, dilation, multiplier, dtype, la
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES[:1] + CASES[2:3] + CASES[4:5] + CASES[7:],
                          ids=IDS[:1] + IDS[2:3] + IDS[4:5] + IDS[7:])
-def test_gradients(shape, kernel, stride, padding, dilation, multiplier, dtype, layout, path, monkeypatch):
+def test_gradients(shape, kernel, stride, padding, dilation, multiplier, dtype, layout, path, retune):
     x = randn(*shape, dtype=dtype).contiguous(memory_format=LAYOUTS[layout])
     weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
     geom = conv_geometry(x, weight, None, stride, padding, dilation)
-    take_path(path, geom, x, monkeypatch)
+    take_path(path, geom, x, retune)
     assert not fused_backward_applies(geom, x)
     check_grads(x, weight, randn(shape[1] * multiplier, dtype=dtype), stride, padding, dilation)
 
@@ -77,11 +79,11 @@ def test_gradients(shape, kernel, stride, padding, dilation, multiplier, dtype, 
 @pytest.mark.parametrize("dtype,kernel,path", [(torch.float32, 11, "large_fma"), (torch.bfloat16, 13, "toeplitz")],
                          ids=["large_fma", "toeplitz"])
 @pytest.mark.parametrize("grad_out_format", [torch.channels_last, torch.contiguous_format], ids=["cl", "nchw"])
-def test_channels_last_backward_copies_grad_out_once(dtype, kernel, path, grad_out_format, monkeypatch):
+def test_channels_last_backward_copies_grad_out_once(dtype, kernel, path, grad_out_format, monkeypatch, retune):
     """A channels_last grad_out goes to NCHW once for both gradients (the weight gradient's kernel
     and grad_input's flipped forward both index unit-stride rows), none when it is NCHW already;
     x once (the weight gradient), and grad_input back once."""
-    from dwconv.ops import layout
+    from dwconv.kernels import layout
 
     x = randn(2, 3, 12, 14, dtype=dtype).contiguous(memory_format=torch.channels_last)
     weight = randn(3, 1, kernel, kernel, dtype=dtype)
@@ -114,11 +116,11 @@ def test_forward_strided_bias_and_weight():
 
 
 @pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES[:5], ids=IDS[:5])
-def test_toeplitz_forward_prefetch(shape, kernel, stride, padding, dilation, multiplier, monkeypatch):
-    """The next kernel row's input loaded during a product (toeplitz.PREFETCH_MIN_KERNEL_H, here
+def test_toeplitz_forward_prefetch(retune, shape, kernel, stride, padding, dilation, multiplier, monkeypatch):
+    """The next kernel row's input loaded during a product (tuned().toeplitz_prefetch_min_kernel_h, here
     at every height): the forward, and grad_input through it, as without. (Plans are cached: a fresh
     cache.)"""
-    monkeypatch.setattr(toeplitz, "PREFETCH_MIN_KERNEL_H", 1)
+    retune(toeplitz_prefetch_min_kernel_h=1)
     monkeypatch.setattr(toeplitz, "_PLANS", {})
     x = randn(*shape)
     weight = randn(shape[1] * multiplier, 1, *kernel)
@@ -131,7 +133,7 @@ def test_toeplitz_forward_prefetch(shape, kernel, stride, padding, dilation, mul
 @pytest.mark.parametrize("out_rows", [2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,kernel,stride,padding,dilation,multiplier", CASES, ids=IDS)
-def test_toeplitz_out_rows(shape, kernel, stride, padding, dilation, multiplier, dtype, out_rows, monkeypatch):
+def test_toeplitz_out_rows(retune, shape, kernel, stride, padding, dilation, multiplier, dtype, out_rows, monkeypatch):
     """Tiles of several output rows (toeplitz_out_rows, here in every dtype and geometry): each input
     row's window multiplied with the bands of every output row reading it. Forward, and grad_input
     through it (the flipped forward where the stride is 1); strides and dilations across rows, row
@@ -142,7 +144,7 @@ def test_toeplitz_out_rows(shape, kernel, stride, padding, dilation, multiplier,
     monkeypatch.setattr(toeplitz, "toeplitz_grad_weight_kh_rows",
                         lambda geom, x, block_w=None: (out_rows if geom.stride_h == geom.dilation_h == 1 else 1, 4))
     monkeypatch.setattr(toeplitz, "_PLANS", {})
-    monkeypatch.setattr(large_fma, "LARGE_FMA_MIN_TAPS", 10**9)
+    retune(large_fma_min_taps=10**9)
     x = randn(*shape, dtype=dtype)
     weight = randn(shape[1] * multiplier, 1, *kernel, dtype=dtype)
     bias = randn(shape[1] * multiplier, dtype=dtype)
@@ -160,10 +162,10 @@ def test_toeplitz_out_rows(shape, kernel, stride, padding, dilation, multiplier,
 @pytest.mark.parametrize("dtype,kernel,stride,dilation,rows", [
     (torch.bfloat16, 31, 1, 1, 4), (torch.float16, 13, 1, 1, 4), (torch.bfloat16, 51, 1, 1, 1),
     (torch.float32, 31, 1, 1, 1), (torch.bfloat16, 31, 2, 1, 1), (torch.float16, 13, 1, 2, 1)])
-def test_toeplitz_out_rows_choice(dtype, kernel, stride, dilation, rows, monkeypatch):
+def test_toeplitz_out_rows_choice(retune, dtype, kernel, stride, dilation, rows, monkeypatch):
     """Tiles of several rows where measured (half precision, rows one apart, below the prefetch's
     kernel height), and the launcher's plan takes them on 8 warps."""
-    monkeypatch.setattr(large_fma, "LARGE_FMA_MIN_TAPS", 10**9)
+    retune(large_fma_min_taps=10**9)
     x = randn(1, 2, 40, 40, dtype=dtype)
     weight = randn(2, 1, kernel, kernel, dtype=dtype)
     geom = conv_geometry(x, weight, None, stride, kernel // 2 * dilation, dilation)
@@ -257,11 +259,11 @@ def test_large_fma_forward(shape, kernel, stride, padding, dilation, multiplier,
 
 
 @pytest.mark.parametrize("kernel,padding", [((5, 7), (2, 3)), ((3, 8), 1)], ids=str)
-def test_large_fma_weight_vectors(kernel, padding, monkeypatch):
+def test_large_fma_weight_vectors(retune, kernel, padding, monkeypatch):
     """The forward with its weights as 4-vectors of rows padded on the host (WEIGHT_VECTORS_MIN_TAPS):
     output, and grad_input through the flipped taps, with a row length that is not a multiple of 4
     and one that is."""
-    monkeypatch.setattr(large_fma, "WEIGHT_VECTORS_MIN_TAPS", 0)
+    retune(weight_vectors_min_taps=0)
     x = randn(2, 2, 9, 13)
     weight = randn(2, 1, *kernel)
     assert forward_config(conv_geometry(x, weight, None, 1, padding, 1), x).kernel == "large_fma"
@@ -306,10 +308,10 @@ def test_large_fma_blocks():
         assert got[0] * got[1] // got[3] == 32 * got[2]
 
 
-def test_large_fma_forward_blocks(monkeypatch):
+def test_large_fma_forward_blocks(retune, monkeypatch):
     """The float32 forward of kernels from 10x10 up to 31 columns: a whole row of up to 56 columns a
     thread (k13 and k31 on 56 x 56); k51, smaller kernels and half precision as the weight gradient's."""
-    monkeypatch.setattr(_launch, "PLAN_AS_GPU", True)  # (the GPU's plans for tensors without one)
+    retune(plan_as_gpu=True)  # (the GPU's plans for tensors without one)
     for shape, kernel, dtype, blocks in [((32, 128, 56, 56), 31, torch.float32, (32, 56, 1, 56)),
                                          ((32, 128, 56, 56), 51, torch.float32, (16, 56, 1, 28)),
                                          ((32, 128, 56, 56), 13, torch.float32, (32, 56, 1, 56)),
@@ -418,10 +420,10 @@ def test_grad_weight_row_steps(shape, block_m, rows):
 
 def test_grad_weight_rows():
     """At most 1024 rows a program, fewer where the channels' strips leave under 512 programs."""
-    assert toeplitz.grad_weight_rows(32 * 56, 128 * 2) == 896  # k31: 2 splits, 512 programs
-    assert toeplitz.grad_weight_rows(32 * 56, 128) == 448  # k51 half precision: 4 splits
-    assert toeplitz.grad_weight_rows(256 * 56, 128) == 1024  # (many rows: the 1024 cap)
-    assert toeplitz.grad_weight_rows(10, 4096) == 10  # (more strips than wanted programs: one split)
+    assert toeplitz.rows_a_program(32 * 56, 128 * 2) == 896  # k31: 2 splits, 512 programs
+    assert toeplitz.rows_a_program(32 * 56, 128) == 448  # k51 half precision: 4 splits
+    assert toeplitz.rows_a_program(256 * 56, 128) == 1024  # (many rows: the 1024 cap)
+    assert toeplitz.rows_a_program(10, 4096) == 10  # (more strips than wanted programs: one split)
 
 
 def test_dispatch_by_taps():
@@ -431,9 +433,9 @@ def test_dispatch_by_taps():
     apply (column strides); float64 and small kernels on wide planes on neither."""
     x, wide = randn(1, 2, 16, 16), randn(1, 2, 4, 64)
     small, mid, large = randn(2, 1, 3, 3), randn(2, 1, 7, 7), randn(2, 1, 10, 11)
-    assert 3 * 3 < large_fma.LARGE_FMA_WIDE_MIN_TAPS <= 5 * 5 and 9 * 9 < toeplitz.TOEPLITZ_MIN_TAPS <= 10 * 11
-    assert 11 * 11 < large_fma.LARGE_FMA_HALF_MAX_TAPS <= 13 * 13
-    assert 28 <= large_fma.LARGE_FMA_SMALL_KERNEL_MAX_WIDTH < 56 and large_fma.LARGE_FMA_MIN_TAPS == 9
+    assert 3 * 3 < tuned().large_fma_wide_min_taps <= 5 * 5 and 9 * 9 < tuned().toeplitz_min_taps <= 10 * 11
+    assert 11 * 11 < tuned().large_fma_half_max_taps <= 13 * 13
+    assert 28 <= tuned().large_fma_small_kernel_max_width < 56 and tuned().large_fma_min_taps == 9
     channels_last = x.contiguous(memory_format=torch.channels_last)
 
     def kernel(x, weight, stride=1):
@@ -443,7 +445,7 @@ def test_dispatch_by_taps():
     assert kernel(wide, small) not in ("large_fma", "toeplitz")  # (a row wider than 28)
     # half precision: forwards up to LARGE_FMA_HALF_FORWARD_MAX_WIDTH, gradients up to 28
     half_wide = randn(1, 2, 4, 40, dtype=torch.bfloat16)
-    assert 40 <= large_fma.LARGE_FMA_HALF_FORWARD_MAX_WIDTH < 64
+    assert 40 <= tuned().large_fma_half_forward_max_width < 64
     geom = conv_geometry(half_wide, small.bfloat16(), None, 1, 1, 1)
     assert forward_config(geom, half_wide).kernel == "large_fma"
     assert forward_config(geom, half_wide, backward=True).kernel not in ("large_fma", "toeplitz")
@@ -462,7 +464,7 @@ def test_dispatch_by_taps():
     assert kernel(x, large) == kernel(channels_last, large) == kernel(x.half(), large.half()) == "large_fma"
     assert kernel(x, large, (1, 2)) == kernel(x.bfloat16(), randn(2, 1, 13, 13, dtype=torch.bfloat16)) == "toeplitz"
     x64, large64 = x.double(), large.double()
-    assert not toeplitz.toeplitz_applies(conv_geometry(x64, large64, None, 1, 4, 1), torch.float64)
+    assert not dispatch.toeplitz_applies(conv_geometry(x64, large64, None, 1, 4, 1), torch.float64)
     check(x64, large64, None, 1, 4)  # (the CUDA-core kernels)
     # past MAX_BAND_TAPS the tile kernel loops over the kernel rows, one output row a program
     check(randn(1, 2, 9, 9, dtype=torch.float64), randn(2, 1, 17, 17, dtype=torch.float64), None, 1, 8)

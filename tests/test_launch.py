@@ -1,4 +1,4 @@
-"""The launch fast path (dwconv.ops._launch.launch with FAST_LAUNCH): its bookkeeping here with a
+"""The launch fast path (dwconv.kernels._launch.launch with tuned().fast_launch): its bookkeeping here with a
 stand-in kernel (no GPU needed), and on the GPU the gradients and outputs it gives against Triton's
 own launch path."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import dwconv
-import dwconv.ops._launch as _launch
-from dwconv.ops._launch import LaunchPlan, launch
+import dwconv.kernels._launch as _launch
+from dwconv.kernels._launch import LaunchPlan, launch
 from helpers import DEVICE, assert_close, randn, reference_conv
 
 
@@ -51,8 +51,8 @@ class FakeKernel:
         return run
 
 
-def test_fast_launch_reuses_the_compiled_kernel_only_for_the_same_pointer_kinds(monkeypatch):
-    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+def test_fast_launch_reuses_the_compiled_kernel_only_for_the_same_pointer_kinds(retune, monkeypatch):
+    retune(fast_launch=True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     kernel = FakeKernel()
     plan = LaunchPlan("fake", (7,), (100, 3), dict(FLAG=True, BLOCK=64, num_warps=4))
@@ -69,17 +69,17 @@ def test_fast_launch_reuses_the_compiled_kernel_only_for_the_same_pointer_kinds(
     assert len(kernel.calls) == 4
 
 
-def test_no_fast_launch_when_off_or_on_the_cpu(monkeypatch):
+def test_no_fast_launch_when_off_or_on_the_cpu(retune, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     kernel = FakeKernel()
     plan = LaunchPlan("fake", (2,), (5, 6), dict(FLAG=False, BLOCK=8))
-    monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
+    retune(fast_launch=False)
     for _ in range(2):
         launch(kernel, plan, FakeTensor(0), FakeTensor(0))
     assert [c[0] for c in kernel.calls] == ["triton", "triton"] and not plan.compiled
 
 
-def test_launch_runs_on_the_tensors_gpu(monkeypatch):
+def test_launch_runs_on_the_tensors_gpu(retune, monkeypatch):
     """A tensor on a GPU other than the current one: the launch happens with its GPU made current
     (Triton launches on the current device), and not otherwise."""
     current = [0]
@@ -99,7 +99,7 @@ def test_launch_runs_on_the_tensors_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "device", DeviceContext)
     for fast in (False, True):
-        monkeypatch.setattr(_launch, "FAST_LAUNCH", fast)
+        retune(fast_launch=fast)
         kernel = FakeKernel()
         plan = LaunchPlan("fake", (3,), (1, 2), dict(FLAG=True, BLOCK=16))
         launched_on = []
@@ -112,10 +112,10 @@ def test_launch_runs_on_the_tensors_gpu(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="launches compiled kernels")
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
-def test_fast_launch_on_the_gpu(monkeypatch, layout):
+def test_fast_launch_on_the_gpu(retune, monkeypatch, layout):
     """Forward and gradients, three calls each with fresh tensors, through the fast path: the same
     values as Triton's path, right against a float64 reference."""
-    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+    retune(fast_launch=True)
     for _ in range(3):
         x = randn(4, 32, 19, 23).contiguous(memory_format=layout).requires_grad_()
         weight = randn(32, 1, 3, 3).requires_grad_()
@@ -123,9 +123,9 @@ def test_fast_launch_on_the_gpu(monkeypatch, layout):
         out = dwconv.depthwise_conv2d(x, weight, bias, 1, 1)
         assert_close(out, reference_conv(x, weight, bias, 1, 1, 1), torch.float32)
         grads = torch.autograd.grad(out, (x, weight, bias), torch.ones_like(out))
-        monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
+        retune(fast_launch=False)
         slow = torch.autograd.grad(dwconv.depthwise_conv2d(x, weight, bias, 1, 1), (x, weight, bias),
                                    torch.ones_like(out))
-        monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+        retune(fast_launch=True)
         for got, ref in zip(grads, slow):
             assert torch.equal(got, ref)

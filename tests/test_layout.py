@@ -1,9 +1,9 @@
-"""The channels_last <-> NCHW copies of the paths that index unit-stride rows (ops/layout.py)."""
+"""The channels_last <-> NCHW copies of the paths that index unit-stride rows (kernels/layout.py)."""
 
 import pytest
 import torch
 
-from dwconv.ops import layout
+from dwconv.kernels import layout
 from helpers import DTYPES, poisoned, randn
 
 CL = torch.channels_last

@@ -1,4 +1,4 @@
-"""The C++ replayer (csrc/replay.cpp through ops/native.py): recorded programs replayed from C++
+"""The C++ replayer (replay/replay.cpp through replay/native.py): recorded programs replayed from C++
 give bitwise what dwconv's Python path gives, forward and backward, both layouts. On the CPU the
 launches call back into Python (the interpreter); on a GPU they are cuLaunchKernel of Triton's cubins."""
 
@@ -11,8 +11,8 @@ import torch.utils._python_dispatch
 import dwconv
 from dwconv._geometry import conv_geometry
 from dwconv._library import _backward_formula
-from dwconv.ops import native, program
-from dwconv.ops.forward import conv_forward
+from dwconv.replay import native, program
+from dwconv.dispatch import conv_forward
 from helpers import DEVICE, assert_close, randn
 from test_program import LAYOUTS, assert_same
 
@@ -76,7 +76,7 @@ def test_native_program_releases_values_after_their_last_use(monkeypatch):
     peak memory); outputs are kept."""
     import weakref
 
-    from dwconv.ops import _launch
+    from dwconv.kernels import _launch
 
     seen = {}
 

@@ -1,4 +1,4 @@
-"""Recorded passes (ops/program.py): a program replayed on fresh inputs of its key gives bitwise
+"""Recorded passes (replay/program.py): a program replayed on fresh inputs of its key gives bitwise
 what dwconv's Python path gives on them, forward and every backward combination; it refuses what it
 cannot replay; the NaN poison shows a launch that did not happen."""
 
@@ -7,8 +7,8 @@ import torch
 
 from dwconv._geometry import conv_geometry
 from dwconv._library import _backward_formula
-from dwconv.ops import program
-from dwconv.ops.forward import conv_forward
+from dwconv.replay import program
+from dwconv.dispatch import conv_forward
 from helpers import assert_close, randn
 
 LAYOUTS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}

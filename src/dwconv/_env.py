@@ -27,3 +27,16 @@ def switch(name: str) -> Optional[bool]:
         return _PARSED[value]
     raise ValueError(f"dwconv: environment variable {name}={value!r} is not a switch; "
                      f"use one of {'/'.join(_ON)} or {'/'.join(_OFF)}")
+
+
+_INTERPRET: Optional[bool] = None
+
+
+def triton_interpreter_enabled() -> bool:
+    """True when Triton runs kernels on CPU tensors: TRITON_INTERPRET=1, read from the environment
+    as Triton reads it (importing Triton or torch._dynamo here would fix its mode before a caller
+    such as the no-GPU demo sets the variable), once, so that torch.compile traces a constant."""
+    global _INTERPRET
+    if _INTERPRET is None:
+        _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return _INTERPRET

@@ -19,12 +19,15 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
+from . import dispatch as _dispatch
+from . import replay
 from ._geometry import ConvGeometry, conv_geometry
-from .ops import backward as _backward
-from .ops.forward import conv_forward, output_memory_format
-from .ops.layout import nchw_copy
+from .dispatch import conv_forward
+from .kernels._shared import output_memory_format
+from .kernels.layout import nchw_copy
 
 
 def _geometry(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
@@ -67,7 +70,7 @@ def _(input, weight, bias, stride, padding, dilation):
 
 
 def _grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry) -> Tensor:
-    return _backward.conv_grad_input(grad_out, weight, geom, input)
+    return _dispatch.conv_grad_input(grad_out, weight, geom, input)
 
 
 @torch.library.custom_op("dwconv::conv2d_grad_input", mutates_args=())
@@ -83,7 +86,7 @@ def _(grad_out, input, weight, stride, padding, dilation):
 
 
 def _grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry, bias_grad: bool) -> List[Tensor]:
-    grad_weight, grad_bias = _backward.conv_grad_weight(grad_out, input, geom, weight.dtype, bias_grad)
+    grad_weight, grad_bias = _dispatch.conv_grad_weight(grad_out, input, geom, weight.dtype, bias_grad)
     return [grad_weight, grad_bias] if bias_grad else [grad_weight]
 
 
@@ -102,18 +105,18 @@ def _(grad_out, input, weight, stride, padding, dilation, bias_grad):
 
 
 def _grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry) -> Tuple[Tensor, Tensor]:
-    return _backward.conv_grad_input_and_weight(grad_out, input, weight, geom)
+    return _dispatch.conv_grad_input_and_weight(grad_out, input, weight, geom)
 
 
 @torch.library.custom_op("dwconv::conv2d_grad_input_weight", mutates_args=())
 def conv2d_grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, stride: List[int],
                              padding: List[int], dilation: List[int]) -> Tuple[Tensor, Tensor]:
     """grad_input and grad_weight from one read of grad_out and input where
-    `ops.backward.fused_backward_applies` (stride 1, multiplier 1, ...), else from the two kernels:
+    `dispatch.fused_backward_applies` (stride 1, multiplier 1, ...), else from the two kernels:
     the op takes any geometry (the backward formula asks before it calls)."""
     geom = _geometry(input, weight, None, stride, padding, dilation)
     grad_out, input, weight = plain(grad_out), plain(input), plain(weight)
-    if not _backward.fused_backward_applies(geom, input):
+    if not _dispatch.fused_backward_applies(geom, input):
         return _grad_input(grad_out, input, weight, geom), _grad_weight(grad_out, input, weight, geom, False)[0]
     return _grad_input_weight(grad_out, input, weight, geom)
 
@@ -133,14 +136,14 @@ def _backward_formula(grad_out: Tensor, input: Tensor, weight: Tensor, geom: Con
     grad_input = grad_weight = grad_bias = None
     # The fused pass does not sum grad_out for the bias; a separate sum would read grad_out again,
     # about what fusing saves, so with a bias gradient the two kernels run.
-    if (_backward.FUSED_BACKWARD and want_input and want_weight and not want_bias and input.numel() > 0
-            and _backward.fused_backward_applies(geom, input)):
+    if want_input and want_weight and not want_bias and input.numel() > 0 \
+            and _dispatch.fused_backward_applies(geom, input):
         if traced:
             grad_input, grad_weight = ops.conv2d_grad_input_weight(grad_out, input, weight, *conv)
         else:
             grad_input, grad_weight = _grad_input_weight(grad_out, input, weight, geom)
         return grad_input, grad_weight, None
-    if want_input and (want_weight or want_bias) and _backward.gradients_read_grad_out_as_nchw(geom, input, grad_out):
+    if want_input and (want_weight or want_bias) and _dispatch.gradients_read_grad_out_as_nchw(geom, input, grad_out):
         grad_out = grad_out.contiguous() if traced else nchw_copy(grad_out)  # (one copy for both)
     # grad_weight first: its partial sums are freed before grad_input is allocated, so the peak
     # stays at PyTorch's (grad_input + grad_weight beside the saved tensors).
@@ -320,5 +323,26 @@ class DepthwiseConv2dBackward(torch.autograd.Function):
                                g_bias, traced=False), None, None, None, None)
 
 
+def _eager_backward(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry, want_input: bool,
+                    want_weight: bool, want_bias: bool):
+    return _backward_formula(grad_out, input, weight, geom, want_input, want_weight, want_bias, traced=False)
+
+
+# What the C++ path records and calls back: the forward, the backward, the differentiable backward.
+REPLAY_PASSES = (conv_forward, _eager_backward, backward_for_autograd)
+
+
+def eager_conv(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: ConvGeometry,
+               arguments: tuple) -> Tensor:
+    """An eager call on tensors the kernels read: under forward-mode AD the Python Function (its jvp
+    gives the tangent; the C++ Function has none); else the C++ path where it is on and the layer
+    records, else the Python Function, or the bare forward where nothing needs a gradient."""
+    input, weight, bias = plain(input), plain(weight), plain(bias)
+    if forward_ad._current_level >= 0:
+        return DepthwiseConv2dFunction.apply(input, weight, bias, geom)
+    out = replay.conv(input, weight, bias, geom, REPLAY_PASSES, arguments) if replay.enabled(input) else None
+    return _differentiable_forward(input, weight, bias, geom) if out is None else out
+
+
 __all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_input_weight", "conv_arguments",
-           "DepthwiseConv2dFunction"]
+           "DepthwiseConv2dFunction", "eager_conv"]

@@ -448,10 +448,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         return demo_without_gpu()
     print(environment())
-    from .ops import native
+    from . import replay
 
     # (built before timing, so that every timed call takes the eager path it will keep)
-    print("dwconv's eager path:", "C++ replayer (ops/native.py)" if native.prepare() else "Python autograd Function")
+    print("dwconv's eager path:", "C++ replayer" if replay.prepare() else "Python autograd Function")
     if args.model:
         from .bench_models import bench_model, print_model_table
 

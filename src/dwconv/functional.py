@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
+from . import replay
+from ._env import triton_interpreter_enabled
 from ._geometry import IntOrPair, Padding, conv_geometry
-
-
-_INTERPRET: Optional[bool] = None
-
-
-def triton_interpreter_enabled() -> bool:
-    """True when Triton runs kernels on CPU tensors: TRITON_INTERPRET=1, read from the environment
-    as Triton reads it (importing Triton or torch._dynamo here would fix its mode before a caller
-    such as the no-GPU demo sets the variable), once, so that torch.compile traces a constant."""
-    global _INTERPRET
-    if _INTERPRET is None:
-        _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    return _INTERPRET
 
 
 def uses_triton(x: torch.Tensor) -> bool:
@@ -51,32 +39,50 @@ def depthwise_conv2d(
     """
     if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
         input, weight, bias = _autocast(input, weight, bias)
-    if _EAGER is not None and isinstance(input, torch.Tensor) and not torch.compiler.is_compiling() \
-            and _EAGER[2].enabled(input) and forward_ad._current_level < 0:
-        out = _EAGER[2].conv_known(input, weight, bias, stride, padding, dilation)  # (seen before: no checks)
-        if out is not None:
-            return out
-    geom = conv_geometry(input, weight, bias, stride, padding, dilation)
-    if not uses_triton(input):
-        return F.conv2d(input, weight, bias, stride, padding, dilation, groups=geom.in_channels)
-    if torch.compiler.is_compiling():  # one custom op in the graph, with its registered backward
-        from ._library import conv_arguments
+    out = _known_layer(input, weight, bias, stride, padding, dilation)  # (seen before: no checks again)
+    if out is None:
+        geom = conv_geometry(input, weight, bias, stride, padding, dilation)
+        out = _DOORS[_door(input, weight, bias)](input, weight, bias, geom, (stride, padding, dilation))
+    return out
 
-        return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
-    if _pytorch_must_run(input, weight, bias):
-        return F.conv2d(input, weight, bias, stride, padding, dilation, groups=geom.in_channels)
-    if input.is_neg() or weight.is_neg() or (bias is not None and bias.is_neg()):
-        input, weight, bias = (None if t is None else t.resolve_neg() for t in (input, weight, bias))
-    function, conv_forward, native = _eager_path()
-    # (forward-mode AD: the Python Function, whose jvp gives the tangent; the C++ one has none)
-    dual = forward_ad._current_level >= 0
-    if not dual and native.enabled(input):
-        out = native.conv(input, weight, bias, geom, (stride, padding, dilation))
-        if out is not None:
-            return out
-    if dual or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))):
-        return function.apply(input, weight, bias, geom)
-    return conv_forward(input, weight, bias, geom)
+
+def _known_layer(input, weight, bias, stride, padding, dilation) -> Optional[torch.Tensor]:
+    """The C++ path's answer for a call whose tensors and arguments were recorded before, or None."""
+    if replay.native.has_known_layers() and isinstance(input, torch.Tensor) and forward_ad._current_level < 0 \
+            and not torch.compiler.is_compiling() and replay.enabled(input):
+        return replay.conv_known(input, weight, bias, stride, padding, dilation)
+    return None
+
+
+def _door(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> str:
+    """Who computes a checked call: PyTorch for tensors the kernels cannot read (CPU without the
+    interpreter, torch.func's wrappers, Python-dispatch subclasses), the registered op under
+    torch.compile (one op in the graph, with its registered backward), else the eager path."""
+    if not uses_triton(input) or (not torch.compiler.is_compiling() and _pytorch_must_run(input, weight, bias)):
+        return "pytorch"
+    return "compiled" if torch.compiler.is_compiling() else "eager"
+
+
+def _pytorch(input, weight, bias, geom, arguments):
+    return F.conv2d(input, weight, bias, *arguments, groups=geom.in_channels)
+
+
+def _compiled(input, weight, bias, geom, arguments):
+    from ._library import conv_arguments
+
+    return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
+
+
+def _eager(input, weight, bias, geom, arguments):
+    # imported at the first call (it imports Triton, which must come after a caller such as the
+    # no-GPU demo sets TRITON_INTERPRET), then called directly (an import statement costs ~2 us)
+    from ._library import eager_conv
+
+    _DOORS["eager"] = eager_conv
+    return eager_conv(input, weight, bias, geom, arguments)
+
+
+_DOORS = {"pytorch": _pytorch, "compiled": _compiled, "eager": _eager}
 
 
 def _pytorch_must_run(*tensors: Optional[torch.Tensor]) -> bool:
@@ -87,23 +93,6 @@ def _pytorch_must_run(*tensors: Optional[torch.Tensor]) -> bool:
         return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
     return any(t is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
                and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python) for t in tensors)
-
-
-_EAGER = None
-
-
-def _eager_path():
-    """(DepthwiseConv2dFunction, conv_forward, ops.native), imported on first use (importing them imports Triton,
-    which must come after a caller such as the no-GPU demo sets TRITON_INTERPRET) and kept: an
-    import statement costs ~2 us a call."""
-    global _EAGER
-    if _EAGER is None:
-        from ._library import DepthwiseConv2dFunction
-        from .ops import native
-        from .ops.forward import conv_forward
-
-        _EAGER = (DepthwiseConv2dFunction, conv_forward, native)
-    return _EAGER
 
 
 def _autocast(input, weight, bias):

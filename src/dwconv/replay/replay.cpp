@@ -1,9 +1,9 @@
-// Replays a recorded pass (dwconv/ops/program.py) without Python: each aten op through the
+// Replays a recorded pass (dwconv/replay/program.py) without Python: each aten op through the
 // dispatcher (a boxed call on a stack built once), each Triton launch through cuLaunchKernel on
 // the cubin Triton compiled (DWCONV_CUDA_LAUNCH builds), or, for tests on the CPU, through a Python
 // callable; and an autograd Function in C++ (`conv`) whose forward and backward are such programs,
 // so that neither pass runs Python once a layer's programs are recorded. Built at first use by
-// dwconv/ops/native.py (docs/notes.md, session 19).
+// dwconv/replay/native.py.
 
 #include <torch/extension.h>
 #include <torch/autograd.h>
@@ -31,7 +31,7 @@ namespace py = pybind11;
 namespace {
 
 // Error messages joined by hand, never by TORCH_CHECK's stream formatting: on the GPU machine's
-// toolchain any std::ostringstream in an extension segfaults (docs/notes.md, session 20), and a
+// toolchain any std::ostringstream in an extension segfaults, and a
 // failed check must raise. (The message is built only when the check fails.)
 template <typename T>
 std::string piece(const T& value) {
@@ -273,7 +273,7 @@ void release_python(py::object& object) {
   object = py::object();
 }
 
-// One layer key (shapes, strides, dtypes, conv arguments: ops/native.py): its forward program and
+// One layer key (shapes, strides, dtypes, conv arguments: native.py): its forward program and
 // its backward programs by (wanted gradients, and the layout of each tensor the backward reads:
 // grad_out, and the saved input and weight, which saved-tensor hooks can hand back in another
 // layout, offset or device), recorded by a Python callable on first need. A null program: that
@@ -332,7 +332,7 @@ struct Layer : torch::CustomClassHolder {
   }
 };
 
-// The layers by number, as ops/native.py registers and evicts them (its bounded LRU).
+// The layers by number, as native.py registers and evicts them (its bounded LRU).
 struct Registry {
   std::mutex mutex;
   std::unordered_map<int64_t, c10::intrusive_ptr<Layer>> layers;

@@ -1,6 +1,6 @@
 """Recorded passes ("programs"): what one forward or backward did, as steps to do again.
 
-The first stage of the C++ path (docs/notes.md, session 19): a small layer's forward+backward costs
+The first stage of the C++ path: a small layer's forward+backward costs
 450-750 us of host time on the H200's machine, mostly the Python autograd Function and the
 backward's Python on the engine's device thread, against 110-194 us for cuDNN's whole call. A
 program is recorded by running dwconv's own Python path once (`record`): a TorchDispatchMode logs
@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import _launch
+from ..kernels import _launch
 
 
 class NotRecordable(RuntimeError):
@@ -102,7 +102,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         # id(tensor) -> value index: inputs are values 0 .. len - 1 (an absent one keeps its number).
         # A tensor the pass lets go leaves the map as it dies, so a later tensor reusing its id is not
-        # taken for it; the recording pass frees what it frees (session 22: holding every
+        # taken for it; the recording pass frees what it frees (holding every
         # intermediate to the end put the first call's peak memory a weight gradient's partial sums
         # above PyTorch's).
         self.index: Dict[int, int] = {}

@@ -1,18 +1,18 @@
 """Kernels of 5x5 and up on the CUDA cores: every output one FMA chain, inputs reused from registers
-(float32 at any size, float16 / bfloat16 below 13x13), and 3x3 up on narrow planes: see
-LARGE_FMA_WIDE_MIN_TAPS, LARGE_FMA_SMALL_KERNEL_MAX_WIDTH and LARGE_FMA_HALF_FORWARD_MAX_WIDTH.
+(float32 at any size, float16 / bfloat16 below 13x13), and 3x3 up on narrow planes (dispatch.py
+says where).
 
 The Toeplitz path (toeplitz.py) multiplies float32 as three TF32 products, twice the work of the
 convolution in zeros of the band, and on the H200 it is bound by moving each kernel row's input
-tile through L1 and shared memory (docs/notes.md, session 12: k31 float32 forward 1.02 ms, 24
-TFLOP/s of useful products, where the float32 FMA peak is 67). Here a thread owns OUT_VEC
+tile through L1 and shared memory (k31 float32 forward 1.02 ms, 24 TFLOP/s of useful products,
+where the float32 FMA peak is 67). Here a thread owns OUT_VEC
 adjacent outputs of one output row. For each kernel row it loads the aligned 4-vectors covering
 the input columns those outputs read (OUT_VEC + kernel_w - 1 of them at unit steps, a "window"),
 then for each tap of the row multiplies the tap's weight into each output from a lane of the
 window: KW * OUT_VEC FMAs for ~(OUT_VEC + KW) / 4 vector loads and KW weight loads. k31 at 28
 outputs a thread: 868 FMAs, 15 loads of 16 bytes and 31 of the weight a kernel row, 86% of the
-loop's sm_90 instructions, with no product spent on zeros (H200, session 14: 0.505 ms, 48.7
-TFLOP/s: 85% of what that share of issue slots allows at the 67 peak).
+loop's sm_90 instructions, with no product spent on zeros (H200: 0.505 ms, 48.7 TFLOP/s: 85% of
+what that share of issue slots allows at the 67 peak).
 
 One program = BLOCK_H output rows (numbered over batch x out_h: a tile may span images) x BLOCK_W
 columns of one channel; any stride, dilation, padding and multiplier (column steps above 1 as
@@ -33,66 +33,13 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ._lanes import _lane, _pack4
-from ._launch import (LaunchPlan, cached_plan, channels_last_kernel_applies, gpu_plan, launch, layout_key,
-                      new_partial, plane_needs_int64)
+from ..tuning import tuned
+from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plan_cache
+from ._shared import _lane, _pack4, dividing_unit, needs_int64
 from .layout import copy_into, nchw_copy
-from .toeplitz import TOEPLITZ_MIN_TAPS
 from .weight_sums import sum_partials
 
-# Kernels of LARGE_FMA_WIDE_MIN_TAPS taps or more run here (forward, stride-1 grad_input, weight gradient):
-# float32 at any size, half types below LARGE_FMA_HALF_MAX_TAPS (the Toeplitz products win from k13
-# on); NCHW, and channels_last from TOEPLITZ_MIN_TAPS on (copied, as the Toeplitz path does; below,
-# channels_last keeps its native kernels). H200, session 13, GPU times (CUDA-graph replays) of
-# `benchmarks/probe_fma_crossover.py`, float32 / bfloat16 on 32x128x56x56, default -> large_fma:
-# k3 forward 0.031 -> 0.047 / 0.037 -> 0.024 ms (float32 stays on nchw_pixels); k5 0.140 -> 0.054 /
-# 0.144 -> 0.038, forward+backward 0.479 -> 0.243 / 0.535 -> 0.137; k9 0.268 -> 0.084 / 0.300 ->
-# 0.084; k11 0.315 -> 0.116 / 0.133 (Toeplitz) -> 0.120; k13 on 32x256x28x28 0.184 -> 0.078 /
-# 0.071 (Toeplitz) -> 0.088. k31 float32 (probe_large.py --fma): forward 1.019 -> 0.654 ms,
-# forward+backward 4.009 -> 2.194; k51 forward 3.184 -> 1.706, forward+backward 12.72 -> 5.77.
-LARGE_FMA_WIDE_MIN_TAPS = 25
-LARGE_FMA_HALF_MAX_TAPS = 150
-# Smaller kernels (from 3x3 up) on planes this narrow or narrower: the default kernels lose there
-# (session 14, GPU times, float32 / bfloat16, default -> large_fma: 64x192x28x28 k3 forward 0.049 ->
-# 0.029 / 0.055 -> 0.017 ms, forward+backward 0.176 -> 0.124 / 0.192 -> 0.066; 64x384x14x14 k3
-# 0.069 -> 0.028; 64x960x7x7 k3 0.138 -> 0.019 / 0.077 -> 0.019), while on 56-wide planes float32
-# loses (64x144x56x56 k3 0.066 -> 0.092) and on 112-wide both do (0.053 -> 0.107 / 0.058 -> 0.061).
-LARGE_FMA_SMALL_KERNEL_MAX_WIDTH = 28
-# The half-precision forward (not grad_input: backward=True) of those kernels up to this width: it
-# won on 56-wide planes (bfloat16 64x144x56x56 k3 0.074 -> 0.050 ms, session 14; 32x128x56x56 k3
-# 0.037 -> 0.024, session 13) where forward+backward was even (0.188 -> 0.193): the backward keeps
-# the default kernels there (its fused pass).
-LARGE_FMA_HALF_FORWARD_MAX_WIDTH = 56
-# No kernel below this many taps runs here (1x1 to 2x4 not timed); the probes' off switch.
-LARGE_FMA_MIN_TAPS = 9
-# Column strides up to this run here, below TOEPLITZ_MIN_TAPS, on the narrow planes above measured
-# by input width (a stride-2 thread reads twice the columns; session 15, GPU times, float32 /
-# bfloat16, default -> large_fma: 64x576x14x14 k3 s2 0.047 -> 0.018 / 0.048 -> 0.017 ms, forward+
-# backward 0.175 -> 0.123 / 0.181 -> 0.116; 64x672x14x14 k5 s2 0.079 -> 0.032 / 0.088 -> 0.031;
-# 64x240x28x28 k3 s2 0.040 -> 0.032 / 0.040 -> 0.016; on 56-wide inputs float32 loses, 64x144x56x56
-# k3 s2 0.043 -> 0.072, k5 s2 0.066 -> 0.085, where bfloat16 is even (0.043 -> 0.042) or wins
-# (k5 0.069 -> 0.048); on 112-wide both lose or tie). Column dilations stay on the other kernels
-# (the kernels take them: untimed). Stride 2 with 1- to 3-column kernels on inputs over 28 wide goes
-# to the pairs kernel instead (forward.depthwise_fwd_pairs_kernel; session 16, bfloat16 64x144x56x56
-# k3 s2: 0.042 here, 0.035 there).
-LARGE_FMA_MAX_STRIDE_W = 2
-LARGE_FMA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # (what the kernels take: any geometry)
-# Forward weights of kernels with this many taps or more as aligned 4-vectors (rows padded to a
-# multiple of 4 on the host, one F.pad a call) instead of one scalar load a tap (k31's kernel-row
-# loop: 31 LDG.32 and 29 R2UR of 1010 sm_90 instructions, 990 with vectors). H200, session 15,
-# probe_large.py --fma: k31 float32 forward 0.513 -> 0.506 ms. Not below: the pad is a torch op of
-# host time a call, and the small kernels' layers are bound by host time (untimed there).
-WEIGHT_VECTORS_MIN_TAPS = TOEPLITZ_MIN_TAPS
-# The float32 forward (and grad_input's flipped forward) of kernels of LARGE_FMA_WHOLE_ROW_MIN_TAPS
-# taps up to LARGE_FMA_WHOLE_ROW_MAX_KERNEL_W columns: up to LARGE_FMA_WHOLE_ROW_MAX_VEC outputs a
-# thread (a whole 56-wide row) instead of 32, which makes the kernel-row loop longer and leaner
-# (k31's sm_90 loop 91.2% FFMA at 56 a thread, 87.7% at 28; 128 registers). H200, session 19, on
-# 32x128x56x56 (ncu: at 28 a thread the k31 forward was issue-bound, 85.6% of issue slots busy):
-# k31 0.507 -> 0.468 ms, k13 0.152 -> 0.128; but k51 1.341 -> 1.885 (158 registers: its window of
-# 106 columns a row no longer fits beside 56 sums). The weight gradient keeps 32 (not timed at 56).
-LARGE_FMA_WHOLE_ROW_MIN_TAPS = TOEPLITZ_MIN_TAPS
-LARGE_FMA_WHOLE_ROW_MAX_KERNEL_W = 31
-LARGE_FMA_WHOLE_ROW_MAX_VEC = 56
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # (what the kernels take: any geometry)
 
 
 @triton.jit
@@ -247,46 +194,21 @@ def depthwise_grad_weight_large_fma_kernel(
         tl.store(partial_row + KH * KW, tl.sum(tl.sum(bias_sum, axis=1), axis=0))
 
 
-# ---- choosing and launching -------------------------------------------------------------------
-
-def large_fma_applies(geom: ConvGeometry, x: torch.Tensor, backward: bool = False) -> bool:
-    """Whether the dispatcher takes these kernels (see LARGE_FMA_WIDE_MIN_TAPS) for a forward, or with
-    backward for a gradient (grad_input's flipped forward, the weight gradient). Shapes and strides
-    only (the fake tensors of torch.compile's tracing answer the same)."""
-    taps = geom.kernel_h * geom.kernel_w
-    if taps < LARGE_FMA_MIN_TAPS or x.dtype not in LARGE_FMA_DTYPES or geom.dilation_w > 1:
-        return False
-    if x.dtype != torch.float32 and taps >= LARGE_FMA_HALF_MAX_TAPS:
-        return False
-    unit_step = geom.stride_w == 1
-    if taps >= TOEPLITZ_MIN_TAPS:
-        return unit_step
-    if geom.stride_w > LARGE_FMA_MAX_STRIDE_W:
-        return False
-    # (below, channels_last keeps its native kernels: large_fma would read it through an NCHW copy)
-    max_width = LARGE_FMA_SMALL_KERNEL_MAX_WIDTH
-    if not backward and x.dtype != torch.float32 and not (geom.stride_w == 2 and geom.kernel_w <= 3):
-        max_width = max(max_width, LARGE_FMA_HALF_FORWARD_MAX_WIDTH)
-    return not channels_last_kernel_applies(x) and ((unit_step and taps >= LARGE_FMA_WIDE_MIN_TAPS)
-                                                    or geom.in_w <= max_width)
-
+# ---- blocks and launching ---------------------------------------------------------------------------
 
 def large_fma_forward_blocks(geom: ConvGeometry, x: torch.Tensor):
     """The forward's blocks (large_fma_blocks), whole rows of up to 56 for large float32 kernels."""
-    whole_rows = (x.dtype == torch.float32 and geom.kernel_h * geom.kernel_w >= LARGE_FMA_WHOLE_ROW_MIN_TAPS
-                  and geom.kernel_w <= LARGE_FMA_WHOLE_ROW_MAX_KERNEL_W)
-    return large_fma_blocks(geom, gpu_plan(x.device), LARGE_FMA_WHOLE_ROW_MAX_VEC if whole_rows else 32)
+    whole_rows = (x.dtype == torch.float32 and geom.kernel_h * geom.kernel_w >= tuned().large_fma_whole_row_min_taps
+                  and geom.kernel_w <= tuned().large_fma_whole_row_max_kernel_w)
+    return large_fma_blocks(geom, gpu_plan(x.device), tuned().large_fma_whole_row_max_vec if whole_rows else 32)
 
 
 def large_fma_blocks(geom: ConvGeometry, on_gpu: bool = True, max_vec: int = 32):
     """(block_h, block_w, num_warps, out_vec): out_vec outputs a thread, a multiple of 4 up to max_vec
     that wastes the fewest columns of a row (then the largest), one output row of a group a thread,
-    the fewest wasted rows over batch x out_h (then the fewest warps) over 1, 2 or 4 warps. k31 /
-    k51 on 56 x 56: 16 x 56 on one warp, 28 a thread (H200, session 14: k31 forward 0.505 ms
-    against 0.651 at 8 x 64 with 16 a thread, 56 of its 64 columns used; k51 1.351 against 1.689;
-    sm_90 code of k31's kernel-row loop: 86% FFMA at 28 a thread, 78% at 16); k13 on 28 x 28: 32 x
-    28, 0.063 against 0.076 at 16 x 32. Under the interpreter (on_gpu False: a program costs by its
-    tensor operations, not their size) the most warps on ties: fewer, larger programs."""
+    the fewest wasted rows over batch x out_h (then the fewest warps) over 1, 2 or 4 warps (k31 and
+    k51 on 56 x 56: 16 x 56 on one warp, 28 a thread). Under the interpreter (on_gpu False: a
+    program costs by its tensor operations, not their size) the most warps on ties."""
     def waste(vec):
         block_w = min(32, next_power_of_2(cdiv(geom.out_w, vec))) * vec
         return cdiv(geom.out_w, block_w) * block_w - geom.out_w
@@ -302,7 +224,7 @@ def large_fma_blocks(geom: ConvGeometry, on_gpu: bool = True, max_vec: int = 32)
 def _unit(t: torch.Tensor, width: int) -> int:
     """4 where the width and the row, channel and batch strides are multiples of 4 (16-byte rows
     of float32: aligned window vectors), else 1."""
-    return 4 if width % 4 == 0 and all(s % 4 == 0 for s in t.stride()[:3]) else 1
+    return 4 if dividing_unit(4, (width, *t.stride()[:3])) == 4 else 1
 
 
 def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
@@ -311,7 +233,8 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     NCHW copy, as the Toeplitz path does. blocks: (block_h, block_w, num_warps, out_vec)."""
     x = nchw_copy(x)
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
-    weight_vectors = geom.kernel_h * geom.kernel_w >= WEIGHT_VECTORS_MIN_TAPS
+    # weight rows as padded 4-vectors (one F.pad a call: only for large kernels)
+    weight_vectors = geom.kernel_h * geom.kernel_w >= tuned().weight_vectors_min_taps
     plan = cached_plan(_PLANS, (geom, layout_key(x), layout_key(dst), bias is not None, flip_weight, blocks,
                                 weight_vectors),
                        lambda: _plan(geom, x, dst, bias is not None, flip_weight,
@@ -324,13 +247,13 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return out
 
 
-_PLANS: dict = {}
+_PLANS = plan_cache()
 
 
 def large_fma_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeometry, weight_dtype: torch.dtype,
                           bias_grad: bool, blocks=None, rows_per_split: Optional[int] = None):
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
-    rows_per_split: rows a program sums (default: grad_weight_rows)."""
+    rows_per_split: rows a program sums (default: rows_a_program)."""
     grad_out = nchw_copy(grad_out)
     x = nchw_copy(x)
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, blocks,
@@ -342,15 +265,13 @@ def large_fma_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeo
     return sum_partials(partial, geom, weight_dtype, bias_grad)
 
 
-def grad_weight_rows(total_rows: int, strips: int, block_h: int) -> int:
+def rows_a_program(total_rows: int, strips: int, block_h: int) -> int:
     """Rows a weight-gradient program sums: about 4096 programs in all, and at least two row
-    blocks (each kernel row ends in a reduction of every tap over the program's threads). (H200,
-    session 14: k31 0.858 ms at 32 rows, 0.877 at 56, 0.954 at 112, 0.957 at 16; k13 on 32 x 28
-    tiles lost 0.112 -> 0.141 ms with four blocks, 1792 programs: two give it 3584.)"""
+    blocks (each kernel row ends in a reduction of every tap over the program's threads)."""
     return max(2 * block_h, cdiv(total_rows, max(1, 4096 // strips)))
 
 
-def _window(geom: ConvGeometry, out_vec: int):
+def _fma_window(geom: ConvGeometry, out_vec: int):
     """(WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS): a thread's window starts WINDOW_OFF columns left of
     its first output's input column, stride_w x its column (a multiple of 4, as group columns are:
     aligned 4-vectors), and holds the input of output i through tap kw in lane WINDOW_LANE0 +
@@ -363,18 +284,17 @@ def _window(geom: ConvGeometry, out_vec: int):
 
 def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, flip: bool, blocks,
           weight_vectors: bool) -> LaunchPlan:
-    assert x.dtype in LARGE_FMA_DTYPES, "large_fma: float32, float16 or bfloat16"
+    assert x.dtype in DTYPES, "large_fma: float32, float16 or bfloat16"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, y_unit = _unit(x, geom.in_w), _unit(out, geom.out_w)
-    window_off, window_lane0, window_vecs = _window(geom, out_vec)
+    window_off, window_lane0, window_vecs = _fma_window(geom, out_vec)
     total_rows = geom.batch * geom.out_h
     scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // y_unit, total_rows,
                *[s // x_unit for s in x.stride()[:3]], *[s // y_unit for s in out.stride()[:3]],
                geom.stride_h, geom.dilation_h, geom.pad_top)
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, STRIDE_W=geom.stride_w,
                      DILATION_W=geom.dilation_w, HAS_BIAS=has_bias,
-                     FLIP_TAPS=flip, INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
-                     or plane_needs_int64(out, (geom.out_h, geom.out_w)),
+                     FLIP_TAPS=flip, INDEX_64=needs_int64(x, out),
                      X_UNIT=x_unit, Y_UNIT=y_unit, BLOCK_H=block_h, BLOCK_W=block_w, OUT_VEC=out_vec,
                      WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs,
                      W_ROW=cdiv(geom.kernel_w, 4) * 4 if weight_vectors else geom.kernel_w, num_warps=num_warps)
@@ -384,14 +304,14 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, blocks,
                       rows_per_split: Optional[int]) -> LaunchPlan:
-    assert x.dtype in LARGE_FMA_DTYPES, "large_fma: float32, float16 or bfloat16"
+    assert x.dtype in DTYPES, "large_fma: float32, float16 or bfloat16"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, g_unit = _unit(x, geom.in_w), _unit(grad_out, geom.out_w)
-    window_off, window_lane0, window_vecs = _window(geom, out_vec)
+    window_off, window_lane0, window_vecs = _fma_window(geom, out_vec)
     total_rows = geom.batch * geom.out_h
     tiles_w = cdiv(geom.out_w, block_w)
     if rows_per_split is None:
-        rows_per_split = grad_weight_rows(total_rows, geom.out_channels * tiles_w, block_h) if gpu_plan(x.device) \
+        rows_per_split = rows_a_program(total_rows, geom.out_channels * tiles_w, block_h) if gpu_plan(x.device) \
             else total_rows
     rows_per_split = cdiv(rows_per_split, block_h) * block_h
     splits = cdiv(total_rows, rows_per_split)

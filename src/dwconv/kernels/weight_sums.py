@@ -1,8 +1,8 @@
-"""The weight gradient's second pass: every grad_weight kernel (ops/backward.py, large_fma.py,
-toeplitz.py) writes float32 partial sums per program and tap (and the bias after the taps); this
+"""The weight gradient's second pass: every weight-gradient kernel (grad_weight.py, tile.py,
+large_fma.py, toeplitz.py, and the fused backward's) writes float32 partial sums per program and tap (and the bias after the taps); this
 adds them per channel and tap in a fixed order (deterministic) and writes grad_weight and grad_bias
 in the weight's dtype, in one launch. It replaced a torch sum and a dtype cast, two dispatcher calls
-and launches whose host time counted in small layers' backward (docs/notes.md, session 21).
+and launches whose host time counted in small layers' backward.
 
 Partial layouts differ by kernel; each is described by where value (channel c, tap t) of part
 (outer o, inner i) lies: o * outer_stride + i * inner_stride + c * channel_stride + t.
@@ -16,14 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LaunchPlan, cached_plan, gpu_plan, launch
+from ..tuning import tuned
+from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, plan_cache
 
 
-# Past this many parts a channel torch's reduction, which splits the parts over programs, takes over:
-# each program here walks all parts of 8 outputs (the 8192 slots of #84's channels_last partial
-# sums, 36 MB, on 144 programs). Sizes where the launch's host time matters have fewer
-# (64x384x14x14: 120).
-KERNEL_MAX_PARTS = 2048
 
 
 @triton.jit
@@ -58,7 +54,7 @@ def weight_grad_sums(partial: torch.Tensor, geom, weight_dtype: torch.dtype, bia
     the partial sums: value (c, t) of part (o, i) at o * outer[1] + i * inner[1] + c * channel_stride
     + t, o < outer[0], i < inner[0]; t = kH * kW is the bias."""
     taps = geom.kernel_h * geom.kernel_w
-    if outer[0] * inner[0] > KERNEL_MAX_PARTS:
+    if outer[0] * inner[0] > tuned().weight_sums_max_parts:  # (past it torch's reduction, which splits the parts)
         values = partial.as_strided((outer[0], inner[0], geom.out_channels, taps + int(bias_grad)),
                                     (outer[1], inner[1], channel_stride, 1)).sum(dim=(0, 1))
         grad_w = values[:, :taps].to(weight_dtype).contiguous().view(geom.out_channels, 1, geom.kernel_h, geom.kernel_w)
@@ -79,7 +75,7 @@ def sum_partials(partial: torch.Tensor, geom, weight_dtype: torch.dtype, bias_gr
                             (partial.shape[1], partial.stride(1)))
 
 
-_PLANS: dict = {}
+_PLANS = plan_cache()
 
 
 def _plan(channels: int, taps: int, bias_grad: bool, channel_stride: int, inner: Tuple[int, int],

@@ -1,9 +1,9 @@
-"""Programs (ops/program.py) handed to the C++ replayer (csrc/replay.cpp), built at first use.
+"""Programs (program.py) handed to the C++ replayer (replay.cpp), built at first use.
 
 `native_program(program)` converts a recorded program: each aten op becomes a boxed call with its
 arguments laid out in schema order once, each launch a cuLaunchKernel of the cubin Triton compiled
 for it (on the GPU: the function handle, grid, threads, shared memory and parameters read off the
-compiled kernel, as benchmarks/probe_native_launch.py checked bitwise on the H200 in session 19),
+compiled kernel; checked bitwise against Triton's own launches on the H200),
 or, with python_launches (CPU tests under the interpreter), a call back into `_launch.launch_now`.
 `conv` (below) is dwconv's eager path through an autograd Function written in C++ whose forward and
 backward are such programs: eager calls on CUDA tensors take it once the replayer is built
@@ -25,10 +25,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._env import switch
-from . import _launch
+from ..kernels import _launch
+from ..tuning import on_change, tuned
 from .program import LaunchStep, NotRecordable, OpStep, Program, Ref, program_key, record
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "replay.cpp")
+SOURCE = os.path.join(os.path.dirname(__file__), "replay.cpp")
 
 
 def _build_arguments(cuda_launches: bool) -> dict:
@@ -60,7 +61,6 @@ def _build_directory(name: str) -> str:
 
 # A build that takes longer is given up (the first build of the CUDA replayer takes about a minute);
 # a build lock older than this was left by a build that was killed, and is removed.
-BUILD_TIMEOUT_S = 600.0
 
 # Runs in a process of its own: torch's build takes a lock file that a process killed mid-build
 # leaves behind, and needs ninja on PATH, which is set for that process alone.
@@ -74,7 +74,7 @@ class BuildFailed(RuntimeError):
 
 def _build(arguments: dict) -> str:
     """Builds the replayer in a subprocess (a no-op where it is built already) and returns the path
-    of the module. Never waits past BUILD_TIMEOUT_S; removes a stale lock first."""
+    of the module. Never waits past tuned().replay_build_timeout_s; removes a stale lock first."""
     import json
     import signal
     import subprocess
@@ -84,7 +84,7 @@ def _build(arguments: dict) -> str:
     os.makedirs(directory, exist_ok=True)
     lock = os.path.join(directory, "lock")
     try:
-        if time.time() - os.path.getmtime(lock) > BUILD_TIMEOUT_S:
+        if time.time() - os.path.getmtime(lock) > tuned().replay_build_timeout_s:
             os.remove(lock)
             warnings.warn(f"dwconv: removed the C++ replayer's build lock {lock}, left by a build that did not "
                           "finish", RuntimeWarning)
@@ -100,13 +100,13 @@ def _build(arguments: dict) -> str:
     except OSError as error:
         raise BuildFailed(repr(error)) from None
     try:
-        out, err = child.communicate(timeout=BUILD_TIMEOUT_S)
+        out, err = child.communicate(timeout=tuned().replay_build_timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)  # (the compiler too: the build's process group)
         child.communicate()
         if ours and os.path.exists(lock):  # (our killed build's own lock)
             os.remove(lock)
-        raise BuildFailed(f"the build took more than {BUILD_TIMEOUT_S:.0f} s (another build holding {lock}?)") \
+        raise BuildFailed(f"the build took more than {tuned().replay_build_timeout_s:.0f} s (another build holding {lock}?)") \
             from None
     lines = out.strip().splitlines()
     if child.returncode or not lines or not os.path.exists(lines[-1]):
@@ -348,10 +348,9 @@ def native_program(program: Program, python_launches: bool = False) -> NativePro
 #
 # The recorded layers, least recently used first: (program_key of the tensors, geometry) ->
 # [the extension's layer number (None: not recordable, the Python path), the `_KNOWN` keys naming it].
-# Bounded: past LAYER_CAPACITY the least recently used layer is released here and in C++ (a model
+# Bounded: past tuned().replay_layer_capacity the least recently used layer is released here and in C++ (a model
 # fed many input sizes kept every layer it ever saw: +57.6 MB after 4000 sizes). An autograd graph
 # holds its layer, so a backward after the eviction still finds its programs.
-LAYER_CAPACITY = 512
 _LAYERS: "OrderedDict[tuple, list]" = OrderedDict()
 # (program_key of the tensors, repr of (stride, padding, dilation) as the caller gave them) ->
 # (layer key, layer number): calls that passed the argument checks before and were recorded
@@ -360,6 +359,10 @@ _LAYERS: "OrderedDict[tuple, list]" = OrderedDict()
 _KNOWN: dict = {}
 _SPELLINGS_PER_LAYER = 16  # (more spellings of one layer's arguments take the full path)
 _LAYERS_LOCK = threading.Lock()  # (insertions and evictions; lookups run without it)
+
+
+def has_known_layers() -> bool:
+    return bool(_KNOWN)
 
 
 def conv_known(input, weight, bias, stride, padding, dilation) -> Optional[torch.Tensor]:
@@ -380,19 +383,21 @@ def conv_known(input, weight, bias, stride, padding, dilation) -> Optional[torch
     return _DEFAULT_MODULE[0].conv(input, weight, bias, known[1])
 
 
-def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom,
+def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom, passes,
          arguments: tuple = ()) -> Optional[torch.Tensor]:
     """depthwise_conv2d for a checked geometry, differentiable, run by the C++ replayer; None where
     this layer's passes cannot be recorded (the caller keeps its Python path). A layer's first call
     records its forward (running it once more); each backward combination is recorded at its first
     backward, from C++ calling back into Python. arguments: (stride, padding, dilation) as the caller
-    gave them, under which `conv_known` will find this layer."""
+    gave them, under which `conv_known` will find this layer. passes: the Python passes recorded and
+    called back (forward(x, w, b, geom), backward(grad_out, x, w, geom, want_input, want_weight,
+    want_bias), differentiable_backward(same)), given by the autograd layer (dwconv._library)."""
     tensors_key = program_key((input, weight, bias))
     key = (tensors_key, geom)
     entry = _LAYERS.get(key)
     if entry is None:
         try:
-            number = _register(input, weight, bias, geom)
+            number = _register(input, weight, bias, geom, passes)
         except NotRecordable:
             number = None
         except Exception as error:  # (the replayer refused a step: as not recordable, said once)
@@ -421,7 +426,7 @@ def _remember(key, number: Optional[int]) -> list:
         entry = _LAYERS.setdefault(key, [number, []])
         if entry[0] != number and number is not None:  # (another thread registered it first)
             extension().release_layer(number)
-        while len(_LAYERS) > LAYER_CAPACITY:
+        while len(_LAYERS) > tuned().replay_layer_capacity:
             _, (old, spellings) = _LAYERS.popitem(last=False)
             for known in spellings:
                 _KNOWN.pop(known, None)
@@ -431,7 +436,8 @@ def _remember(key, number: Optional[int]) -> list:
 
 
 def forget_layers() -> None:
-    """Releases every recorded layer (tests: each records its own programs under its own knobs)."""
+    """Releases every recorded layer (on a change of the tuning table: its programs were recorded
+    under the old one; and in tests)."""
     with _LAYERS_LOCK:
         numbers = [number for number, _ in _LAYERS.values() if number is not None]
         _LAYERS.clear()
@@ -440,18 +446,15 @@ def forget_layers() -> None:
             extension().release_layer(number)
 
 
-def _register(input, weight, bias, geom) -> int:
-    from .._library import backward_for_autograd, _backward_formula
-    from .forward import conv_forward
-
+def _register(input, weight, bias, geom, passes) -> int:
+    conv_forward, backward, differentiable_backward = passes
     python_launches = not input.is_cuda  # (CPU tensors: the interpreter, called back from C++)
     _, forward = record(lambda x, w, b: conv_forward(x, w, b, geom), [input, weight, bias])
 
     def record_backward(mask: int, grad_out: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
         """This backward's program, or None: then it runs python_backward (below), always."""
         def grads(grad_out, x, w):
-            return _backward_formula(grad_out, x, w, geom, bool(mask & 1), bool(mask & 2), bool(mask & 4),
-                                     traced=False)
+            return backward(grad_out, x, w, geom, bool(mask & 1), bool(mask & 2), bool(mask & 4))
         try:
             return NativeProgram(record(grads, [grad_out, x, w])[1], python_launches).native
         except NotRecordable:
@@ -463,7 +466,10 @@ def _register(input, weight, bias, geom) -> int:
 
     def python_backward(mask: int, grad_out: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
         """The Python Function's backward: differentiable again under create_graph=True."""
-        return list(backward_for_autograd(grad_out, x, w, geom, bool(mask & 1), bool(mask & 2), bool(mask & 4)))
+        return list(differentiable_backward(grad_out, x, w, geom, bool(mask & 1), bool(mask & 2), bool(mask & 4)))
 
     return extension().register_layer(NativeProgram(forward, python_launches).native, record_backward,
                                       python_backward)
+
+
+on_change(forget_layers)

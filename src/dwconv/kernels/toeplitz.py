@@ -13,7 +13,7 @@ column) by BLOCK_W columns, and for each input row the tiles span loads a [BLOCK
 tile once and adds one `tl.dot` with the bands T_kh of all OUT_ROWS output rows side by side (from
 zero-padded weight rows the launcher builds; OUT_ROWS 1: one band a kernel row). BLOCK_K / kernel_w
 is the arithmetic spent on T's zeros (2 to 4 at the chosen widths): the loads, not the products,
-bound these kernels on the H200 (docs/notes.md, Session 6). float32 uses three TF32 products of its
+bound these kernels on the H200. float32 uses three TF32 products of its
 operands' high and low parts (float32 accuracy); float16 / bfloat16 multiply natively; all
 accumulate in float32.
 
@@ -24,9 +24,8 @@ a row, grad_out's rows shifted side by side). One float32 partial sum per progra
 in a fixed order by the launcher (deterministic, no atomics).
 
 The kernels read rows with unit column steps; a channels_last tensor is copied to NCHW first, by
-ops/layout.py's transposes (H200, session 30: channels_last 4-11% slower than NCHW on k31 and k51,
-19-44% on k13). float64 stays on the CUDA-core kernels. The grad_input of stride 1 is this forward
-(dwconv.ops.backward).
+layout.py's transposes. float64 stays on the CUDA-core kernels. The grad_input of stride 1 is
+this forward of grad_out with the flipped weight (dispatch.py).
 """
 
 from __future__ import annotations
@@ -38,42 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .._env import triton_interpreter_enabled
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
-from ..functional import triton_interpreter_enabled
-from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plane_needs_int64
+from ..tuning import tuned
+from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plan_cache
+from ._shared import dividing_unit, needs_int64
 from .layout import copy_into, nchw_copy
 from .weight_sums import sum_partials
-
-# Kernels with at least this many taps take the Toeplitz path where large_fma does not (half
-# precision from 13x13, column strides; large_fma.large_fma_applies). H200, (32,128,56,56), forward against
-# the CUDA-core tile kernel: bfloat16 9x9 0.49 / 0.32 ms, 11x11 0.22 / 0.70; float32 9x9 0.336 / 0.288,
-# 11x11 0.380 / 0.649 (docs/notes.md, sessions 6 and 7).
-TOEPLITZ_MIN_TAPS = 100
-# Software-pipeline stages of the products' loads (Triton's num_stages). > 1: cp.async.cg, which
-# bypasses L1, so every kernel row reloads the input tile from L2; 1: plain loads, cached in L1.
-# H200: float32 k31 forward 2.46 -> 1.85 ms, k51 10.0 -> 6.6; grad_weight bfloat16 k31 1.19 -> 0.94;
-# bfloat16 forward within 5% either way (k51 0.716 with 3, 0.755 with 1).
-NUM_STAGES = 1
-# float32 products as three TF32 products of parts split in the kernel by two bit operations an
-# element; False: Triton's "tf32x3", whose rounding split took ~300 of the k31 forward loop's 473
-# sm_90 instructions (benchmarks/sass_stats.py).
-SPLIT_TF32 = True
-# The weight gradient's products transposed where that gives them 64 rows or more (the window's
-# columns, not the strip's): sm_90's warpgroup MMA instead of mma.sync.
-TRANSPOSED_GRAD_WEIGHT = True
-# The forward's next kernel row loaded during this one's product (PREFETCH) from this kernel height
-# (NUM_STAGES > 1 pipelines through cp.async, which bypasses L1). H200, session 24, bfloat16
-# (32,128,56,56), CUDA-graph replays, two alternations (benchmarks/probe_large.py --graphs
-# [--prefetch]): k51 0.626-0.628 -> 0.581-0.582 ms (channels_last 0.774-0.778 -> 0.728-0.732), but
-# k31 0.299 -> 0.312-0.313 (0.450 -> 0.460): 127 -> 168 registers cost k31 a program an SM.
-# Heights between 31 and 51 are not timed.
-PREFETCH_MIN_KERNEL_H = 51
-# Output rows a half-precision forward tile takes (toeplitz_out_rows)
-OUT_ROWS = 4
-# Kernel rows a weight-gradient pass takes (toeplitz_grad_weight_kh_rows)
-GRAD_WEIGHT_KH_ROWS = 4
-# Weight-gradient programs to aim for (grad_weight_rows)
-GRAD_WEIGHT_PROGRAMS = 512
 
 
 @triton.jit
@@ -93,7 +63,7 @@ def _tile_rows(rows, total_rows, out_h, out_c, MULTIPLIER: tl.constexpr, x_strid
 
 
 @triton.jit
-def _window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _strip_window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT: tl.constexpr, BLOCK_K: tl.constexpr):
     """The BLOCK_K input columns a strip reads, from the multiple of UNIT at or below its first one
     (so that rows load as UNIT-wide vectors), which of them exist, and `shift`: where the strip's first
     column lies in the window. pad_up (a multiple of UNIT, in UNITs) = pad_left + pad_shift."""
@@ -180,7 +150,7 @@ def depthwise_fwd_toeplitz_kernel(
     tile_ok, tile, first_in_row, x_base, _ = _tile_rows(
         tiles, total_tiles, tiles_h, out_c, MULTIPLIER, x_stride_n, x_stride_c, 0, 0, stride_h * OUT_ROWS, pad_top,
         UNIT, INDEX_64)
-    in_cols, col_ok, shift = _window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT, BLOCK_K)
+    in_cols, col_ok, shift = _strip_window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT, BLOCK_K)
     # the product's columns: OUT_ROWS output rows of BLOCK_W columns side by side
     tile_row = tl.arange(0, OUT_ROWS * BLOCK_W) // BLOCK_W
     cols = tl.arange(0, OUT_ROWS * BLOCK_W) % BLOCK_W
@@ -245,7 +215,7 @@ def depthwise_grad_weight_toeplitz_kernel(
     part = pid % (splits * tiles_w)
     first_col = (part % tiles_w) * BLOCK_W
     first_row = (part // tiles_w) * rows_per_split
-    in_cols, col_ok, shift = _window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT, BLOCK_K)
+    in_cols, col_ok, shift = _strip_window(first_col, stride_w, pad_shift, pad_up, in_w, UNIT, BLOCK_K)
     # the product's columns: KH_ROWS kernel rows' BLOCK_W grad_out columns side by side
     kernel_row = tl.arange(0, KH_ROWS * BLOCK_W) // BLOCK_W
     cols = tl.arange(0, KH_ROWS * BLOCK_W) % BLOCK_W
@@ -309,11 +279,6 @@ def depthwise_grad_weight_toeplitz_kernel(
 
 # ---- choosing and launching -------------------------------------------------------------------
 
-def toeplitz_applies(geom: ConvGeometry, dtype: torch.dtype) -> bool:
-    """Large kernels in float32 / float16 / bfloat16 (float64 stays on the CUDA-core kernels)."""
-    return geom.kernel_h * geom.kernel_w >= TOEPLITZ_MIN_TAPS and dtype != torch.float64
-
-
 def window_width(geom: ConvGeometry, block_w: int, unit: int = 1) -> int:
     """BLOCK_K: the input columns a strip of block_w output columns reads from the multiple of unit at
     or below its first (a power of 2, >= 16)."""
@@ -347,10 +312,7 @@ def load_unit(geom: ConvGeometry, block_w: int, tensors, widths) -> int:
 def store_unit(out: torch.Tensor, block_w: int) -> int:
     """Elements an output row store takes at once (16 bytes at most): the largest power of two
     dividing the output's batch, channel and row strides and the strip width."""
-    unit = 16 // out.element_size()
-    while unit > 1 and any(s % unit for s in (*out.stride()[:3], block_w)):
-        unit //= 2
-    return unit
+    return dividing_unit(16 // out.element_size(), (*out.stride()[:3], block_w))
 
 
 def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor, grad_weight: bool = False) -> int:
@@ -389,8 +351,8 @@ def toeplitz_out_rows(geom: ConvGeometry, x: torch.Tensor) -> int:
 
     So OUT_ROWS in half precision below PREFETCH_MIN_KERNEL_H, at the timed row step (stride and
     dilation 1 across rows); float32's products (three TF32 products a step) were not timed: 1."""
-    measured = geom.stride_h == geom.dilation_h == 1 and geom.kernel_h < PREFETCH_MIN_KERNEL_H
-    return OUT_ROWS if x.element_size() == 2 and measured else 1
+    measured = geom.stride_h == geom.dilation_h == 1 and geom.kernel_h < tuned().toeplitz_prefetch_min_kernel_h
+    return tuned().toeplitz_out_rows if x.element_size() == 2 and measured else 1
 
 
 def toeplitz_num_warps(out_rows: int, block_m: int) -> int:
@@ -410,9 +372,10 @@ def toeplitz_block_m(x: torch.Tensor) -> int:
 
 def _dot_types(dtype: torch.dtype) -> dict:
     """The products' constexprs: operand dtype, input_precision, and whether float32 operands are
-    split in the kernel (SPLIT_TF32) or by Triton ("tf32x3", before session 11)."""
+    split in the kernel into three TF32 products (SPLIT_TF32; Triton's "tf32x3" spent most of the
+    loop's instructions on its rounding split)."""
     if dtype == torch.float32:
-        return dict(DOT_DTYPE=tl.float32, PRECISION="tf32" if SPLIT_TF32 else "tf32x3", SPLIT_TF32=SPLIT_TF32)
+        return dict(DOT_DTYPE=tl.float32, PRECISION="tf32", SPLIT_TF32=True)
     if dtype == torch.bfloat16 and triton_interpreter_enabled():  # (the interpreter's bfloat16 dot is wrong)
         return dict(DOT_DTYPE=tl.float32, PRECISION="ieee", SPLIT_TF32=False)
     return dict(DOT_DTYPE=tl.float16 if dtype == torch.float16 else tl.bfloat16, PRECISION="tf32", SPLIT_TF32=False)
@@ -427,7 +390,7 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     output rows a tile (toeplitz_out_rows); block_m: tiles a program."""
     x = nchw_copy(x)
     out_rows = out_rows or toeplitz_out_rows(geom, x)
-    block_m, num_stages = block_m or toeplitz_block_m(x), num_stages or NUM_STAGES
+    block_m, num_stages = block_m or toeplitz_block_m(x), num_stages or tuned().toeplitz_num_stages
     num_warps = num_warps or toeplitz_num_warps(out_rows, block_m)
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
     plan = cached_plan(_PLANS, ("forward", geom, layout_key(x), layout_key(dst), bias is not None, block_m, block_w,
@@ -442,7 +405,7 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return out
 
 
-_PLANS: dict = {}
+_PLANS = plan_cache()
 
 
 @triton.jit
@@ -523,10 +486,9 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
                pad_up * unit - geom.pad_left, pad_up, geom.dilation_h, _band_row(geom, block_w, block_k, unit)[1])
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, HAS_BIAS=has_bias, **_dot_types(x.dtype),
                      UNIT=unit, BLOCK_M=block_m,
-                     INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
-                     or plane_needs_int64(out, (geom.out_h, geom.out_w)),
+                     INDEX_64=needs_int64(x, out),
                      BAND_VECTOR=16 // x.element_size(),
-                     PREFETCH=out_rows == 1 and geom.kernel_h >= PREFETCH_MIN_KERNEL_H,
+                     PREFETCH=out_rows == 1 and geom.kernel_h >= tuned().toeplitz_prefetch_min_kernel_h,
                      OUT_ROWS=out_rows, ROW_STEP=row_step, STEPS=steps, OUT_UNIT=out_unit,
                      BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     grid = (geom.out_channels * cdiv(total_tiles, block_m) * cdiv(geom.out_w, block_w),)
@@ -539,10 +501,10 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
                          num_stages: Optional[int] = None, kh_rows: Optional[int] = None
                          ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad of the weight (C*m, 1, kH, kW) and, when bias_grad, of the bias; grad_out not empty.
-    rows_per_split: rows a program sums (default: grad_weight_rows); kh_rows and num_warps: kernel
+    rows_per_split: rows a program sums (default: rows_a_program); kh_rows and num_warps: kernel
     rows a pass over them and the warps (default: toeplitz_grad_weight_kh_rows)."""
     grad_out, x = nchw_copy(grad_out), nchw_copy(x)
-    num_stages = num_stages or NUM_STAGES
+    num_stages = num_stages or tuned().toeplitz_num_stages
     plan = cached_plan(_PLANS, ("grad_weight", geom, layout_key(grad_out), layout_key(x), bias_grad, block_m,
                                 block_w, rows_per_split, num_warps, num_stages, kh_rows),
                        lambda: _grad_weight_plan(geom, grad_out, x, bias_grad, block_m, block_w, rows_per_split,
@@ -564,27 +526,27 @@ def toeplitz_grad_weight_kh_rows(geom: ConvGeometry, x: torch.Tensor, block_w: O
     | k13 32x256x28x28 (32 x 64) | 0.139 | 0.120 | **0.119** | 0.135 |
     | k51 32x128x56x56 (64 x 128) | 1.268 | 1.142 | 3.523 | **1.087** |
 
-    So GRAD_WEIGHT_KH_ROWS where rows are one step apart and the pass's float32 products (window x
+    So tuned().toeplitz_grad_weight_kh_rows where rows are one step apart and the pass's float32 products (window x
     kernel rows x strip) fit 64 x 128 elements on 4 warps (in the large suite that took k31 bfloat16
     forward+backward from 0.975 to 0.824 ms), or 128 x 256 on 8 (k51, spilling on 4: forward+backward
     2.431 -> 2.252 ms in session 30's suite).
     float32 was not timed (its three products a step take the same loads)."""
-    if GRAD_WEIGHT_KH_ROWS == 1 or geom.stride_h != 1 or geom.dilation_h != 1:
+    if tuned().toeplitz_grad_weight_kh_rows == 1 or geom.stride_h != 1 or geom.dilation_h != 1:
         return 1, 4
     block_w = block_w or toeplitz_block_w(geom, x, grad_weight=True)
     unit = load_unit(geom, block_w, (x,), (geom.in_w,))
-    products = window_width(geom, block_w, unit) * GRAD_WEIGHT_KH_ROWS * block_w
+    products = window_width(geom, block_w, unit) * tuned().toeplitz_grad_weight_kh_rows * block_w
     if products > 128 * 256:
         return 1, 4
-    return GRAD_WEIGHT_KH_ROWS, 4 if products <= 64 * 128 else 8
+    return tuned().toeplitz_grad_weight_kh_rows, 4 if products <= 64 * 128 else 8
 
 
-def grad_weight_rows(total_rows: int, strips: int) -> int:
+def rows_a_program(total_rows: int, strips: int) -> int:
     """Rows a weight-gradient program sums (each program does every tap of one strip of one channel,
     then writes its partial sums): at most 1024 (H200, k31 bfloat16, 16-column strips: 1024 rows
     1.20 ms against 1.35 at ~4096 programs), fewer where that leaves under GRAD_WEIGHT_PROGRAMS
     programs (k51 half precision: 256 programs of 896 rows on 132 SMs; 512 of 448 now, not yet timed)."""
-    return min(1024, cdiv(total_rows, max(1, cdiv(GRAD_WEIGHT_PROGRAMS, strips))))
+    return min(1024, cdiv(total_rows, max(1, cdiv(tuned().toeplitz_grad_weight_programs, strips))))
 
 
 def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, bias_grad: bool, block_m: int,
@@ -601,7 +563,7 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     tiles_w = cdiv(geom.out_w, block_w)
     block_k = window_width(geom, block_w, unit)
     if rows_per_split is None:
-        rows_per_split = grad_weight_rows(total_rows, geom.out_channels * tiles_w) if gpu_plan(x.device) \
+        rows_per_split = rows_a_program(total_rows, geom.out_channels * tiles_w) if gpu_plan(x.device) \
             else total_rows
     rows_per_split = cdiv(rows_per_split, block_m) * block_m
     splits = cdiv(total_rows, rows_per_split)
@@ -614,9 +576,8 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w,
                      KW_PAD=next_power_of_2(geom.kernel_w), BIAS_GRAD=bias_grad,
                      **_dot_types(x.dtype), UNIT=unit, BLOCK_M=block_m,
-                     INDEX_64=plane_needs_int64(x, (geom.in_h, geom.in_w))
-                     or plane_needs_int64(grad_out, (geom.out_h, geom.out_w)),
-                     TRANSPOSED=TRANSPOSED_GRAD_WEIGHT and block_k >= 64 > block_w, KH_ROWS=kh_rows,
+                     INDEX_64=needs_int64(x, grad_out),
+                     TRANSPOSED=block_k >= 64 > block_w, KH_ROWS=kh_rows,
                      BLOCK_W=block_w, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     grid = (geom.out_channels * splits * tiles_w,)
     return LaunchPlan("grad_weight_toeplitz", grid, scalars, constants,

@@ -1,9 +1,9 @@
-"""Launch plans: everything a kernel launch needs besides the tensors, computed once per geometry
-and tensor layout and then looked up.
+"""Launch plans and the one place every kernel launch goes through.
 
-Small layers are bound by host time per call (docs/notes.md, session 3: ~600 us of CPU for a
-forward+backward whose kernels take ~0.26 ms), so the launchers do their arithmetic (kernel
-choice, block sizes, 64-bit indexing, alignment units, grid, argument lists) once. A plan depends
+A plan is everything a launch needs besides the tensors, computed once per geometry and tensor
+layout and then looked up: small layers are bound by host time per call (~600 us of CPU for a
+forward+backward whose kernels take ~0.26 ms, before plans), so the launchers do their arithmetic
+(kernel choice, block sizes, 64-bit indexing, alignment units, grid, argument lists) once. A plan depends
 only on what `layout_key` captures: shapes, strides, dtype, device type and the 16-byte alignment
 of the data pointer, which are also what Triton specialises a kernel on.
 """
@@ -17,10 +17,34 @@ from typing import Callable, Dict, Hashable, Optional, Tuple, TypeVar
 
 import torch
 
-from .._env import switch
+from ..tuning import on_change, tuned
 
 T = TypeVar("T")
 _PLAN_LIMIT = 4096  # distinct (geometry, layout) pairs kept; past it the cache starts over
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """A forward launch's family and blocks (dispatch.forward_config), or a probe's choice."""
+    # "tile", "rows", "nchw_pixels", "pairs", "nhwc", "nhwc_pixels", "nhwc_rows", "toeplitz", "large_fma"
+    kernel: str
+    block_h: int  # tile rows ("tile", "nhwc", ...) or output rows per program ("rows")
+    block_w: int
+    num_warps: int
+    vec: int = 1  # output columns a thread owns: "rows" 4 (window loads, stride_w 1 only), "large_fma" 4-56
+    block_c: int = 1  # the channels_last tiles: channels a program covers
+    prefetch: bool = False  # "nhwc_rows" (the row-sliding fused backward): the next row's loads issued first
+
+
+@dataclass(frozen=True)
+class GradWeightConfig:
+    """Blocks of the NCHW and channels_last weight-gradient kernels (grad_weight.py, tile.py)."""
+    block_w: int  # output columns a program covers per row
+    num_warps: int
+    vec: int  # output columns a thread owns (4: window loads; stride_w 1 only)
+    splits: int  # programs per output channel
+    rows: int = 1  # grad_out rows a loop step handles (more loads in flight on narrow planes)
+    block_c: int = 1  # channels a program covers (channels_last kernel)
 
 
 @dataclass(frozen=True)
@@ -40,6 +64,17 @@ def layout_key(t: torch.Tensor) -> Hashable:
 
 
 _MISSING = object()
+_CACHES: list = []
+
+
+def plan_cache() -> dict:
+    """A new cache of plans, emptied whenever the tuning table changes."""
+    cache: dict = {}
+    _CACHES.append(cache)
+    return cache
+
+
+on_change(lambda: [cache.clear() for cache in _CACHES])
 
 
 def cached_plan(cache: dict, key: Hashable, build: Callable[[], T]) -> T:
@@ -52,28 +87,13 @@ def cached_plan(cache: dict, key: Hashable, build: Callable[[], T]) -> T:
     return plan
 
 
-def plane_needs_int64(t: torch.Tensor, sizes) -> bool:
-    """True when an offset inside one (n, c) plane of t (sizes: its height and width) can reach 2**31."""
-    extent = sum((s - 1) * abs(st) for s, st in zip(sizes, t.stride()[2:]))
-    return extent >= 2**31 - 1
-
-
-# The tests set this (tests/conftest.py): a partial sum no program wrote then poisons the result
-# instead of passing silently. Off in use: the fill is a launch and a pass over up to tens of MB
-# (a 7x7 weight gradient's partial sums can outweigh its tensors) for what the tests guard.
-POISON_PARTIALS = False
-
-
 def new_partial(plan: LaunchPlan, device: torch.device) -> torch.Tensor:
-    """The float32 partial sums a launch writes (NaN-filled under POISON_PARTIALS)."""
-    if POISON_PARTIALS:
+    """The float32 partial sums a launch writes; NaN-filled under tuned().poison_partials (the tests:
+    a partial sum no program wrote then poisons the result instead of passing silently; off in
+    use, where the fill would be a launch and a pass over up to tens of MB)."""
+    if tuned().poison_partials:
         return torch.full(plan.partial_shape, float("nan"), device=device, dtype=plan.partial_dtype)
     return torch.empty(plan.partial_shape, device=device, dtype=plan.partial_dtype)
-
-
-# On by default (GPU tests passed with it; the launchers' host time halved on two of four small
-# layers, docs/notes.md); DWCONV_FAST_LAUNCH=0 (or false/off/no) turns it off (Triton's launch hooks, say).
-FAST_LAUNCH = switch("DWCONV_FAST_LAUNCH") is not False
 
 
 def on_device_of(t: torch.Tensor):
@@ -84,7 +104,7 @@ def on_device_of(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
-# ops/program.py's recorder while it records a pass on this thread (`recorder`, None otherwise): it
+# replay/program.py's recorder while it records a pass on this thread (`recorder`, None otherwise): it
 # logs each launch, then launches through launch_now with its dispatch mode off. One a thread, as
 # TorchDispatchMode's stack is: threads meeting new layers at once (DataParallel's replicas, the
 # autograd engine's device threads, a serving pool) each record their own pass.
@@ -112,10 +132,9 @@ def launch(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
 
 
 def launch_now(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
-    """kernel[plan.grid](*tensors, *plan.scalars, **plan.constants). With FAST_LAUNCH, later launches
-    of a plan on a device go straight to the compiled kernel that the first one returned, skipping
-    Triton's per-call specialisation and cache lookup (Triton's run() was ~70 us of each launch's
-    host time in the session 9 profile, under cProfile). Sound because a plan fixes every scalar
+    """kernel[plan.grid](*tensors, *plan.scalars, **plan.constants). With tuned().fast_launch, later
+    launches of a plan on a device go straight to the compiled kernel that the first one returned,
+    skipping Triton's per-call specialisation and cache lookup (~70 us of each launch's host time). Sound because a plan fixes every scalar
     and constexpr argument, and each launch checks that the tensors' dtypes and 16-byte alignments,
     what Triton specialises pointers on, are the first launch's; otherwise it takes Triton's path.
     Runs on the first tensor's GPU (on_device_of)."""
@@ -127,7 +146,7 @@ def launch_now(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
         with _INTERPRETER_LOCK:
             kernel[plan.grid](*tensors, *plan.scalars, **plan.constants)
         return
-    if not FAST_LAUNCH:
+    if not tuned().fast_launch:
         kernel[plan.grid](*tensors, *plan.scalars, **plan.constants)
         return
     key = (kernel, torch.cuda.current_device())  # (Triton compiles and caches per current device)
@@ -143,19 +162,8 @@ def launch_now(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
         plan.compiled[key] = (pointers, compiled, grid, plan.scalars + tuple(plan.constants[n] for n in names))
 
 
-# tests/compile_check.py sets this: plans for CPU tensors then take the kernels and blocks a GPU
-# would get, so that the GPU's constexprs compile (or fail to) on a machine without one (session 16:
-# a GPU-only block of 5 rows passed every interpreter test and did not compile on the H200).
-PLAN_AS_GPU = False
-
-
 def gpu_plan(device: torch.device) -> bool:
-    """Whether launch plans on this device are the GPU's (else the interpreter's: few, large programs)."""
-    return device.type == "cuda" or PLAN_AS_GPU
-
-
-def channels_last_kernel_applies(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
-    """Whether the input (and the output, when given) have unit channel strides and are not also
-    NCHW-contiguous (one channel, or 1 x 1 images, are both): the NHWC kernel's layout."""
-    return (x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1 and not x.is_contiguous()
-            and (out is None or (out.stride(1) == 1 and out.shape[1] > 1)))
+    """Whether launch plans on this device are the GPU's (else the interpreter's: few, large
+    programs). tuned().plan_as_gpu gives CPU tensors the GPU's plans, so that the GPU's constexprs
+    compile (or fail to) on a machine without one (tests/compile_check.py)."""
+    return device.type == "cuda" or tuned().plan_as_gpu

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .._geometry import cdiv
-from ._launch import LaunchPlan, cached_plan, launch, layout_key
+from ._launch import LaunchPlan, cached_plan, launch, layout_key, plan_cache
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _plan(src: torch.Tensor, rows: int, cols: int) -> LaunchPlan:
                       dict(BLOCK_R=BLOCK, BLOCK_C=BLOCK, num_warps=4))
 
 
-_PLANS: dict = {}
+_PLANS = plan_cache()
 
 
 def nchw_copy(t: torch.Tensor) -> torch.Tensor:

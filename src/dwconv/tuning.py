@@ -1,0 +1,102 @@
+"""Every threshold and switch that steers dwconv's kernel choice and blocks, in one table.
+
+The values are the measured winners on the H200 (docs/decisions.md gives each one's measurement).
+Code reads them through `tuned()`; tests and tools change them only through `override`, which also
+drops every cached launch plan and recorded layer, so that nothing built under one table is reused
+under another:
+
+    from dwconv import tuning
+    with tuning.override(toeplitz_min_taps=81):
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Tuple
+
+from ._env import switch
+
+
+@dataclass(frozen=True)
+class Tuning:
+    # ---- which kernel family (dispatch.py)
+    large_fma_min_taps: int = 9  # large_fma from 3x3 on narrow planes
+    large_fma_wide_min_taps: int = 25  # and from 5x5 on any width (unit column steps)
+    large_fma_small_kernel_max_width: int = 28  # "narrow": 3x3 beats the tile kernels on rows up to 28
+    large_fma_half_forward_max_width: int = 56  # half-precision forward: up to 56 wide
+    large_fma_half_max_taps: int = 150  # half precision past this: Toeplitz's tensor cores win
+    large_fma_max_stride_w: int = 2  # column strides past 2 waste the window's loads
+    toeplitz_min_taps: int = 100  # Toeplitz products where large_fma does not apply (10x10 up)
+    pixel_kernel_taps: int = 49  # channels_last unrolled pixels up to 7x7 (larger: band kernel, slow compiles)
+    fused_nhwc_taps: int = 9  # channels_last fused backward up to 3x3 (7x7 spills)
+    nhwc_rows_widths: Tuple[int, int] = (48, 64)  # channels_last fused backward slides rows on these widths
+    # ---- blocks
+    max_band_taps: int = 256  # tile kernel: rows x taps unrolled per program on the GPU
+    interpreter_band_taps: int = 4096  # the same under the interpreter (cost per operation, not size)
+    max_pixel_taps: int = 2048  # outputs x taps an unrolled-pixels program holds
+    per_branch_weight_taps: int = 9  # up to 3x3 each tile branch loads its own weights
+    nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
+    nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks
+    min_pixel_grad_programs: int = 768  # channels_last backward: at least this many programs
+    partial_share: int = 12  # ... and partial sums at most 1/12 of grad_out + input
+    small_fused_bytes: int = 64 << 20  # fused channels_last backward: 32-channel blocks under this size
+    nhwc_fused_half_maxnreg: int = 128  # register cap of that pass in half precision (dilation 1)
+    nhwc_rows_programs: int = 2048  # programs the row-sliding channels_last backward aims at
+    shared_load_taps: int = 49  # grad_input phase kernel: one grad_out tile load for all phases up to 7x7
+    phase_wide_nchw_w: int = 112  # NCHW strided grad_input: 8 values a thread from this width
+    weight_vectors_min_taps: int = 100  # large_fma reads weight rows as padded 4-vectors from 10x10
+    large_fma_whole_row_min_taps: int = 100  # large_fma float32 forward: whole rows of up to 56 outputs ...
+    large_fma_whole_row_max_kernel_w: int = 31  # ... for kernels up to 31 wide
+    large_fma_whole_row_max_vec: int = 56
+    toeplitz_num_stages: int = 1  # > 1 pipelines through cp.async, which bypasses L1
+    toeplitz_prefetch_min_kernel_h: int = 51  # next kernel row's loads issued early from k51
+    toeplitz_out_rows: int = 4  # half-precision forward tile: output rows a program's products cover
+    toeplitz_grad_weight_kh_rows: int = 4  # kernel rows a weight-gradient pass takes
+    toeplitz_grad_weight_programs: int = 512  # weight-gradient programs to aim for
+    weight_sums_max_parts: int = 2048  # partial sums a channel may have for the Triton summing pass
+    # ---- checks and launching
+    fast_launch: bool = switch("DWCONV_FAST_LAUNCH") is not False  # repeat launches skip Triton's dispatch
+    poison_partials: bool = False  # tests: NaN-fill partial sums so that an unwritten one shows
+    plan_as_gpu: bool = False  # compile checks: CPU tensors get the GPU's kernels and blocks
+    replay_layer_capacity: int = 512  # layers the C++ path keeps recorded (least recently used go)
+    replay_build_timeout_s: float = 600.0  # the C++ replayer's build never waits longer (stale locks too)
+
+
+_CURRENT = Tuning()
+_LOCK = threading.Lock()
+_RESETS: List[Callable[[], None]] = []
+
+
+def tuned() -> Tuning:
+    """The table in force."""
+    return _CURRENT
+
+
+def on_change(reset: Callable[[], None]) -> Callable[[], None]:
+    """Registers a cache's reset, called whenever the table changes (launch plans, recorded layers)."""
+    _RESETS.append(reset)
+    return reset
+
+
+def _install(table: Tuning) -> None:
+    global _CURRENT
+    _CURRENT = table
+    for reset in _RESETS:
+        reset()
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Tuning]:
+    """The table with `changes` in force inside the block (names as in Tuning; a wrong name raises)."""
+    with _LOCK:
+        before = _CURRENT
+        _install(dataclasses.replace(before, **changes))
+    try:
+        yield _CURRENT
+    finally:
+        with _LOCK:
+            _install(before)
