@@ -51,7 +51,8 @@ def run(args) -> None:
     launch_module.launch_now = recording
     from dataclasses import replace
 
-    cases = [replace(c, n=max(1, c.n // args.shrink), c=max(2, c.c // args.shrink)) for c in bench.SUITES[args.suite]]
+    cases = [replace(c, n=max(1, c.n // args.shrink), c=max(2, c.c // args.shrink))
+             for suite in args.suite.split(",") for c in bench.SUITES[suite]]
     index, count = (int(v) for v in args.shard.split("/"))
     rows = {}
     for number, case in enumerate(cases):
@@ -81,11 +82,11 @@ def run(args) -> None:
                 out=_digest(out), grad_input=_digest(grad_x), grad_weight=_digest(grad_w),
                 grad_weight_only=_digest(grad_w_only), launches=list(launches))
             print(case.label, layout, rows[f"{case.label} {layout}"]["out"], flush=True)
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=0, sort_keys=True)
+            with open(args.out, "w") as f:  # (after each case: a run cut short keeps what it did)
+                json.dump(rows, f, indent=0, sort_keys=True)
 
 
-def compare(a_path: str, b_path: str, ignore=("EVICT", "STORE_CACHE")) -> int:
+def compare(a_path: str, b_path: str, ignore=("EVICT", "STORE_CACHE", "BRANCH_WEIGHT_TAPS")) -> int:
     rows = []
     for path in (a_path, b_path):
         merged = {}
