@@ -55,8 +55,11 @@ def run(args) -> None:
              for suite in args.suite.split(",") for c in bench.SUITES[suite]]
     index, count = (int(v) for v in args.shard.split("/"))
     rows = {}
-    for number, case in enumerate(cases):
-        if number % count != index or (args.dtype and case.dtype != args.dtype):
+    done = set(json.load(open(args.skip))) if args.skip else set()
+    todo = [(number, case) for number, case in enumerate(cases) if f"{case.label} channels_last" not in done
+            and (not args.dtype or case.dtype == args.dtype)]
+    for position, (number, case) in enumerate(todo):
+        if position % count != index:
             continue
         dtype = getattr(torch, case.dtype)
         for layout in ("nchw", "channels_last"):
@@ -124,6 +127,7 @@ if __name__ == "__main__":
     parser.add_argument("--shard", default="0/1")
     parser.add_argument("--out")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--skip", help="a fingerprint file whose layers are not run again")
     parser.add_argument("--shrink", type=int, default=1, help="divide batch and channels (CPU checks)")
     parser.add_argument("--compare", nargs=2)
     arguments = parser.parse_args()
