@@ -1,14 +1,13 @@
 """Developer tool (no GPU needed): a Triton cache for the GPU machine, compiled on this one.
 
-Compiles took 150-200 s of several device calls in session 22 (every layer's kernels, each call on
-a fresh machine). This runs dwconv's public forward and forward+backward of benchmark suites' layers
+Compiles take minutes of a device call on a fresh machine (every layer's kernels). This runs dwconv's public forward and forward+backward of benchmark suites' layers
 on CPU tensors, with the kernels compiled for sm_90 and never launched (tests/compile_check.py's
 harness, the launchers' GPU plans), into a cache directory that the device call copies to
 ~/.triton/cache before it starts.
 
 The cache key: Triton hashes its own files, libtriton.so among them. The GPU machine runs CPython
 3.12 and this one 3.11; the two Triton 3.6.0 wheels differ only in their .so files (every Python
-file, ptxas and libdevice are the same; session 22, `diff -r` of the wheels), so triton_key() is
+file, ptxas and libdevice are the same: `diff -r` of the wheels), so triton_key() is
 patched to hash the 3.12 wheel's libtriton.so instead of the local one (its SHA-256 below, or
 --libtriton FILE). Group files name their members by absolute path; they are rewritten to the
 device's /root/.triton/cache in the packed copy (--pack; the directory itself keeps local paths,
@@ -37,15 +36,6 @@ def parse_args():
     p.add_argument("--dtype", nargs="+", default=["float32", "float16", "bfloat16"])
     p.add_argument("--cases", nargs="+", type=int, help="indices among the suite's rows of each dtype")
     p.add_argument("--layouts", nargs="+", default=["nchw", "channels_last"])
-    p.add_argument("--nhwc-backward", nargs=6, type=int, action="append", metavar="N C H W K PAD".split(),
-                   help="instead of suites: probe_nhwc_backward.py's fused passes on these layers (stride 1)")
-    p.add_argument("--rows", nargs="+", type=int, action="append", metavar="N",
-                   help="--nhwc-backward: also the row-sliding pass at these blocks (probe_nhwc_backward.py --rows)")
-    p.add_argument("--rows-maxnreg", type=int, help="--rows: their register cap (probe_nhwc_backward.py's option)")
-    p.add_argument("--toeplitz", nargs=3, type=int, action="append", metavar=("ROWS", "M", "WARPS"),
-                   help="probe_toeplitz_rows.py's variants of the Toeplitz forward (its layers, NCHW)")
-    p.add_argument("--toeplitz-gw", nargs=3, type=int, action="append", metavar=("KH_ROWS", "M", "WARPS"),
-                   help="probe_toeplitz_rows.py's weight-gradient variants (its layers)")
     p.add_argument("--layer", nargs=6, type=int, action="append", metavar="N C H W K PAD".split(),
                    help="instead of suites: these layers (stride 1, with a bias), as compile_case does a suite's "
                         "(e.g. the depthwise layers of ConvNeXt-T at batch 2 on 96 x 96 images, the GPU test's)")
@@ -83,19 +73,6 @@ def main():
 
     functional.uses_triton = lambda x: True  # CPU tensors take the Triton path (kernels compile only)
     started = time.time()
-    if args.nhwc_backward:
-        from dwconv.ops import backward
-        if args.rows_maxnreg:
-            backward.NHWC_ROWS_MAXNREG = {2: args.rows_maxnreg, 4: args.rows_maxnreg}
-        for dtype_name in args.dtype:
-            for shape in args.nhwc_backward:
-                compile_nhwc_backward(shape, getattr(torch, dtype_name), args.rows or [], torch)
-        args.suite = []
-    if args.toeplitz or args.toeplitz_gw:
-        for dtype_name in args.dtype:
-            compile_toeplitz_rows(args.toeplitz or [], args.toeplitz_gw or [], getattr(torch, dtype_name), torch,
-                                  dwconv)
-        args.suite = []
     if args.layer:
         for dtype_name in args.dtype:
             for n, c, h, w, k, pad in args.layer:
@@ -116,7 +93,7 @@ def compile_case(case, layouts, torch, dwconv, bench):
     every tensor requiring grad, NCHW, and channels_last with the weight contiguous (the values
     check) and channels_last (the timed calls), each also on the first 4 images (the bench's
     gradient check: Triton specialises integer arguments by divisibility by 16, so a batch of 4
-    compiles other kernels; session 23's first call compiled 61 of them, 50 s a stride-2 row).
+    compiles other kernels).
     Tensors are never written: torch.empty."""
     dtype = bench.DTYPES[case.dtype]
     conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
@@ -134,49 +111,6 @@ def compile_case(case, layouts, torch, dwconv, bench):
                 torch.autograd.grad(out, leaves, torch.empty_like(out))
                 del out, leaves
     print(f"{case.label}: {time.time() - started:.1f} s", flush=True)
-
-
-def compile_nhwc_backward(shape, dtype, rows_specs, torch):
-    """probe_nhwc_backward.py's fused passes (without its two-kernel backward) on one layer: the
-    default tile pass and each --rows spec."""
-    from dwconv._geometry import conv_geometry
-    from dwconv.ops.backward import conv_grad_input_and_weight_nhwc
-    from probe_nhwc_backward import rows_config
-
-    n, c, h, w, k, pad = shape
-    started = time.time()
-    x = torch.empty(n, c, h, w, dtype=dtype, memory_format=torch.channels_last)
-    weight = torch.empty(c, 1, k, k, dtype=dtype)
-    geom = conv_geometry(x, weight, None, 1, pad, 1)
-    grad_out = torch.empty(geom.output_shape, dtype=dtype, memory_format=torch.channels_last)
-    for config in [None] + [rows_config(spec, geom, x) for spec in rows_specs]:
-        conv_grad_input_and_weight_nhwc(grad_out, x, weight, geom, config)
-    print(f"{dtype} {shape}: {time.time() - started:.1f} s", flush=True)
-
-
-def compile_toeplitz_rows(variants, gw_variants, dtype, torch, dwconv):
-    """probe_toeplitz_rows.py's calls: forward and forward+backward of its layers, NCHW, each
-    variant; the weight gradient alone at each of gw_variants."""
-    from dwconv._geometry import conv_geometry
-    from dwconv.ops import toeplitz
-    from probe_toeplitz_rows import LAYERS, use_variant
-
-    for kh_rows, block_m, warps in gw_variants:
-        for shape, k, pad in LAYERS:
-            x = torch.empty(shape, dtype=dtype)
-            geom = conv_geometry(x, torch.empty(shape[1], 1, k, k, dtype=dtype), None, 1, pad, 1)
-            toeplitz.toeplitz_grad_weight(torch.empty_like(x), x, geom, dtype, False, block_m=block_m,
-                                          num_warps=warps, kh_rows=kh_rows)
-        print(f"{dtype} Toeplitz weight gradient {kh_rows, block_m, warps}", flush=True)
-    for variant in variants:
-        started = time.time()
-        use_variant(*variant)
-        for shape, k, pad in LAYERS:
-            x = torch.empty(shape, dtype=dtype).requires_grad_()
-            weight = torch.empty(shape[1], 1, k, k, dtype=dtype).requires_grad_()
-            out = dwconv.depthwise_conv2d(x, weight, None, 1, pad)
-            torch.autograd.grad(out, (x, weight), torch.empty_like(out))
-        print(f"{dtype} Toeplitz rows {variant}: {time.time() - started:.1f} s", flush=True)
 
 
 def pack(directory, archive):

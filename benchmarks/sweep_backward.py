@@ -15,10 +15,10 @@ import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
 from dwconv.bench import make_inputs
-from dwconv.ops.backward import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight, conv_grad_weight,
-                                 fused_backward_applies, fused_backward_config, grad_weight_config,
-                                 input_grad_geometry)
-from dwconv.ops.forward import ForwardConfig, conv_forward, forward_config
+from dwconv._geometry import input_grad_geometry
+from dwconv.dispatch import (ForwardConfig, GradWeightConfig, conv_forward, conv_grad_input, conv_grad_input_and_weight,
+                             conv_grad_weight, forward_config, fused_backward_applies, fused_backward_config)
+from dwconv.kernels.grad_weight import blocks as grad_weight_config
 from sweep_forward import sweep_setup, variants as forward_variants, write_csv
 
 
@@ -41,7 +41,7 @@ def variants(geom, x):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="only #84")
+    ap.add_argument("--quick", action="store_true", help="only kb84")
     ap.add_argument("--csv")
     args = ap.parse_args()
     timer, copy_gbps, cases = sweep_setup(args.quick, warmup=2, iters=10)
@@ -103,7 +103,7 @@ def main():
         print(f"    default {d[0][0]:.4f} ms {default}" if d else f"    default {default} not in sweep", flush=True)
         if fused_backward_applies(geom, x):  # one pass for grad_input and grad_weight
             gi_geom = input_grad_geometry(geom)
-            fused_configs = {fused_backward_config(gi_geom, grad_out)}
+            fused_configs = {fused_backward_config(geom, x, grad_out)[0]}
             for bw, warps, vec in ((256, 2, 4), (256, 1, 4), (128, 1, 4), (128, 2, 1), (64, 1, 1)):
                 if bw <= 2 * geom.in_w and (vec == 1 or x.shape[3] % 2 == 0):
                     fused_configs.add(ForwardConfig("rows", 128 if geom.in_h >= 128 else 32, bw, warps, vec))

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 
 from dwconv._geometry import conv_geometry
 from dwconv.bench import FORWARD_SHAPES, KB84, Timer, make_inputs, measure_copy
-from dwconv.ops.forward import MAX_BAND_TAPS, ForwardConfig, conv_forward, forward_config
+from dwconv.dispatch import ForwardConfig, conv_forward, forward_config
+from dwconv.tuning import tuned
 
 
 def variants(geom, full, vecs):
     """Block shapes by elements (tile, rows with vec 1) or vectors (rows with vec > 1) per thread:
-    registers decide occupancy (see docs/notes.md)."""
+    registers decide occupancy (see docs/decisions.md)."""
     import triton
 
     bw_full = min(512, triton.next_power_of_2(geom.out_w))
@@ -32,9 +33,9 @@ def variants(geom, full, vecs):
         for bw in widths:
             for bh in (1, 2, 4, 8, 16, 32):
                 for warps in (1, 2, 4, 8, 16):
-                    # (a tile program's band of bh rows is unrolled: at most MAX_BAND_TAPS rows x taps)
+                    # (a tile program's band of bh rows is unrolled: at most max_band_taps rows x taps)
                     if bh * bw // (32 * warps) in (1, 2) and bh <= 2 * geom.out_h \
-                            and bh * geom.kernel_h * geom.kernel_w <= MAX_BAND_TAPS:
+                            and bh * geom.kernel_h * geom.kernel_w <= tuned().max_band_taps:
                         out.append(ForwardConfig("tile", bh, bw, warps))
     if geom.stride_h == 1:
         for vec in vecs if geom.stride_w == 1 else (1,):
@@ -50,7 +51,7 @@ def variants(geom, full, vecs):
 
 
 def sweep_setup(quick, warmup, iters):
-    """The timer, the device copy rate measured with it, and the layers to sweep (#84 only if quick)."""
+    """The timer, the device copy rate measured with it, and the layers to sweep (kb84 only if quick)."""
     timer = Timer(warmup=warmup, iters=iters)
     copy_gbps = measure_copy(timer)
     print(f"copy {copy_gbps:.0f} GB/s", flush=True)
@@ -62,7 +63,7 @@ def sweep_setup(quick, warmup, iters):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="only #84")
+    ap.add_argument("--quick", action="store_true", help="only kb84")
     ap.add_argument("--csv")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: the KernelBench #84 benchmark on a GPU (a correctness demo under the interpreter without one).
+# The main job: the KernelBench 84 benchmark on a GPU (a correctness demo under the interpreter without one).
 # Extra arguments go to `python -m dwconv bench` (e.g. --suite forward, --dtype all --compile, --csv FILE).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

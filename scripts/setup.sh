@@ -10,7 +10,7 @@ if python3 -c 'import torch, triton, pytest; assert torch.cuda.is_available()' >
   exit 0
 fi
 venv=$root/.venv
-# (ninja: torch.utils.cpp_extension builds dwconv's C++ replayer, csrc/replay.cpp, with it)
+# (ninja: torch.utils.cpp_extension builds dwconv's C++ replayer, replay/replay.cpp, with it)
 if ! "$venv/bin/python" -c 'import torch, triton, pytest, xdist, ninja, dwconv' >/dev/null 2>&1; then
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" >&2
   "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "pytest>=8" "pytest-xdist>=3" \

@@ -2,7 +2,7 @@
 configurations the launchers pick there, and launches nothing.
 
 The Triton interpreter, which runs the tests on CPU tensors, never compiles a kernel: a kernel that
-interprets fine can still fail to compile, or compile under one Triton and not another (session 4:
+interprets fine can still fail to compile, or compile under one Triton and not another (once:
 a str default of a constexpr parameter compiled under Triton 3.9 and not 3.6, and every GPU backward
 raised). tests/test_compile.py runs this script in a fresh process (no TRITON_INTERPRET) under the
 installed Triton and, when scripts/setup.sh has put it there, under the GPU machine's Triton 3.6.
@@ -124,17 +124,17 @@ def grad_input(shape, kernel, dtype, **conv):
 
 f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 # The GPU's choices (forward_config, fused_backward_config, grad_weight_config) at small sizes that
-# keep the same constexprs: #84-like rows of 510 outputs, narrow rows, strides, dilation, NHWC.
+# keep the same constexprs: kb84-like rows of 510 outputs, narrow rows, strides, dilation, NHWC.
 CASES = [
     ("rows, 4-vectors, odd output rows aligned", forward, ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("rows", 128, 512, 2, 4)), {}),
     ("rows, 4-vectors, bfloat16", forward, ((1, 2, 18, 512), (3, 3), bf16, ForwardConfig("rows", 128, 512, 2, 4)), {}),
     ("rows, 1 column a lane, dilation", forward, ((1, 2, 40, 64), (3, 3), f32, ForwardConfig("rows", 32, 64, 1)),
      dict(padding=2, dilation=2)),
-    ("nchw pixels, #84's rows (pair stores)", forward, ((1, 2, 18, 512), (3, 3), f32,
+    ("nchw pixels, kb84's rows (pair stores)", forward, ((1, 2, 18, 512), (3, 3), f32,
                                                        ForwardConfig("nchw_pixels", 4, 128, 1)), {}),
-    ("nchw pixels, whole 510-column rows (the GPU's float32 #84 choice)", forward, ((1, 2, 18, 512), (3, 3), f32,
+    ("nchw pixels, whole 510-column rows (the GPU's float32 kb84 choice)", forward, ((1, 2, 18, 512), (3, 3), f32,
                                                                           ForwardConfig("nchw_pixels", 8, 512, 4)), {}),
-    ("nchw pixels, bfloat16 whole rows (the GPU's half-precision #84 choice)", forward,
+    ("nchw pixels, bfloat16 whole rows (the GPU's half-precision kb84 choice)", forward,
      ((1, 2, 18, 512), (3, 3), bf16, None), {}),
     ("nchw pixels, flipped taps (grad_input)", flipped_forward, ((1, 2, 18, 512), (3, 3), f32,
                                                                 ForwardConfig("nchw_pixels", 4, 128, 1)), {}),
@@ -163,7 +163,7 @@ CASES = [
      dict(stride=2, padding=3, layout=CL)),
     ("nhwc, k17 (kernel-row loop)", forward, ((1, 32, 20, 20), (17, 17), f32, ForwardConfig("nhwc", 1, 8, 4, block_c=32)),
      dict(padding=8, layout=CL)),
-    # (the GPU's blocks for issue #6's layers, at a small batch: 28 outputs a thread, one warp)
+    # (the GPU's blocks for the large suite's layers, at a small batch: 28 outputs a thread, one warp)
     ("large_fma, float32 k31 (the CUDA-core large kernel)", forward, ((1, 2, 56, 56), (31, 31), f32,
                                                                      ForwardConfig("large_fma", 16, 56, 1, 28)),
      dict(padding=15)),
@@ -185,7 +185,7 @@ CASES = [
      dict(padding=2)),
     ("fused backward, float32", fused_backward, ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("rows", 128, 512, 2, 4)), {}),
     ("fused backward, bfloat16", fused_backward, ((1, 2, 18, 512), (3, 3), bf16, ForwardConfig("rows", 128, 128, 1, 4)), {}),
-    ("fused backward nchw pixels, float32 (#84's grad_input rows)", fused_backward,
+    ("fused backward nchw pixels, float32 (kb84's grad_input rows)", fused_backward,
      ((1, 2, 18, 512), (3, 3), f32, ForwardConfig("nchw_pixels", 4, 256, 2)), {}),
     ("fused backward nchw pixels, bfloat16 (narrow rows)", fused_backward,
      ((1, 2, 18, 56), (3, 3), bf16, ForwardConfig("nchw_pixels", 4, 128, 1)), dict(padding=1)),

@@ -333,7 +333,7 @@ def test_fused_backward(shape, kernel, padding, dilation, vec):
 @pytest.mark.parametrize(
     "dtype,shape,kernel,padding,dilation,block,runs",
     [
-        (torch.float32, (2, 2, 10, 22), (3, 3), 1, 1, (4, 16), 1),  # #84's kernel: interior and edge tiles
+        (torch.float32, (2, 2, 10, 22), (3, 3), 1, 1, (4, 16), 1),  # kb84's kernel: interior and edge tiles
         (torch.bfloat16, (2, 2, 10, 22), (3, 3), 1, 1, (4, 16), 2),
         (torch.float32, (1, 3, 13, 21), (3, 3), 0, 1, (2, 8), 3),  # no padding (grad_out padded by 2), odd rows
         (torch.float32, (1, 2, 12, 24), (5, 3), (2, 1), 1, (3, 8), 2),  # non-square kernel, rows not a tile multiple
@@ -389,7 +389,7 @@ def test_fused_backward_through_autograd(monkeypatch):
     [
         ((2, 64, 7, 9), (3, 3), 1, 1, None, None),  # the default blocks (small inputs: 32 channels)
         ((2, 64, 7, 9), (3, 3), 1, 1, (2, 4, 64), None),  # 64 channels a warp: bf16 pairs
-        ((1, 128, 6, 7), (3, 3), 1, 1, (4, 4, 128), 2),  # #84's blocks: 128 channels on 2 warps
+        ((1, 128, 6, 7), (3, 3), 1, 1, (4, 4, 128), 2),  # kb84's blocks: 128 channels on 2 warps
         ((1, 40, 6, 11), (5, 5), 2, 1, (2, 4, 16), 2),  # channels not a block multiple, two runs a column
         ((2, 64, 9, 8), (3, 3), 0, 2, (3, 4, 64), 2),  # dilation 2, no padding, rows not a block multiple
         ((3, 8, 7, 6), (3, 3), 1, 1, (2, 4, 8), 5),  # runs that cross from one image into the next
@@ -424,7 +424,7 @@ def test_fused_backward_channels_last(dtype, shape, kernel, padding, dilation, b
     "shape,kernel,padding,dilation,block",
     [
         ((2, 64, 7, 9), (3, 3), 1, 1, None),  # the launcher's blocks (the interpreter's: one strip)
-        ((1, 128, 9, 10), (3, 3), 0, 1, (9, 4, 128)),  # #84's: no padding, 128 channels on 2 warps
+        ((1, 128, 9, 10), (3, 3), 0, 1, (9, 4, 128)),  # kb84's: no padding, 128 channels on 2 warps
         ((1, 128, 9, 10), (3, 3), 0, 1, (9, 4, 128, "prefetch")),  # the next row's loads issued first
         ((2, 64, 7, 9), (3, 3), 1, 1, (3, 4, 64)),  # segments of 3 rows, the last short; bf16 pairs
         ((2, 64, 7, 9), (3, 3), 1, 1, (3, 4, 64, "prefetch")),  # prefetches past a segment and an image

@@ -18,12 +18,12 @@ def test_models_suite_holds_valid_distinct_layers():
                       c.padding, c.dilation)
     shapes = {(c.n, c.c, c.h, c.w, c.kernel, c.stride, c.dilation) for c in cases}
     for wanted in [(64, 128, 256, 512, 3, 1, 1), (64, 96, 56, 56, 7, 1, 1), (64, 144, 56, 56, 3, 1, 1),
-                   (32, 256, 64, 64, 3, 1, 2)]:  # #84 and issue #4's layers
+                   (32, 256, 64, 64, 3, 1, 2)]:  # kb84 and the models suite's layers
         assert wanted in shapes
 
 
 def test_large_suite_and_flops():
-    """Issue #6's layers in every dtype; the k31 forward is the issue's 24.7 GFLOP."""
+    """The large suite's layers in every dtype; the k31 forward is 24.7 GFLOP."""
     from dwconv.bench import FULL_SUITES, Case
 
     cases = SUITES["large"]
@@ -114,7 +114,7 @@ def test_table_prints_tflops(capsys):
 
 
 def test_channels_last_summary_counts_and_geometric_mean(tmp_path):
-    """benchmarks/tables.py's issue #4 line: rows faster than cuDNN channels_last and the geometric
+    """benchmarks/tables.py's channels_last summary line: rows faster than cuDNN channels_last and the geometric
     mean, by mean and by median time (a CSV written before the median column: mean only)."""
     import csv
     import importlib.util
@@ -142,3 +142,23 @@ def test_channels_last_summary_counts_and_geometric_mean(tmp_path):
     write_csv(path, rows_old, quiet=True)
     line = tables.cl_summary(list(csv.DictReader(open(path))))
     assert "by median" not in line and "faster on 2 of 3" in line
+
+
+def test_performance_doc_is_generated_from_the_csvs():
+    """docs/performance.md is what benchmarks/tables.py makes of docs/data/*.csv (regenerate it with
+    the command it names after adding or replacing a results CSV)."""
+    import glob
+    import importlib.util
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    spec = importlib.util.spec_from_file_location("tables", os.path.join(root, "benchmarks", "tables.py"))
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    cwd = os.getcwd()
+    try:
+        os.chdir(root)
+        expected = tables.document(glob.glob("docs/data/*.csv"))
+    finally:
+        os.chdir(cwd)
+    assert open(os.path.join(root, "docs", "performance.md")).read() == expected

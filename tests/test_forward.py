@@ -182,7 +182,7 @@ def test_row_sliding_window_odd_rows(dtype, shape, kernel, padding, dilation):
 @pytest.mark.parametrize(
     "shape,kernel,padding,dilation,block_w",
     [
-        ((2, 1, 10, 24), (3, 3), 0, 1, 16),  # #84's case: 22-wide output rows, two column strips
+        ((2, 1, 10, 24), (3, 3), 0, 1, 16),  # kb84's case: 22-wide output rows, two column strips
         ((1, 2, 12, 28), (3, 7), (1, 0), 1, 32),  # a window of four vectors
         ((1, 1, 10, 28), (3, 3), 0, 3, 16),  # dilation: ring of 8
         ((1, 1, 8, 24), (5, 5), 1, 1, 8),  # padding: the window starts left of the row
@@ -210,7 +210,7 @@ def test_default_config_is_valid():
 
 
 def test_nchw_3x3_dispatch_on_the_gpu(retune, monkeypatch):
-    """The GPU's NCHW 3x3 stride-1 choices (measured, docs/notes.md): "nchw_pixels" in float32, and
+    """The GPU's NCHW 3x3 stride-1 choices (measured, docs/decisions.md): "nchw_pixels" in float32, and
     in half precision on rows over 256 wide (16 rows a program there, 8 in float32); the rows
     kernel for narrower half-precision rows; dilation leaves "nchw_pixels"."""
     from dwconv.kernels import _launch
@@ -271,7 +271,7 @@ def test_nchw_pixels(dtype, shape, kernel, multiplier, padding, dilation, block)
 @pytest.mark.parametrize(
     "shape,kernel,padding,dilation,block",
     [
-        ((1, 2, 10, 512), (3, 3), 0, 1, (8, 512)),  # #84's rows: 510 of a 512-wide tile
+        ((1, 2, 10, 512), (3, 3), 0, 1, (8, 512)),  # kb84's rows: 510 of a 512-wide tile
         ((2, 1, 10, 24), (3, 3), 0, 1, (4, 8)),  # 22-wide rows, three column tiles, two row tiles
         ((1, 2, 12, 26), (3, 3), 0, 2, (4, 16)),  # dilation 2
         ((1, 1, 8, 22), (5, 5), 2, 1, (2, 8)),  # padding: the window starts left of the row
@@ -377,7 +377,7 @@ def test_flipped_taps(config, layout):
 @pytest.mark.parametrize(
     "shape,kernel,multiplier,stride,padding,dilation,block",
     [
-        ((2, 8, 11, 13), (3, 3), 1, 1, 1, 1, (4, 8, 8)),  # #84's kernel: interior and edge strips
+        ((2, 8, 11, 13), (3, 3), 1, 1, 1, 1, (4, 8, 8)),  # kb84's kernel: interior and edge strips
         ((1, 6, 9, 10), (3, 3), 1, 1, 0, 1, (3, 4, 8)),  # no padding, channels not a block multiple
         ((1, 4, 12, 11), (5, 3), 2, 2, (2, 1), 1, (2, 4, 8)),  # stride 2 both ways, multiplier 2
         ((1, 4, 13, 14), (3, 3), 1, 1, 2, 2, (2, 4, 4)),  # dilation 2
@@ -407,7 +407,7 @@ def test_nhwc_pixels(dtype, shape, kernel, multiplier, stride, padding, dilation
 @pytest.mark.parametrize(
     "shape,kernel,stride,padding,dilation",
     [
-        ((1, 128, 6, 11), 3, 1, 0, 1),  # #84's kind: 128 channels on 2 warps, bfloat16 pairs on both
+        ((1, 128, 6, 11), 3, 1, 0, 1),  # kb84's kind: 128 channels on 2 warps, bfloat16 pairs on both
         ((1, 144, 5, 9), 3, 2, 1, 1),  # 32-channel strips, the last one masked
         ((1, 48, 7, 6), 5, 1, 2, 1),  # as 240 on the GPU: float32 16-channel strips, half 32 (one masked)
         ((1, 96, 6, 7), 7, 1, 3, 1),  # 7 wide: 4 x 7 outputs (4 x 4 where 7 does not divide the width)
@@ -463,7 +463,7 @@ def test_has_interior_tile_matches_every_tile():
 
 def test_nhwc_pixels_candidate_blocks_fit():
     """nhwc_pixels_config's blocks (the GPU's channels_last choice) make valid plans for the suite's
-    layers (issue #4's models, #84) in both dtypes, with bfloat16 pair loads wherever a warp holds 64
+    layers (the models suite's layers, kb84) in both dtypes, with bfloat16 pair loads wherever a warp holds 64
     channels that divide the channel count."""
     from dwconv.bench import MODEL_LAYERS
     from dwconv.kernels.tile import nhwc_pixels_blocks as nhwc_pixels_config
@@ -486,7 +486,7 @@ def test_nhwc_pixels_candidate_blocks_fit():
 @pytest.mark.parametrize("dtype,block_c", [(torch.float32, 16), (torch.bfloat16, 32), (torch.float16, 32)], ids=str)
 def test_nhwc_pixels_channel_block_of_runs_of_16(dtype, block_c):
     """5x5 on 240 channels (EfficientNet-B0): float32 in 16-channel blocks, half precision in 32 with
-    the last block masked (session 23: bfloat16 0.039 ms against 0.067 with 16 on the H200)."""
+    the last block masked (bfloat16 0.039 ms against 0.067 with 16 on the H200)."""
     from dwconv.kernels.tile import nhwc_pixels_blocks as nhwc_pixels_config
 
     x = torch.empty(1, 240, 28, 28, dtype=dtype).contiguous(memory_format=torch.channels_last)

@@ -67,7 +67,7 @@ def test_opcheck_backward_ops():
 ], ids=str)
 def test_grad_weight_outputs_do_not_alias(kernel, dtype, channels_last):
     """A custom op's outputs must not share storage (AOT dispatch refuses them): the weight and bias
-    gradients come from one buffer of sums on several paths (session 14: an H200 opcheck failure)."""
+    gradients come from one buffer of sums on several paths (an opcheck failure on the H200 once)."""
     x, grad_out = randn(1, 2, 16, 16, dtype=dtype), randn(1, 2, 16, 16, dtype=dtype)
     if channels_last:
         x, grad_out = (t.contiguous(memory_format=torch.channels_last) for t in (x, grad_out))
@@ -214,7 +214,7 @@ def test_autocast_casts_like_conv2d(dtype):
 def test_cuda_graph_training_step(kernel, dtype):
     """A whole training step (forward, backward, optimizer) captured in a CUDA graph and replayed;
     k11 float32: the large-kernel FMA path; k13 bfloat16: the Toeplitz path, whose band rows are
-    rebuilt from the updated weight each replay (a launch since session 25)."""
+    rebuilt from the updated weight each replay (a launch)."""
     torch.manual_seed(0)
     model = dwconv.convert(DepthwiseNet(kernel=kernel).cuda().to(dtype), verbose=False)
     reference = copy.deepcopy(model)
@@ -387,7 +387,7 @@ def test_model_bench_helpers():
 @GPU
 @pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_b0", "convnext_tiny"])
 def test_real_models_match_stock(name):
-    """Issue #5: converted torchvision / timm models (random weights) give the stock model's outputs
+    """Converted torchvision / timm models (random weights) give the stock model's outputs
     and parameter gradients, float32 without TF32 (so only the depthwise layers differ)."""
     pytest.importorskip("torchvision")
     from dwconv.bench_models import build_model, compare_gradients, compare_outputs

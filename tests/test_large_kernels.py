@@ -1,4 +1,4 @@
-"""Large kernels (issue #6): the Toeplitz tensor-core path and the float32 CUDA-core kernel
+"""Large kernels: the Toeplitz tensor-core path and the float32 CUDA-core kernel
 (large_fma), forward and every gradient, against float64 F.conv2d. Tiny images under the
 interpreter (CI), the same tests compiled on a GPU."""
 
@@ -296,7 +296,7 @@ def test_column_stride_2_on_large_fma(shape, kernel, padding, dtype, monkeypatch
 
 
 def test_large_fma_blocks():
-    """One output row of OUT_VEC columns a thread, every thread a row of a group; issue #6's layers."""
+    """One output row of OUT_VEC columns a thread, every thread a row of a group; the large suite's layers."""
     for shape, kernel, padding, blocks in [((32, 128, 56, 56), 31, 15, (16, 56, 1, 28)),
                                            ((32, 256, 28, 28), 13, 6, (32, 28, 1, 28)),
                                            ((64, 384, 14, 14), 7, 3, (32, 16, 1, 16)),
@@ -476,7 +476,7 @@ def relative_error(got, ref):
 
 @pytest.mark.parametrize("dtype", DTYPES if DEVICE == "cuda" else [torch.float32], ids=str)
 def test_accuracy_against_pytorch(dtype):
-    """Issue #6's accuracy rule on a 51x51 kernel (2601-term sums): float32 within 1e-4 of the
+    """The large kernels' accuracy rule on a 51x51 kernel (2601-term sums): float32 within 1e-4 of the
     largest float64 value (and within twice PyTorch's error, or 4e-6); half precision within twice PyTorch's own error (or one unit of the
     dtype's rounding, when PyTorch's error is smaller), output and both gradients. (On the CPU the
     interpreter's products and PyTorch's half-precision convolution are not the GPU's: float32 only.)"""
@@ -495,7 +495,7 @@ def test_accuracy_against_pytorch(dtype):
         grads = torch.autograd.grad(out, (x, weight), grad_out)
         results[name] = [relative_error(t, r) for t, r in zip((out, *grads), (ref, *ref_grads))]
     for what, ours, theirs in zip(("output", "grad_input", "grad_weight"), results["dwconv"], results["torch"]):
-        # float32: the issue's 1e-4, and PyTorch's own error as for half precision (the tensor
+        # float32: 1e-4, and PyTorch's own error as for half precision (the tensor
         # cores' truncating accumulation once gave 2.1e-5 on the H200's k51 layer against 2.3e-6)
         floor = 4e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
         bound = min(1e-4, max(2 * theirs, floor)) if dtype == torch.float32 else max(2 * theirs, floor)
@@ -505,7 +505,7 @@ def test_accuracy_against_pytorch(dtype):
 @pytest.mark.skipif(DEVICE != "cuda", reason="real sizes on the GPU only")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_real_sizes(dtype):
-    """The issue's k31 layer at full size, forward and gradients, against float64 on the GPU."""
+    """The large suite's k31 layer at full size, forward and gradients, against float64 on the GPU."""
     x = randn(4, 16, 56, 56, dtype=dtype)
     weight = randn(16, 1, 31, 31, dtype=dtype) / 31
     check_grads(x, weight, randn(16, dtype=dtype), 1, 15)

@@ -45,7 +45,7 @@ def test_state_dict_round_trip():
 
 
 def test_kernelbench_model_new_matches_model():
-    small = [8, 8, 3, 1, 0]  # the #84 constructor arguments, at a size the interpreter can run
+    small = [8, 8, 3, 1, 0]  # the KernelBench 84 constructor arguments, at a size the interpreter can run
     torch.manual_seed(42)
     model = kernelbench.Model(*small).to(DEVICE)
     torch.manual_seed(42)

@@ -21,7 +21,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are jit functions: calling them
-# from Python costs ~9 us each (cProfile, session 2), more than the rest of a launcher's arithmetic.
+# from Python costs ~9 us each, more than the rest of a launcher's arithmetic.
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

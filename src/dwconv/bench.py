@@ -9,9 +9,9 @@ and backward alone; the bytes counted are x and y for the forward, grad_out and 
 grad_input written for the backward; peak_mb is torch.cuda.max_memory_allocated during one
 forward+backward, above what was allocated before it.
 --suite models: the depthwise layers of MobileNetV2, EfficientNet-B0 and ConvNeXt-T, a dilated layer
-and #84, each in float32 / float16 / bfloat16, forward and forward+backward, NCHW and channels_last
+and KernelBench 84, each in float32 / float16 / bfloat16, forward and forward+backward, NCHW and channels_last
 (dwconv against eager NCHW and cuDNN channels_last); --plot FILE.png draws it. --suite large: the
-same for issue #6's large kernels (13, 31, 51), whose TFLOP/s column matters more than their GB/s.
+same for large kernels (13, 31, 51), whose TFLOP/s column matters more than their GB/s.
 Without a GPU it says so and runs a small correctness demo under the Triton interpreter.
 """
 
@@ -67,7 +67,7 @@ class Case:
 
 
 KB84 = Case(64, 128, 256, 512, 3)
-# The forward shapes of the first issue: (N, C, H, W, k, stride, padding, dilation).
+# Forward shapes of real layers: (N, C, H, W, k, stride, padding, dilation).
 FORWARD_SHAPES = [
     Case(64, 144, 56, 56, 3, 1, 1, 1),
     Case(64, 96, 112, 112, 3, 2, 1, 1),
@@ -77,7 +77,7 @@ FORWARD_SHAPES = [
     Case(32, 256, 64, 64, 3, 1, 2, 2),
 ]
 # Depthwise layers of real networks at batch 64, 224 x 224 (the shapes the models feed them; each
-# distinct layer once), a dilated layer and #84: issue #4's suite, in both layouts and every dtype.
+# distinct layer once), a dilated layer and KernelBench 84: the models suite, in both layouts and every dtype.
 MODEL_LAYERS = [
     Case(64, 32, 112, 112, 3, 1, 1, model="MobileNetV2/EfficientNet-B0"),
     Case(64, 96, 112, 112, 3, 2, 1, model="MobileNetV2/EfficientNet-B0"),
@@ -103,9 +103,9 @@ MODEL_LAYERS = [
     Case(64, 384, 14, 14, 7, 1, 3, model="ConvNeXt-T"),
     Case(64, 768, 7, 7, 7, 1, 3, model="ConvNeXt-T"),
     Case(32, 256, 64, 64, 3, 1, 2, 2, model="dilated"),
-    replace(KB84, model="KernelBench #84"),
+    replace(KB84, model="KernelBench 84"),
 ]
-# Issue #6's large kernels ('same' padding), where arithmetic, not memory, sets the time.
+# Large kernels ('same' padding, RepLKNet and SLaK style), where arithmetic, not memory, sets the time.
 LARGE_LAYERS = [Case(32, 128, 56, 56, 31, 1, 15, model="RepLKNet-style"),
                 Case(32, 256, 28, 28, 13, 1, 6, model="RepLKNet-style"),
                 Case(32, 128, 56, 56, 51, 1, 25, model="SLaK-style")]
@@ -333,7 +333,7 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
             mean = statistics.fmean(times)
             gbps = pass_bytes / mean / 1e6
             flops = case.flops(backward=pass_name == "backward") + (case.flops(True) if pass_name == "fwd+bwd" else 0)
-            rows.append(dict(layer=case.label, path=name, **{"pass": pass_name}, ms=mean, std=statistics.pstdev(times),
+            rows.append(dict(layer=case.label, dtype=case.dtype, path=name, **{"pass": pass_name}, ms=mean, std=statistics.pstdev(times),
                              median=statistics.median(times),
                              gbps=gbps, pct_copy=100 * gbps / copy_gbps, tflops=flops / mean / 1e9, peak_mb=peak_mb,
                              max_err=max_err if name.startswith("dwconv") else float("nan"),
@@ -476,10 +476,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows += measure_case(case, run_args, timer, copy_gbps)
             torch.cuda.empty_cache()
         # the rows so far, after each case: a run cut short (a device call's time limit) keeps them
-        write_csv(args.csv, [{"copy_gbps": copy_gbps, **row} for row in rows], quiet=True)
+        write_csv(args.csv, [{"copy_gbps": copy_gbps, **row} for row in rows], quiet=True, suite=args.suite or "")
     progress(progress_bar(len(cases), len(cases)))
     print_table(rows, copy_gbps)
-    write_csv(args.csv, [{"copy_gbps": copy_gbps, **row} for row in rows])  # (resumed rows keep their run's copy)
+    write_csv(args.csv, [{"copy_gbps": copy_gbps, **row} for row in rows], suite=args.suite or "")  # (resumed rows keep their run's copy)
     if args.plot:
         from .bench_plot import plot_rows
 
@@ -488,27 +488,62 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+# The results CSVs' one schema (docs/data, docs/performance.md): a row a (layer, pass, path).
+CSV_FIELDS = ("suite", "layer", "dtype", "layout", "pass", "path", "ms", "std", "gbps", "pct_copy", "tflops",
+              "gpu", "torch", "triton", "commit", "date", "median", "peak_mb", "max_err", "cuda_graph",
+              "copy_gbps", "dwconv_speedup")
+_NUMBERS = ("ms", "std", "median", "gbps", "pct_copy", "tflops", "peak_mb", "max_err", "dwconv_speedup", "copy_gbps")
+
+
 def read_csv_rows(path: str) -> List[Dict]:
     """The rows of an earlier run's --csv file, with their numbers as numbers (for --resume)."""
     with open(path, newline="") as f:
-        rows = [{k: v for k, v in row.items() if k != "device"} for row in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
     for row in rows:
-        for key in ("ms", "std", "median", "gbps", "pct_copy", "tflops", "peak_mb", "max_err", "dwconv_speedup", "copy_gbps"):
-            if key in row:
+        for key in _NUMBERS:
+            if row.get(key, "") != "":
                 row[key] = float(row[key])
         if "cuda_graph" in row:
             row["cuda_graph"] = row["cuda_graph"] == "True"
     return rows
 
 
-def write_csv(path: Optional[str], rows: List[Dict], quiet: bool = False) -> None:
+def run_stamp() -> Dict[str, str]:
+    """GPU, versions, commit (DWCONV_COMMIT, else git's where the tree has one) and date of this run."""
+    import datetime
+    import subprocess
+
+    import triton
+
+    commit = os.environ.get("DWCONV_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return dict(gpu=gpu, torch=torch.__version__.split("+")[0], triton=triton.__version__, commit=commit,
+                date=datetime.date.today().isoformat())
+
+
+def schema_row(row: Dict, stamp: Dict[str, str], suite: str = "") -> Dict:
+    """A row in CSV_FIELDS: dtype from the layer's label, layout from the path (_cl: channels_last)."""
+    row = {**stamp, **{k: v for k, v in row.items() if v != ""}}
+    row.setdefault("suite", suite or "custom")
+    row.setdefault("dtype", str(row.get("layer", "")).rsplit(" ", 1)[-1])
+    row.setdefault("layout", "channels_last" if str(row.get("path", "")).endswith("_cl") else "nchw")
+    return {field: row.get(field, "") for field in CSV_FIELDS}
+
+
+def write_csv(path: Optional[str], rows: List[Dict], quiet: bool = False, suite: str = "") -> None:
     if not path or not rows:
         return
-    device = environment()
+    stamp = run_stamp()
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)) + ["device"])
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
         for row in rows:
-            writer.writerow({**row, "device": device})
+            writer.writerow(schema_row(row, stamp, suite))
     if not quiet:
         print(f"wrote {path}")

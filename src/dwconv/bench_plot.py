@@ -21,7 +21,7 @@ def speedups(rows: List[Dict], pass_name: str) -> Dict[str, Dict[str, float]]:
 
 def _legend_above(ax, columns: int, **kwargs) -> None:
     """The legend in a row over the panel: inside it would hide the tallest bars and the points
-    nearest the copy line (#84's, at the right end)."""
+    nearest the copy line (kb84's, at the right end)."""
     ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=columns, frameon=False, **kwargs)
 
 

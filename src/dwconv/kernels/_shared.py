@@ -103,7 +103,7 @@ def _window_view(w0, w1, w2, w3, start: tl.constexpr, VEC: tl.constexpr):
 def _widen_bf16(v):
     """bfloat16 -> float32 by integer operations, which the compiler turns into one shift or mask of
     each 32-bit register holding two elements (a conversion costs the upper element two, sm_90:
-    PRMT + SHF; #84's rows kernel loop 656 -> 623 instructions)."""
+    PRMT + SHF)."""
     return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
@@ -139,7 +139,7 @@ def _load_row_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF: tl.cons
     no window (placeholders; `_row_under_tap` loads each tap itself). MASKED False: the caller
     knows the window inside the row (no bounds tests). WIDEN_BF16: the window comes back in float32
     (_widen_bf16). No defaults: Triton 3.6 hands
-    a jit helper's str default over as a plain str and fails to compile (session 4)."""
+    a jit helper's str default over as a plain str and fails to compile."""
     if VEC == 1:  # (a compile-time branch: one return, whose types may differ between VECs)
         w0 = lanes
     else:

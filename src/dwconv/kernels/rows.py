@@ -158,7 +158,7 @@ def depthwise_fwd_rows_kernel(
                 tap_weight = tl.sum(tl.where(taps == kh * KW + kw, weights, 0.0), axis=2, keep_dims=True)
                 # Select the sum, not the weight: tap_ok is constant per register, so the slots it
                 # leaves out cost nothing (a zero weight was still an FMA: 0 * x may be NaN, so
-                # the compiler keeps it; a quarter of #84's FMAs, sm_90).
+                # the compiler keeps it; a quarter of kb84's FMAs, sm_90).
                 acc = tl.where(tap_ok, acc + tap_weight * x.to(ACC_DTYPE), acc)
             if WEIGHT_GRAD:  # this chunk counts padded rows [first_row, last_row), the last one the rest
                 counted = (j >= first_row) & ((j < last_row) | last_chunk)

@@ -452,7 +452,7 @@ def depthwise_grad_nhwc_pixels_kernel(
     (then the bias) and channel: partial[(column of tiles, run), channel, tap] in the weight's tap
     order, added in a fixed order by the launcher. Runs across images keep the partial sums small
     where the images are (kernels of many taps on small images). Programs of one run are
-    consecutive (all columns of the same rows at once, as session 9 measured #84: whole rows of
+    consecutive (all columns of the same rows at once, measured faster on kb84: whole rows of
     the image read together, each tile's halo columns shared with its neighbours through L2).
     INTERIOR_TILES: as the forward's (depthwise_fwd_tile_kernel): without, only the masked branch."""
     pid = tl.program_id(0)
@@ -545,9 +545,8 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
     """The fused pass down grad_input rows first_row..last_row-1 of one BLOCK_W x BLOCK_C strip:
     each step loads one grad_out row of the strip (with its KW-1 halo columns) and keeps the last
     (KH-1) * DILATION_H in registers (a ring, rotated by renaming), so a grad_out pixel is loaded
-    (BLOCK_W + KW - 1) / BLOCK_W times, where 4 x 4 tiles load it 2.25 times at 3x3 (session 28:
-    faster on 56-wide small layers, slower on #84, whose tiles issue 52 loads before their
-    products). MASKED: column and channel tests (strips at the image's sides); else only the row
+    (BLOCK_W + KW - 1) / BLOCK_W times, where 4 x 4 tiles load it 2.25 times at 3x3 (faster on
+    56-wide small layers, slower on kb84, whose tiles issue 52 loads before their products). MASKED: column and channel tests (strips at the image's sides); else only the row
     test of grad_out. PREFETCH: each step issues the next row's loads before its products (the
     last step reloads its own row). Returns the taps' weight gradients (flipped taps, as weights)."""
     RING: tl.constexpr = (KH - 1) * DILATION_H

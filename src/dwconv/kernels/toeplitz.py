@@ -86,8 +86,7 @@ def _product(a, b, acc, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SPLIT_
     """acc + a @ b on the tensor cores. SPLIT_TF32 (float32 operands): three TF32 products of the
     operands' parts, the small ones first, as Triton's "tf32x3" does, with the cheaper split. The
     three sum into a fresh accumulator, added to acc on the CUDA cores: the tensor cores' own
-    accumulation truncates, and over k31's ~100 steps that cost 1.1e-5 of the largest output
-    against 3.7e-7 (H200, session 12)."""
+    accumulation truncates (k31: 1.1e-5 of the largest output against 3.7e-7)."""
     if SPLIT_TF32:
         a_high, a_low = _tf32_parts(a)
         b_high, b_low = _tf32_parts(b)
@@ -316,18 +315,10 @@ def store_unit(out: torch.Tensor, block_w: int) -> int:
 
 
 def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor, grad_weight: bool = False) -> int:
-    """The strip width, by what bounds each dtype (H200, k31 forward unless said; docs/notes.md):
-    - half precision: the fewest load instructions per output (each kernel row reloads the window:
-      BLOCK_K / width / load unit), then the narrowest window: 64 columns in 8-element vectors
-      0.49 ms (window 128), 16 in 8s 0.53 (64), 32 in 2s 0.62 (64); grad_weight 0.77 / 0.97 / 1.82;
-    - float32 (three TF32 products a kernel row): the narrowest window first, then the fewest load
-      instructions: 32 columns 1.36 ms (window 64), 16 columns 1.75 (64), 64 columns 2.10 (128);
-      k51 (window 128 at every width) 64 columns 3.41, 32 columns 4.27. Its grad_weight at most 32
-      columns (k31: 3.27 ms, 64 columns 6.01).
-    Those times had windows sized for any shift; sized by the real one (window_shift, session 11),
-    k31 takes 32 columns in 16-byte vectors in every dtype (window 64). The weight gradient at
-    least 32 columns where the rows have them (session 12, k13 at 16 and 32: float32 0.475 / 0.378
-    ms, bfloat16 0.154 / 0.145; k31 float32 2.72 / 1.92)."""
+    """The strip width: in half precision the fewest load instructions per output (each
+    kernel row reloads the window: BLOCK_K / width / load unit), then the narrowest window; in float32
+    (three TF32 products a kernel row) the narrowest window first. The weight gradient takes at least
+    32 columns where the rows have them, and float32's at most 32 (docs/decisions.md, toeplitz)."""
     def cost(width):
         unit = load_unit(geom, width, (x,), (geom.in_w,))
         block_k = window_width(geom, width, unit)
@@ -339,18 +330,9 @@ def toeplitz_block_w(geom: ConvGeometry, x: torch.Tensor, grad_weight: bool = Fa
 
 
 def toeplitz_out_rows(geom: ConvGeometry, x: torch.Tensor) -> int:
-    """Output rows a forward tile takes: each input row it loads then feeds that many output rows'
-    products. H200, session 29, (rows, tiles a program, warps), CUDA-graph replays through dwconv,
-    ms, bfloat16 and float16 alike (benchmarks/probe_toeplitz_rows.py):
-
-    | layer | 1, 128, 4 | 2, 128, 8 | 4, 128, 8 | 4, 64, 4 | 8, 64, 8 |
-    |---|---|---|---|---|---|
-    | k31 32x128x56x56 forward | 0.322 | 0.266 | **0.238** | 0.257 | 0.281 |
-    | k13 32x256x28x28 forward | 0.075 | 0.071 | **0.061** | 0.066 | 0.069 |
-    | k51 32x128x56x56 forward (1 row: prefetch) | **0.585** | 0.644 | 0.608 | 0.621 | 0.751 |
-
-    So OUT_ROWS in half precision below PREFETCH_MIN_KERNEL_H, at the timed row step (stride and
-    dilation 1 across rows); float32's products (three TF32 products a step) were not timed: 1."""
+    """Output rows a forward tile takes: each input row it loads then feeds that many
+    output rows' products. tuned().toeplitz_out_rows in half precision below the prefetch height, at
+    unit row steps (the measured case); float32 (not timed) 1."""
     measured = geom.stride_h == geom.dilation_h == 1 and geom.kernel_h < tuned().toeplitz_prefetch_min_kernel_h
     return tuned().toeplitz_out_rows if x.element_size() == 2 and measured else 1
 
@@ -363,10 +345,7 @@ def toeplitz_num_warps(out_rows: int, block_m: int) -> int:
 
 
 def toeplitz_block_m(x: torch.Tensor) -> int:
-    """Output rows a forward product takes: 64 for float32, 128 for half precision. H200: float32
-    k31 1.36 ms against 1.61 at 128 (session 6); in session 12 128 rows won before the products'
-    separate accumulator (0.956 against 0.994) and lost after it (forward 1.07-1.10 against
-    1.02; k13 0.209-0.217 against 0.201); half precision 0.49 against 0.60 at 64 (session 6)."""
+    """Output rows a forward product takes: 64 for float32, 128 for half precision."""
     return 64 if x.element_size() == 4 else 128
 
 
@@ -435,10 +414,8 @@ def padded_weight_rows(weight: torch.Tensor, geom: ConvGeometry, block_w: int, b
     copies, copy r shifted r elements to the left (row_len >= unit - 1 + (block_w - 1) * stride_w +
     block_k, a multiple of 16; k31 bfloat16: 6.6 MB). The kernel reads every band from it unmasked,
     each band column in whole vectors. flip: of weight.flip(2, 3) (grad_input). One launch that
-    works out each position's tap itself (it replaced two torch ops at 38-41 us of host time a call
-    on the H200's host in session 13, and in session 25 a gather by an index tensor built once with
-    torch ops: a cached tensor made outside a recorded program, and ops with Python numbers in
-    tensor arguments, which the C++ replayer could not take)."""
+    works out each position's tap itself: torch ops cost host time, and a cached index tensor could
+    not be replayed by the C++ path."""
     start, row_len = _band_row(geom, block_w, block_k, unit)
     weight = weight.contiguous()
     row_elems = geom.kernel_h * vector * row_len
@@ -516,21 +493,10 @@ def toeplitz_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, geom: ConvGeom
 
 def toeplitz_grad_weight_kh_rows(geom: ConvGeometry, x: torch.Tensor, block_w: Optional[int] = None
                                  ) -> Tuple[int, int]:
-    """Kernel rows a weight-gradient pass takes (KH_ROWS), and its warps: each x row it loads then
-    feeds that many kernel rows' products. H200, session 29, bfloat16, the weight gradient alone
-    (CUDA-graph replays, benchmarks/probe_toeplitz_rows.py --gw-variant), ms at 64 rows a block:
-
-    | layer (strip x window) | 1 row, 4 warps | 2, 4 | 4, 4 | 4, 8 |
-    |---|---|---|---|---|
-    | k31 32x128x56x56 (32 x 64) | 0.482 | 0.478 | **0.329** | 0.315 |
-    | k13 32x256x28x28 (32 x 64) | 0.139 | 0.120 | **0.119** | 0.135 |
-    | k51 32x128x56x56 (64 x 128) | 1.268 | 1.142 | 3.523 | **1.087** |
-
-    So tuned().toeplitz_grad_weight_kh_rows where rows are one step apart and the pass's float32 products (window x
-    kernel rows x strip) fit 64 x 128 elements on 4 warps (in the large suite that took k31 bfloat16
-    forward+backward from 0.975 to 0.824 ms), or 128 x 256 on 8 (k51, spilling on 4: forward+backward
-    2.431 -> 2.252 ms in session 30's suite).
-    float32 was not timed (its three products a step take the same loads)."""
+    """Kernel rows a weight-gradient pass takes (KH_ROWS), and its warps: each x row it
+    loads then feeds that many kernel rows' products. tuned().toeplitz_grad_weight_kh_rows where rows
+    are one step apart and the pass's float32 products (window x kernel rows x strip) fit 64 x 128
+    elements on 4 warps, or 128 x 256 on 8 (k51, which spills on 4); else one."""
     if tuned().toeplitz_grad_weight_kh_rows == 1 or geom.stride_h != 1 or geom.dilation_h != 1:
         return 1, 4
     block_w = block_w or toeplitz_block_w(geom, x, grad_weight=True)

@@ -80,9 +80,8 @@ _PLANS = plan_cache()
 
 def _plan(channels: int, taps: int, bias_grad: bool, channel_stride: int, inner: Tuple[int, int],
           outer: Tuple[int, int], gpu: bool) -> LaunchPlan:
-    # 8 outputs by up to 256 parts a step on the GPU: many programs (C*taps / 8), few steps each
-    # (session 22 probe, H200, 256-1216 parts of 1296-10368 outputs: 7.6-23 us against 14-25 with
-    # 32 x 64; the time is the programs' serial steps, not bytes); under the interpreter few programs
+    # 8 outputs by up to 256 parts a step on the GPU: many programs (C*taps / 8), few steps each;
+    # under the interpreter few programs
     outputs = channels * (taps + int(bias_grad))
     parts = outer[0] * inner[0]
     block_e = 8 if gpu else triton.next_power_of_2(min(outputs, 256))

@@ -344,7 +344,7 @@ def native_program(program: Program, python_launches: bool = False) -> NativePro
 
 # dwconv's eager calls where `enabled` says so go through `conv`, an autograd Function written in
 # C++ whose passes are recorded programs (host time of a small layer's forward+backward on the H200
-# machine about half the Python Function's: docs/notes.md, "The C++ replayer").
+# machine about half the Python Function's: docs/decisions.md).
 #
 # The recorded layers, least recently used first: (program_key of the tensors, geometry) ->
 # [the extension's layer number (None: not recordable, the Python path), the `_KNOWN` keys naming it].
