@@ -59,7 +59,7 @@ JITFunction.__getitem__ = compile_instead_of_launch
 
 from dwconv import tuning  # noqa: E402
 
-tuning.override(plan_as_gpu=True).__enter__()  # the launchers' GPU choices for these CPU tensors (what the GPU compiles)
+tuning.override(plan_as_gpu=True)  # the launchers' GPU choices for these CPU tensors (what the GPU compiles)
 
 from dwconv._geometry import conv_geometry  # noqa: E402
 from dwconv.dispatch import (ForwardConfig, GradWeightConfig, conv_forward, conv_grad_input,  # noqa: E402

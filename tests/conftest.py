@@ -14,7 +14,7 @@ import contextlib  # noqa: E402
 from dwconv import replay, tuning  # noqa: E402  (after TRITON_INTERPRET is set)
 
 # Every partial-sum buffer starts as NaN in the tests: an entry no program writes fails the test.
-tuning.override(poison_partials=True).__enter__()
+tuning.override(poison_partials=True)
 
 if torch.cuda.is_available():
     # eager calls on CUDA take the C++ replayer once it is built (replay/native.py): built now, so that

@@ -3,20 +3,15 @@
 The values are the measured winners on the H200 (docs/decisions.md gives each one's measurement).
 Code reads them through `tuned()`; tests and tools change them only through `override`, which also
 drops every cached launch plan and recorded layer, so that nothing built under one table is reused
-under another:
-
-    from dwconv import tuning
-    with tuning.override(toeplitz_min_taps=81):
-        ...
+under another.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Tuple
+from typing import Callable, List, Tuple
 
 from ._env import switch
 
@@ -89,14 +84,25 @@ def _install(table: Tuning) -> None:
         reset()
 
 
-@contextlib.contextmanager
-def override(**changes) -> Iterator[Tuning]:
-    """The table with `changes` in force inside the block (names as in Tuning; a wrong name raises)."""
-    with _LOCK:
-        before = _CURRENT
-        _install(dataclasses.replace(before, **changes))
-    try:
-        yield _CURRENT
-    finally:
+class override:
+    """The table with `changes` in force (names as in Tuning; a wrong one raises), from this call
+    until restore(), or for a with-block:
+
+        with tuning.override(toeplitz_min_taps=81): ...     # the block only
+        tuning.override(poison_partials=True)               # the rest of the process (tests' set-up)
+    """
+
+    def __init__(self, **changes):
         with _LOCK:
-            _install(before)
+            self._before = _CURRENT
+            _install(dataclasses.replace(_CURRENT, **changes))
+
+    def __enter__(self) -> Tuning:
+        return _CURRENT
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        with _LOCK:
+            _install(self._before)
