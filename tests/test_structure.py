@@ -14,12 +14,14 @@ from dwconv._geometry import conv_geometry
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "dwconv")
 FAMILIES = {"tile", "rows", "nchw_pixels", "pairs", "grad_input", "grad_weight", "large_fma", "toeplitz"}
 # what each layer may import from the package (modules below it), by module name prefix
+BASE = {"dwconv._geometry", "dwconv._env", "dwconv.tuning", "dwconv._triton_compat"}
 LAYERS = [
-    ("dwconv.kernels", {"dwconv.kernels", "dwconv._geometry", "dwconv._env", "dwconv.tuning"}),
-    ("dwconv.dispatch", {"dwconv.kernels", "dwconv._geometry", "dwconv._env", "dwconv.tuning"}),
-    ("dwconv.replay", {"dwconv.replay", "dwconv.kernels._launch", "dwconv._env", "dwconv.tuning"}),
-    ("dwconv._library", {"dwconv.dispatch", "dwconv.replay", "dwconv.kernels", "dwconv._geometry", "dwconv._env",
-                         "dwconv.tuning"}),
+    ("dwconv.kernels", {"dwconv.kernels"} | BASE),
+    ("dwconv.dispatch", {"dwconv.kernels"} | BASE),
+    ("dwconv.replay", {"dwconv.replay", "dwconv.kernels._launch"} | BASE),
+    ("dwconv._library", {"dwconv.dispatch", "dwconv.replay", "dwconv.kernels"} | BASE),
+    ("dwconv._triton_compat", set()),
+    ("dwconv.tuning", {"dwconv._env"}),
 ]
 
 

@@ -17,6 +17,7 @@ from typing import Callable, Dict, Hashable, Optional, Tuple, TypeVar
 
 import torch
 
+from .._triton_compat import arg_names, launch_compiled
 from ..tuning import on_change, tuned
 
 T = TypeVar("T")
@@ -153,10 +154,10 @@ def launch_now(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
     pointers = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
     entry = plan.compiled.get(key)
     if entry is not None and entry[0] == pointers:
-        entry[1][entry[2]](*tensors, *entry[3])
+        launch_compiled(entry[1], entry[2], *tensors, *entry[3])
         return
     compiled = kernel[plan.grid](*tensors, *plan.scalars, **plan.constants)
-    names = kernel.arg_names[len(tensors) + len(plan.scalars):]
+    names = arg_names(kernel)[len(tensors) + len(plan.scalars):]
     if compiled is not None and all(name in plan.constants for name in names):
         grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
         plan.compiled[key] = (pointers, compiled, grid, plan.scalars + tuple(plan.constants[n] for n in names))

@@ -25,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._env import switch
+from .._triton_compat import arg_names, launch_parameters, libcuda_dirs
 from ..kernels import _launch
 from ..tuning import on_change, tuned
 from .program import LaunchStep, NotRecordable, OpStep, Program, Ref, program_key, record
@@ -38,7 +39,6 @@ def _build_arguments(cuda_launches: bool) -> dict:
     flags, includes, ldflags = ["-O2"], [], []
     if cuda_launches:
         import triton
-        from triton.backends.nvidia.driver import libcuda_dirs
 
         flags.append("-DDWCONV_CUDA_LAUNCH")
         includes.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include"))
@@ -304,15 +304,15 @@ class NativeProgram:
         if entry is None:
             raise NotRecordable("a launch without a compiled kernel (recorded without the fast launch)")
         compiled, grid, scalars = entry[1], entry[2], entry[3]
-        compiled._init_handles()
-        meta = compiled.metadata
-        if getattr(meta, "global_scratch_size", 0) or getattr(meta, "num_ctas", 1) != 1:
+        parameters = launch_parameters(compiled)
+        if parameters is None:
             raise NotRecordable("a launch that needs scratch memory or clusters")
+        function, threads, shared, signature, ptx = parameters
         # (the fast launch's arguments after the tensors: the plan's scalars, then its constants
         # that are not constexpr in the signature)
-        args = dict(zip(step.kernel.arg_names, [None] * len(tensors) + list(scalars)))
+        args = dict(zip(arg_names(step.kernel), [None] * len(tensors) + list(scalars)))
         kinds, values = "", []
-        for position, (name, kind) in enumerate(compiled.src.signature.items()):
+        for position, (name, kind) in enumerate(signature):
             if kind == "constexpr":
                 continue
             if kind.startswith("*"):  # (the tensors are the kernel's first arguments)
@@ -320,11 +320,11 @@ class NativeProgram:
                 kinds, values = kinds + "p", values + [position]
             else:
                 kinds, values = kinds + ("l" if "64" in kind else "i"), values + [int(args[name])]
-        entry_params = _ptx_params(compiled.asm["ptx"])
+        entry_params = _ptx_params(ptx)
         extra = entry_params - len(kinds)
         if not 0 <= extra <= 2:
             raise NotRecordable(f"{extra} kernel parameters past the signature's")
-        self.native.add_native_launch(compiled.function, list(grid), 32 * meta.num_warps, meta.shared, tensors,
+        self.native.add_native_launch(function, list(grid), threads, shared, tensors,
                                       kinds + "s" * extra, values + [0] * extra)
 
 
