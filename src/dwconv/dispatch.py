@@ -22,7 +22,7 @@ from .kernels import grad_input as grad_input_family
 from .kernels import grad_weight as grad_weight_family
 from .kernels import large_fma, nchw_pixels, pairs, rows, tile, toeplitz
 from .kernels._launch import ForwardConfig, GradWeightConfig, cached_plan, gpu_plan, layout_key, plan_cache
-from .kernels._shared import channels_last_kernel_applies, output_memory_format
+from .kernels._shared import channels_last_kernel_applies, output_memory_format, ring_size
 from .kernels.weight_sums import weight_grad_sums
 from .tuning import tuned
 
@@ -67,10 +67,28 @@ def forward_config(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tens
         return ForwardConfig("toeplitz", block_m, toeplitz.toeplitz_block_w(geom, x),
                              toeplitz.toeplitz_num_warps(toeplitz.toeplitz_out_rows(geom, x), block_m))
     if channels_last_kernel_applies(x, out):  # channel runs along the contiguous axis
-        return tile.nhwc_blocks(geom, x)
-    if nchw_pixels.wins(geom, x, out):  # 3x3 stride 1: one FMA chain an output, no ring
+        if gpu_plan(x.device) and geom.kernel_h * geom.kernel_w <= tuned().pixel_kernel_taps:
+            return tile.nhwc_pixels_blocks(geom, x)  # columns unrolled: each input pixel loaded once
+        return tile.nhwc_blocks(geom, x)  # (larger kernels compile too slowly unrolled)
+    if nchw_pixels_wins(geom, x, out):  # 3x3 stride 1: one FMA chain an output, no ring
         return nchw_pixels.blocks(geom, x)
     return nchw_config(geom, x)
+
+
+def nchw_pixels_wins(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
+    """Where "nchw_pixels" beats the rows kernel in the forward: 3x3, stride and dilation 1, unit
+    column steps; float32, and half precision on rows over 256 wide (its aligned odd-row stores)."""
+    half_wide = x.dtype in (torch.float16, torch.bfloat16) and geom.out_w > 256
+    return (gpu_plan(x.device) and (x.dtype == torch.float32 or half_wide) and geom.kernel_h == geom.kernel_w == 3
+            and geom.stride_h == geom.stride_w == 1 and geom.dilation_h == geom.dilation_w == 1
+            and x.stride(3) == 1 and (out is None or out.stride(3) == 1))
+
+
+def rows_fit(geom: ConvGeometry) -> bool:
+    """Where the GPU can run the row-sliding kernel: stride_h 1, a ring of up to 4 register rows, or
+    8 of up to 25 taps (k5, or k3 with dilation 2); k7's 8 x 49 weights a phase lose to the tiles."""
+    ring_fits = ring_size(geom) <= 4 or (ring_size(geom) <= 8 and geom.kernel_h * geom.kernel_w <= 25)
+    return geom.stride_h == 1 and ring_fits and geom.out_w >= 32
 
 
 def nchw_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
@@ -79,7 +97,7 @@ def nchw_config(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
         return pairs.blocks(geom, x)
     if not gpu_plan(x.device):  # the interpreter: the tile kernel in few, wide programs
         return tile.nchw_blocks(geom, x)
-    if rows.rows_fit(geom):  # stride_h 1, small ring: each input row loaded once
+    if rows_fit(geom):  # stride_h 1, small ring: each input row loaded once
         return rows.blocks(geom, x)
     return tile.nchw_blocks(geom, x)
 
@@ -99,7 +117,7 @@ def fused_backward_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
     gi_geom = input_grad_geometry(geom)
     if min(gi_geom.pad_top, gi_geom.pad_bottom, gi_geom.pad_left, gi_geom.pad_right) < 0:
         return False
-    return rows.rows_fit(gi_geom) or not gpu_plan(x.device)
+    return rows_fit(gi_geom) or not gpu_plan(x.device)
 
 
 def gradients_read_grad_out_as_nchw(geom: ConvGeometry, x: torch.Tensor, grad_out: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv
 from ..tuning import tuned
-from ._launch import ForwardConfig, LaunchPlan, gpu_plan, launch, new_partial
+from ._launch import ForwardConfig, LaunchPlan, launch, new_partial
 from ._shared import (_lane, _load_row_window, _pack4, _plane_pointers, _store_aligned_rows, _window_lane,
                       forward_constants, odd_out_rows_alignable, stride_unit, window_fits, window_layout)
 
@@ -229,15 +229,6 @@ def depthwise_fwd_nchw_pixels_kernel(
 
 
 # ---- blocks and launch plan ---------------------------------------------------------------------
-
-def wins(geom: ConvGeometry, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
-    """Where "nchw_pixels" beats the rows kernel in the forward: 3x3, stride and dilation 1, unit
-    column steps; float32, and half precision on rows over 256 wide (its aligned odd-row stores)."""
-    half_wide = x.dtype in (torch.float16, torch.bfloat16) and geom.out_w > 256
-    return (gpu_plan(x.device) and (x.dtype == torch.float32 or half_wide) and geom.kernel_h == geom.kernel_w == 3
-            and geom.stride_h == geom.stride_w == 1 and geom.dilation_h == geom.dilation_w == 1
-            and x.stride(3) == 1 and (out is None or out.stride(3) == 1))
-
 
 def blocks(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     """Rows over 256 wide in whole-row tiles of 512 on 4 warps (a 32-byte sector of an output row is

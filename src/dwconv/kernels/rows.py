@@ -197,13 +197,6 @@ def depthwise_fwd_rows_kernel(
 
 # ---- blocks and launch plan ---------------------------------------------------------------------
 
-def rows_fit(geom: ConvGeometry) -> bool:
-    """Where the GPU can run the row-sliding kernel: stride_h 1, a ring of up to 4 register rows, or
-    8 of up to 25 taps (k5, or k3 with dilation 2); k7's 8 x 49 weights a phase lose to the tiles."""
-    ring_fits = ring_size(geom) <= 4 or (ring_size(geom) <= 8 and geom.kernel_h * geom.kernel_w <= 25)
-    return geom.stride_h == 1 and ring_fits and geom.out_w >= 32
-
-
 def blocks(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     """128 rows a program on tall planes (32 else). Wide rows (over 128) that are 16-byte aligned, or
     whose odd rows the kernel can align: 4-column windows, two a thread, whatever the dtype; other

@@ -680,9 +680,8 @@ def nchw_blocks(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
 
 
 def nhwc_blocks(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
-    """The channels_last tiles: on the GPU "nhwc_pixels" (columns unrolled) up to pixel_kernel_taps,
-    else the band kernel "nhwc" (8 rows of 8 x 64 in float32, 16 of 8 x 32 in half precision);
-    under the interpreter "nhwc" in few, large programs."""
+    """The channels_last band kernel "nhwc": 8 rows of 8 x 64 in float32, 16 of 8 x 32 in half
+    precision; under the interpreter few, large programs."""
     half = x.element_size() == 2
     lowest_bit = geom.out_channels & -geom.out_channels
     # a run that divides the channels keeps every strip on the unmasked path
@@ -690,8 +689,6 @@ def nhwc_blocks(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
     if not gpu_plan(x.device):
         return ForwardConfig("nhwc", band_rows(geom, 64, x.device), min(32, next_power_of_2(geom.out_w)), 1,
                              block_c=block_c)
-    if geom.kernel_h * geom.kernel_w <= tuned().pixel_kernel_taps:
-        return nhwc_pixels_blocks(geom, x)
     per_thread = 2 if half else 4
     block_w = max(1, min(next_power_of_2(geom.out_w), per_thread * 128 // block_c))
     return ForwardConfig("nhwc", band_rows(geom, 16 if half else 8, x.device), block_w, 4, block_c=block_c)
