@@ -143,14 +143,17 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                                  ("inference", inference(run.eval(), inputs, dtype))):
                     ms = time_ms(fn, warmup, iters)
                     rows.append(dict(model=name, precision=precision, mode=mode, path=path,
-                                     ms=statistics.median(ms), std=statistics.pstdev(ms)))
+                                     ms=statistics.median(ms), std=statistics.pstdev(ms),
+                                     # (the results CSVs' schema: bench.CSV_FIELDS)
+                                     suite="model", layer=name, dtype=precision, **{"pass": mode},
+                                     layout="channels_last" if memory_format == torch.channels_last else "nchw"))
                     print(f"  {precision:<17} {mode:<10} {path:<16} {rows[-1]['ms']:8.3f} ms", flush=True)
                 del model, run, optimizer
                 torch.cuda.empty_cache()
     for row in rows:  # speedup against the stock model of the same precision, mode and compilation
         base = next(r for r in rows if (r["precision"], r["mode"]) == (row["precision"], row["mode"])
                     and r["path"] == "stock " + row["path"].split()[1])
-        row["vs_stock"] = base["ms"] / row["ms"]
+        row["vs_stock"] = row["dwconv_speedup"] = base["ms"] / row["ms"]
     return rows
 
 
