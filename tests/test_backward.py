@@ -652,3 +652,17 @@ def test_weight_grad_sums(retune, monkeypatch, weight_dtype, bias_grad, path):
     else:
         assert grad_b is None
     assert len(launches) == (path == "kernel")
+
+
+def test_fused_nchw_pixels_float64_weight_gradient_keeps_float64(retune):
+    """float64's fused NCHW backward on the GPU's "nchw_pixels" blocks (here under the interpreter):
+    the weight gradient's partial sums are float64 too, so the gradient has float64's precision."""
+    retune(plan_as_gpu=True)
+    x = randn(1, 2, 6, 12, dtype=torch.float64)
+    weight = randn(2, 1, 3, 3, dtype=torch.float64)
+    geom = conv_geometry(x, weight, None, 1, 1, 1)
+    grad_out = randn(*geom.output_shape, dtype=torch.float64)
+    grad_x, grad_w = conv_grad_input_and_weight(grad_out, x, weight, geom)
+    ref = reference_grads(x, weight, None, grad_out, 1, 1, 1)
+    assert torch.allclose(grad_x, ref[0], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(grad_w, ref[1], rtol=1e-12, atol=1e-12), (grad_w - ref[1]).abs().max()

@@ -19,7 +19,8 @@ from .._geometry import ConvGeometry, cdiv
 from ..tuning import tuned
 from ._launch import ForwardConfig, LaunchPlan, launch, new_partial
 from ._shared import (_lane, _load_row_window, _pack4, _plane_pointers, _store_aligned_rows, _window_lane,
-                      forward_constants, odd_out_rows_alignable, stride_unit, window_fits, window_layout)
+                      forward_constants, odd_out_rows_alignable, partial_dtype, stride_unit, window_fits,
+                      window_layout)
 
 
 @triton.jit
@@ -279,7 +280,7 @@ def plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.
                      ODD_OUT_ALIGN=odd_out_align, num_stages=1,
                      # (widening in the fused backward measured slower)
                      WIDEN_BF16=x.dtype == torch.bfloat16 and features is None)
-    return LaunchPlan("nchw_pixels", (programs,), scalars, constants, partial_shape)
+    return LaunchPlan("nchw_pixels", (programs,), scalars, constants, partial_shape, partial_dtype(x.dtype))
 
 
 def launch_nchw_pixels(plan: LaunchPlan, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
