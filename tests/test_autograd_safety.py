@@ -356,7 +356,7 @@ def test_build_removes_a_stale_lock(fake_build):
     assert module.BUILT and not fake_build.exists()
 
 
-def test_build_never_waits_past_its_timeout(retune, fake_build, monkeypatch):
+def test_build_never_waits_past_its_timeout(retune, fake_build):
     """A lock held by a live build: the build gives up after replay_build_timeout_s, and the caller gets the
     same error each time, not a hang."""
     retune(replay_build_timeout_s=4.0)

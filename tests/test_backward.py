@@ -534,7 +534,7 @@ def test_fused_backward_channels_last_through_autograd(monkeypatch):
     assert not calls, "the fused path ran where it does not apply"
 
 
-def test_channels_last_pixel_grad_programs_on_the_gpu(retune, monkeypatch):
+def test_channels_last_pixel_grad_programs_on_the_gpu(retune):
     """pixels_grad_blocks' GPU answer: KernelBench 84's fused pass keeps the measured layout (one
     program an image column of tiles, 128 channels); small layers keep their partial sums near a
     twelfth of the tensors (14 MB of them on 64x384x14x14, more than x, made the backward 3x slower)
@@ -569,7 +569,7 @@ def test_channels_last_pixel_grad_programs_on_the_gpu(retune, monkeypatch):
             (k, grad_input, partial_mb)
 
 
-def test_channels_last_rows_pass_on_the_gpu(retune, monkeypatch):
+def test_channels_last_rows_pass_on_the_gpu(retune):
     """Where the GPU's fused channels_last backward slides down rows (nhwc_rows_apply): the 56-wide
     small layers (32-channel blocks), in strips of 8 with prefetch, the whole image a program; not
     KernelBench 84, 112 or 28 wide, or dilated."""
@@ -600,7 +600,7 @@ def test_channels_last_rows_pass_on_the_gpu(retune, monkeypatch):
 
 @pytest.mark.parametrize("dtype,dilation,cap", [(torch.bfloat16, 1, 128), (torch.float16, 1, 128),
                                                  (torch.float32, 1, None), (torch.bfloat16, 2, None)], ids=str)
-def test_channels_last_fused_register_cap(retune, monkeypatch, dtype, dilation, cap):
+def test_channels_last_fused_register_cap(retune, dtype, dilation, cap):
     """The GPU's fused channels_last pass is capped at 128 registers in half precision at dilation 1
     only (KernelBench 84 bfloat16 gained 9%, the dilated layer lost 18%, float32 gained nothing);
     the weight gradient alone is never capped."""

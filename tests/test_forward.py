@@ -209,12 +209,10 @@ def test_default_config_is_valid():
     assert forward_config(geom, x).kernel == "tile"
 
 
-def test_nchw_3x3_dispatch_on_the_gpu(retune, monkeypatch):
+def test_nchw_3x3_dispatch_on_the_gpu(retune):
     """The GPU's NCHW 3x3 stride-1 choices (measured, docs/decisions.md): "nchw_pixels" in float32, and
     in half precision on rows over 256 wide (16 rows a program there, 8 in float32); the rows
     kernel for narrower half-precision rows; dilation leaves "nchw_pixels"."""
-    from dwconv.kernels import _launch
-
     retune(plan_as_gpu=True)  # (the GPU's plans for tensors without one)
 
     def config(shape, dtype, padding=0, dilation=1):
@@ -294,7 +292,7 @@ def test_nchw_pixels_odd_output_rows(dtype, shape, kernel, padding, dilation, bl
 @pytest.mark.parametrize("config", [ForwardConfig("nhwc_pixels", 2, 4, 1, block_c=8),
                                     ForwardConfig("nhwc", 4, 4, 1, block_c=8)], ids=lambda c: c.kernel)
 @pytest.mark.parametrize("flip", [False, True], ids=["forward", "flipped"])
-def test_nhwc_weight_layouts(retune, monkeypatch, taps_major, config, flip):
+def test_nhwc_weight_layouts(retune, taps_major, config, flip):
     """The channels_last kernels read the weight taps-major (a copy made per call, for large inputs)
     or as given ([C, taps], small inputs: nhwc_taps_major_min_bytes), forward and flipped, a 5x3
     kernel with a bias (and a multiplier of 2 unflipped)."""

@@ -11,7 +11,7 @@ import dwconv
 from dwconv._geometry import conv_geometry
 from dwconv import dispatch
 from dwconv.dispatch import fused_backward_applies
-from dwconv.kernels import _launch, large_fma, toeplitz
+from dwconv.kernels import large_fma, toeplitz
 from dwconv.tuning import tuned
 from dwconv.dispatch import ForwardConfig, forward_config
 from helpers import DEVICE, DTYPES, assert_close, randn
@@ -162,7 +162,7 @@ def test_toeplitz_out_rows(retune, shape, kernel, stride, padding, dilation, mul
 @pytest.mark.parametrize("dtype,kernel,stride,dilation,rows", [
     (torch.bfloat16, 31, 1, 1, 4), (torch.float16, 13, 1, 1, 4), (torch.bfloat16, 51, 1, 1, 1),
     (torch.float32, 31, 1, 1, 1), (torch.bfloat16, 31, 2, 1, 1), (torch.float16, 13, 1, 2, 1)])
-def test_toeplitz_out_rows_choice(retune, dtype, kernel, stride, dilation, rows, monkeypatch):
+def test_toeplitz_out_rows_choice(retune, dtype, kernel, stride, dilation, rows):
     """Tiles of several rows where measured (half precision, rows one apart, below the prefetch's
     kernel height), and the launcher's plan takes them on 8 warps."""
     retune(large_fma_min_taps=10**9)
@@ -259,7 +259,7 @@ def test_large_fma_forward(shape, kernel, stride, padding, dilation, multiplier,
 
 
 @pytest.mark.parametrize("kernel,padding", [((5, 7), (2, 3)), ((3, 8), 1)], ids=str)
-def test_large_fma_weight_vectors(retune, kernel, padding, monkeypatch):
+def test_large_fma_weight_vectors(retune, kernel, padding):
     """The forward with its weights as 4-vectors of rows padded on the host (WEIGHT_VECTORS_MIN_TAPS):
     output, and grad_input through the flipped taps, with a row length that is not a multiple of 4
     and one that is."""
@@ -308,7 +308,7 @@ def test_large_fma_blocks():
         assert got[0] * got[1] // got[3] == 32 * got[2]
 
 
-def test_large_fma_forward_blocks(retune, monkeypatch):
+def test_large_fma_forward_blocks(retune):
     """The float32 forward of kernels from 10x10 up to 31 columns: a whole row of up to 56 columns a
     thread (k13 and k31 on 56 x 56); k51, smaller kernels and half precision as the weight gradient's."""
     retune(plan_as_gpu=True)  # (the GPU's plans for tensors without one)

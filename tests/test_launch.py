@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import dwconv
-import dwconv.kernels._launch as _launch
 from dwconv.kernels._launch import LaunchPlan, launch
 from helpers import DEVICE, assert_close, randn, reference_conv
 
@@ -112,7 +111,7 @@ def test_launch_runs_on_the_tensors_gpu(retune, monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="launches compiled kernels")
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
-def test_fast_launch_on_the_gpu(retune, monkeypatch, layout):
+def test_fast_launch_on_the_gpu(retune, layout):
     """Forward and gradients, three calls each with fresh tensors, through the fast path: the same
     values as Triton's path, right against a float64 reference."""
     retune(fast_launch=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import math
 import os
 import statistics
@@ -508,8 +509,10 @@ def read_csv_rows(path: str) -> List[Dict]:
     return rows
 
 
+@functools.lru_cache(maxsize=1)
 def run_stamp() -> Dict[str, str]:
-    """GPU, versions, commit (DWCONV_COMMIT, else git's where the tree has one) and date of this run."""
+    """GPU, versions, commit (DWCONV_COMMIT, else git's where the tree has one) and date of this run
+    (once a run: the CSV is rewritten after each layer)."""
     import datetime
     import subprocess
 
@@ -539,7 +542,7 @@ def schema_row(row: Dict, stamp: Dict[str, str], suite: str = "") -> Dict:
 def write_csv(path: Optional[str], rows: List[Dict], quiet: bool = False, suite: str = "") -> None:
     if not path or not rows:
         return
-    stamp = run_stamp()
+    stamp = dict(run_stamp())
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
