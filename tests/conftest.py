@@ -8,6 +8,9 @@ import torch
 if not torch.cuda.is_available():
     # Must happen before triton.jit decorates dwconv's kernels (Triton reads it then).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import interpreter
+
+    interpreter.remove_dead_work()
 
 import contextlib  # noqa: E402
 
