@@ -2,7 +2,9 @@
 # One device call's work on the GPU machine, from the repository root; logs and results go to $OUT.
 #   bash benchmarks/gpu_check.sh STEP [STEP ...]
 # Steps:
-#   tests      the test suite on the GPU (8 workers; -v so that a call cut by its time limit names its failures)
+#   tests      the test suite on the GPU (WORKERS processes, default 16; -v so that a call cut by its time limit
+#              names what passed and failed), or only the node ids listed in TESTS_FILE (one a line: the
+#              rest of a run that the time limit cut)
 #   bench      the models and large suites (SUITES, DTYPES) into fixed-schema CSVs (docs/data, docs/performance.md)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
 #   host       host time per eager call, .ab_old/src against src (benchmarks/host_time.py)
@@ -19,10 +21,12 @@ cache_dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 for archive in .tcache/triton_cache*.tar.xz; do
   [ -f "$archive" ] && mkdir -p "$cache_dir" && tar -xJf "$archive" -C "$cache_dir"
 done
-xdist=$(python3 -c 'import xdist' 2>/dev/null && printf -- '-n 8')
+xdist=$(python3 -c 'import xdist' 2>/dev/null && printf -- '-n %s' "${WORKERS:-16}")
+tests=(tests); [ -n "${TESTS_FILE:-}" ] && mapfile -t tests <"$TESTS_FILE"
 for step in "$@"; do
   case $step in
-    tests) timeout "${TESTS_S:-540}" python3 -m pytest -v -rf $xdist -p no:cacheprovider tests >"$OUT/tests.log" 2>&1
+    tests) timeout "${TESTS_S:-540}" python3 -m pytest -v -rf --durations=30 $xdist -p no:cacheprovider "${tests[@]}" \
+             >"$OUT/tests.log" 2>&1
            grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -25 ;;
     bench) for suite in ${SUITES:-models large}; do
              for dtype in ${DTYPES:-float32 bfloat16 float16}; do
