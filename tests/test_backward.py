@@ -664,5 +664,5 @@ def test_fused_nchw_pixels_float64_weight_gradient_keeps_float64(retune):
     grad_out = randn(*geom.output_shape, dtype=torch.float64)
     grad_x, grad_w = conv_grad_input_and_weight(grad_out, x, weight, geom)
     ref = reference_grads(x, weight, None, grad_out, 1, 1, 1)
-    assert torch.allclose(grad_x, ref[0], rtol=1e-12, atol=1e-12)
-    assert torch.allclose(grad_w, ref[1], rtol=1e-12, atol=1e-12), (grad_w - ref[1]).abs().max()
+    assert torch.allclose(grad_x.cpu(), ref[0], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(grad_w.cpu(), ref[1], rtol=1e-12, atol=1e-12), (grad_w.cpu() - ref[1]).abs().max()

@@ -142,8 +142,13 @@ class DepthwiseNet(nn.Module):
         return self.dw2(self.act(self.pw(self.act(self.dw1(x))))).mean(dim=(2, 3))
 
 
-def test_compile_fullgraph_forward_and_backward():
-    """No graph break (fullgraph=True); the same values and gradients as eager."""
+def test_compile_fullgraph_forward_and_backward(monkeypatch):
+    """No graph break (fullgraph=True); the same values and gradients as eager. The C++ path's
+    registry of known layers is never traced (a graph break there if it were: torch 2.11's Dynamo
+    could not trace its bool(dict) and broke the graph at every layer)."""
+    from dwconv import replay
+
+    monkeypatch.setattr(replay.native, "has_known_layers", lambda: torch._dynamo.graph_break() or False)
     torch.manual_seed(0)
     model = dwconv.convert(DepthwiseNet().to(DEVICE), verbose=False)
     compiled = torch.compile(copy.deepcopy(model), fullgraph=True, backend=BACKEND)

@@ -48,8 +48,9 @@ def depthwise_conv2d(
 
 def _known_layer(input, weight, bias, stride, padding, dilation) -> Optional[torch.Tensor]:
     """The C++ path's answer for a call whose tensors and arguments were recorded before, or None."""
-    if replay.native.has_known_layers() and isinstance(input, torch.Tensor) and forward_ad._current_level < 0 \
-            and not torch.compiler.is_compiling() and replay.enabled(input):
+    # (is_compiling first: Dynamo must not trace into the registry; torch 2.11's cannot trace bool(dict))
+    if not torch.compiler.is_compiling() and replay.native.has_known_layers() and isinstance(input, torch.Tensor) \
+            and forward_ad._current_level < 0 and replay.enabled(input):
         return replay.conv_known(input, weight, bias, stride, padding, dilation)
     return None
 
