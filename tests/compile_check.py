@@ -18,44 +18,14 @@ os.environ.pop("TRITON_INTERPRET", None)  # (must be unset before the kernels ar
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-
-class CompileOnlyDriver:
-    """Triton's view of an sm_90 device that is not there: compiling works, launching does not."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def is_active(self):
-        return True
-
+from dwconv._triton_compat import compile_only  # noqa: E402
 
 COMPILED = []  # (kernel name, CompiledKernel: .asm["ptx"] etc.) of every launch
 H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (the H200's limit too)
-
-
-def compile_instead_of_launch(self, grid):
-    def launch(*args, **kwargs):
-        COMPILED.append((self.__name__, self.warmup(*args, grid=grid, **kwargs)))
-    return launch
-
-
-driver.set_active(CompileOnlyDriver())
-JITFunction.__getitem__ = compile_instead_of_launch
+compile_only(90, lambda name, compiled: COMPILED.append((name, compiled)))
 
 from dwconv import tuning  # noqa: E402
 

@@ -4,7 +4,7 @@ Tested against Triton 3.6 and 3.9."""
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 
 def arg_names(kernel) -> List[str]:
@@ -35,3 +35,41 @@ def libcuda_dirs() -> List[str]:
     from triton.backends.nvidia.driver import libcuda_dirs as find
 
     return find()
+
+
+def compile_only(arch: int, on_compile: Optional[Callable] = None) -> None:
+    """Makes this process compile kernels for an NVIDIA GPU of compute capability `arch` (90 for
+    sm_90) whether or not it has one, and launch nothing: every `kernel[grid](...)` compiles into
+    Triton's caches (memory and disk) and returns. on_compile(kernel name, CompiledKernel) sees each
+    compile. Irreversible: for compile workers and checks, never for a process that runs kernels.
+    TRITON_INTERPRET must be unset before dwconv's kernels are imported."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class CompileOnlyDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    def compile_instead_of_launch(self, grid):
+        def launch(*args, **kwargs):
+            compiled = self.warmup(*args, grid=grid, **kwargs)
+            if on_compile is not None:
+                on_compile(self.__name__, compiled)
+        return launch
+
+    driver.set_active(CompileOnlyDriver())
+    JITFunction.__getitem__ = compile_instead_of_launch

@@ -1,0 +1,66 @@
+"""What a cold start compiles (no GPU needed): the kernels of a bench suite's layers compiled for
+sm_90 into an empty, temporary Triton cache by dwconv.warmup's worker pool, as a training step
+(forward and backward of every tensor) or inference. Prints the calls, the kernel binaries (cache
+entries), the pool's wall time, the sum and the longest of the calls' compile times.
+
+    python benchmarks/compile_cost.py --match MobileNetV2 --dtype bfloat16 --layout channels_last --workers 2
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--suite", default="models")
+    p.add_argument("--match", default="", help="only the layers whose label contains this")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--layout", default="channels_last", choices=["nchw", "channels_last"])
+    p.add_argument("--batch", type=int, help="instead of the suite's")
+    p.add_argument("--inference", action="store_true", help="forward only")
+    p.add_argument("--workers", type=int)
+    p.add_argument("--arch", type=int, default=90)
+    args = p.parse_args()
+
+    import torch
+
+    from dwconv import bench
+    from dwconv.precompile import LayerCall, compile_calls
+
+    calls = []
+    for case in bench.SUITES[args.suite]:
+        if case.dtype != args.dtype or args.match not in case.label:
+            continue
+        n = args.batch or case.n
+        shape = (n, case.c, case.h, case.w)
+        fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
+        x = torch.empty(shape, device="meta", memory_format=fmt)
+        out_c = case.c * case.multiplier
+        tensors = ((shape, x.stride(), args.dtype), ((out_c, 1, case.kernel, case.kernel),
+                   (case.kernel ** 2, case.kernel ** 2, case.kernel, 1), args.dtype),
+                   ((out_c,), (1,), args.dtype) if case.bias else None)
+        grads = (False, False, False) if args.inference else (True, True, case.bias)
+        calls.append(LayerCall(tensors, grads, (case.stride, case.padding, case.dilation)))
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        started = time.perf_counter()
+        report = compile_calls(calls, args.arch, args.workers)
+        wall = time.perf_counter() - started
+        binaries = len(os.listdir(cache))
+    for call, seconds in zip(calls, report.call_seconds):
+        print(f"{seconds:7.1f} s  {call.tensors[0][0]} k{call.tensors[1][0][2]} stride {call.arguments[0]}")
+    print(f"{args.suite} '{args.match}' {args.dtype} {args.layout} {'inference' if args.inference else 'training'}: "
+          f"{len(calls)} calls, {binaries} kernel binaries, {wall:.1f} s on {report.workers} processes; "
+          f"calls {sum(report.call_seconds):.1f} s in all, the longest {max(report.call_seconds, default=0):.1f} s; "
+          f"{len(report.errors)} errors")
+    for error in report.errors:
+        print(error)
+
+
+if __name__ == "__main__":
+    main()

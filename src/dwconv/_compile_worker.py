@@ -1,0 +1,63 @@
+"""A compile worker of `dwconv.warmup`: `python -m dwconv._compile_worker ARCH`.
+
+Reads one layer call a line (JSON, `precompile.LayerCall.to_json`) on stdin, runs dwconv's eager path
+for it on CPU tensors that are never written, with the GPU's launch plans, in a process that
+compiles each launch for compute capability ARCH instead of running it (`_triton_compat.compile_only`):
+the kernels land in Triton's disk cache, where the process that trains finds them. Answers one line a
+call on stdout: `ok SECONDS` or `error MESSAGE`. A process of its own (not multiprocessing), so that a
+user's script without a __main__ guard is never imported again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)  # (before the kernels are decorated: they must compile)
+os.environ["DWCONV_NATIVE"] = "0"  # (the C++ path launches the same kernels; nothing to build here)
+
+
+def compile_call(call: dict) -> None:
+    import torch
+
+    from ._geometry import conv_geometry
+    from ._library import eager_conv
+
+    def tensor(spec, requires_grad):
+        if spec is None:
+            return None
+        shape, strides, dtype = spec
+        t = torch.empty_strided(shape, strides, dtype=getattr(torch, dtype))
+        return t.requires_grad_(requires_grad)
+
+    x, weight, bias = (tensor(spec, grad) for spec, grad in zip(call["tensors"], call["grads"]))
+    arguments = tuple(tuple(a) if isinstance(a, list) else a for a in call["arguments"])
+    out = eager_conv(x, weight, bias, conv_geometry(x, weight, bias, *arguments), arguments)
+    leaves = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
+    if leaves:
+        torch.autograd.grad(out, leaves, torch.empty_like(out))
+
+
+def main(arch: int) -> None:
+    from . import tuning
+    from ._triton_compat import compile_only
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # (anything else printed, by Python or a compiler, goes to stderr)
+    compile_only(arch)
+    tuning.override(plan_as_gpu=True)  # (CPU tensors, the GPU's kernels and blocks)
+    for line in sys.stdin:
+        started = time.perf_counter()
+        try:
+            compile_call(json.loads(line))
+            answer = f"ok {time.perf_counter() - started:.3f}"
+        except Exception as e:  # (reported; the layer then compiles at its first call)
+            answer = "error " + " | ".join(traceback.format_exception_only(type(e), e)).replace("\n", " ")
+        print(answer, file=answers, flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

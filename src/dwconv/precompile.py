@@ -1,0 +1,187 @@
+"""`dwconv.warmup`: compile every kernel a model's depthwise layers will need, in parallel, before
+the first step.
+
+Each layer shape compiles its own Triton kernels at its first call, one after another on the
+calling thread (a converted MobileNetV2's first training step waited ~114 s on a fresh machine).
+warmup finds every depthwise call one step makes without running a kernel (the model runs once on
+fake tensors, which carry shapes, strides and dtypes only), then compiles each call's forward and,
+when training, backward kernels in a pool of worker processes (`_compile_worker.py`) into Triton's
+disk cache. The model's first real call then loads them from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from . import functional
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """One depthwise call as the kernels see it (after autocast's casts)."""
+    tensors: tuple  # input, weight, bias: (shape, strides, dtype name), or None for no bias
+    grads: tuple  # whether input, weight and bias require a gradient
+    arguments: tuple  # (stride, padding, dilation) as passed
+
+    def to_json(self) -> str:
+        return json.dumps({"tensors": self.tensors, "grads": self.grads, "arguments": self.arguments})
+
+    def cost(self) -> tuple:
+        """Larger first: a pool's wall time is bounded by the call that starts last."""
+        (_, _, k_h, k_w) = self.tensors[1][0]
+        return (any(self.grads), self.tensors[0][1][1] == 1, k_h * k_w)
+
+
+def _spec(t: Optional[torch.Tensor]):
+    if t is None:
+        return None
+    return (tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""))
+
+
+def _plain(argument):
+    return tuple(argument) if isinstance(argument, (list, tuple)) else argument
+
+
+def layer_calls(model: nn.Module, *example_inputs, train: Optional[bool] = None) -> List[LayerCall]:
+    """The distinct depthwise calls one call of model(*example_inputs) makes through dwconv, and
+    whether their backward runs (train, default model.training: the gradients its tensors
+    require). Runs the model once on fake tensors (torch's FakeTensorMode: no kernel, no memory,
+    parameters and buffers left as they are), under the caller's autocast state, so call it as the
+    model will be called (inside the same torch.autocast)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    train = model.training if train is None else train
+    calls: dict = {}
+    pytorch_door = functional._DOORS["pytorch"]
+
+    def recording_door(input, weight, bias, geom, arguments):
+        # fake tensors dispatch in Python, so every dwconv call of the fake run takes this door
+        if isinstance(input, FakeTensor):
+            grads = tuple(bool(train and t is not None and t.requires_grad) for t in (input, weight, bias))
+            call = LayerCall(tuple(_spec(t) for t in (input, weight, bias)), grads,
+                             tuple(_plain(a) for a in arguments))
+            calls.setdefault(call, None)
+        return pytorch_door(input, weight, bias, geom, arguments)
+
+    was_training = model.training
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    functional._DOORS["pytorch"] = recording_door
+    try:
+        model.train(train)
+        with mode, torch.set_grad_enabled(train):
+            fakes = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+            # (the model's own tensors replaced by fakes for the call: in-place updates such as BatchNorm's
+            # num_batches_tracked then change the fakes)
+            state = {name: mode.from_tensor(t) for name, t in (*model.named_parameters(), *model.named_buffers())}
+            torch.func.functional_call(model, state, fakes)
+    finally:
+        functional._DOORS["pytorch"] = pytorch_door
+        model.train(was_training)
+    return list(calls)
+
+
+@dataclass
+class WarmupReport:
+    layers: int  # distinct depthwise calls compiled for
+    seconds: float
+    workers: int
+    errors: List[str] = field(default_factory=list)  # calls whose kernels then compile at first use
+    call_seconds: List[float] = field(default_factory=list)  # each call's time in its worker, in call order
+
+
+def warmup(model: nn.Module, *example_inputs, train: Optional[bool] = None, workers: Optional[int] = None,
+           arch: Optional[int] = None, verbose: bool = True) -> WarmupReport:
+    """Compiles, ahead of use and in parallel, every dwconv kernel that model(*example_inputs) and,
+    when training (train, default model.training), its backward will launch, into Triton's disk
+    cache (TRITON_CACHE_DIR, default ~/.triton/cache). Call it as the model will be called (same
+    batch and image size, dtype, memory format, inside the same torch.autocast); a second process
+    finds the kernels on disk. workers: compile processes (default: one a CPU core); arch: the
+    GPU's compute capability as 90 for sm_90 (default: the model's GPU). Prints progress to
+    stderr when verbose. A call whose compile fails is reported and compiles at its first use."""
+    started = time.perf_counter()
+    calls = layer_calls(model, *example_inputs, train=train)
+    if arch is None:
+        if not torch.cuda.is_available():
+            raise ValueError("arch must be given without a GPU (e.g. arch=90 for sm_90)")
+        device = next((p.device for p in model.parameters() if p.is_cuda), torch.device("cuda"))
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = 10 * major + minor
+    report = compile_calls(calls, arch, workers, verbose)
+    report.seconds = time.perf_counter() - started
+    for error in report.errors:
+        warnings.warn(f"dwconv.warmup: {error}", stacklevel=2)
+    return report
+
+
+def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] = None,
+                  verbose: bool = True) -> WarmupReport:
+    """Compiles the kernels of these calls for compute capability arch in a pool of worker
+    processes (default: one a CPU core) into Triton's disk cache, the costliest calls first."""
+    started = time.perf_counter()
+    count = max(1, min(workers or os.cpu_count() or 1, len(calls)))
+    report = WarmupReport(len(calls), 0.0, count if calls else 0, call_seconds=[0.0] * len(calls))
+    order = sorted(range(len(calls)), key=lambda i: calls[i].cost(), reverse=True)
+    if calls:
+        _compile_in_pool(calls, order, arch, count, report, started, verbose)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _compile_in_pool(calls: Sequence[LayerCall], order: List[int], arch: int, count: int, report: WarmupReport,
+                     started: float, verbose: bool) -> None:
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    tasks: queue.Queue = queue.Queue()
+    for index in order:
+        tasks.put(index)
+    done = [0]
+    lock = threading.Lock()
+
+    def show():
+        if verbose:
+            print(f"\rdwconv.warmup: {done[0]}/{len(calls)} depthwise calls compiled on {count} processes, "
+                  f"{time.perf_counter() - started:.0f} s", end="", file=sys.stderr, flush=True)
+
+    def serve(worker: subprocess.Popen):
+        while True:
+            try:
+                index = tasks.get_nowait()
+            except queue.Empty:
+                break
+            worker.stdin.write(calls[index].to_json() + "\n")
+            worker.stdin.flush()
+            answer = worker.stdout.readline().strip() or "error the compile worker exited"
+            with lock:
+                done[0] += 1
+                if answer.startswith("ok "):
+                    report.call_seconds[index] = float(answer.split()[1])
+                else:
+                    report.errors.append(f"{calls[index]}: {answer[len('error '):]}")
+                show()
+        worker.stdin.close()
+        worker.wait()
+
+    show()
+    workers = [subprocess.Popen([sys.executable, "-m", "dwconv._compile_worker", str(arch)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+               for _ in range(count)]
+    threads = [threading.Thread(target=serve, args=(worker,), daemon=True) for worker in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if verbose:
+        print(file=sys.stderr)

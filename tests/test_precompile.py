@@ -1,0 +1,91 @@
+"""dwconv.warmup: the layer calls it finds on fake tensors, and the kernels its worker processes
+compile into Triton's disk cache (for sm_90 without a GPU; on the GPU, for the GPU, and then the
+model's real step compiles nothing)."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dwconv
+from dwconv.precompile import layer_calls
+from helpers import DEVICE, randn
+
+
+class Block(nn.Module):
+    """Depthwise layers as networks use them: BatchNorm between, a stride-2 layer, a 5x5 with a
+    channel multiplier, and one layer called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.dw1 = nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False)
+        self.bn = nn.BatchNorm2d(6)
+        self.dw2 = nn.Conv2d(6, 6, 3, stride=2, padding=1, groups=6)
+        self.dw3 = nn.Conv2d(6, 12, 5, padding=2, groups=6)
+
+    def forward(self, x):
+        y = self.dw1(self.bn(self.dw1(x)))
+        return self.dw3(self.dw2(y)).mean()
+
+
+def converted(memory_format=torch.contiguous_format):
+    torch.manual_seed(0)
+    return dwconv.convert(Block(), verbose=False).to(DEVICE, memory_format=memory_format)
+
+
+def test_layer_calls_on_fake_tensors():
+    model = converted()
+    before = copy.deepcopy(model.state_dict())
+    x = randn(2, 6, 11, 13)
+    calls = layer_calls(model, x)
+    # dw1 twice (its input needs no gradient at the first call), dw2, dw3
+    assert [c.tensors[0][0] for c in calls] == [(2, 6, 11, 13)] * 3 + [(2, 6, 6, 7)]
+    assert [c.tensors[1][0] for c in calls] == [(6, 1, 3, 3)] * 3 + [(12, 1, 5, 5)]
+    assert [c.arguments for c in calls] == [((1, 1), (1, 1), (1, 1))] * 2 + [((2, 2), (1, 1), (1, 1)),
+                                                                             ((1, 1), (2, 2), (1, 1))]
+    assert [c.grads for c in calls] == [(False, True, False), (True, True, False), (True, True, True),
+                                        (True, True, True)]
+    assert calls[0].tensors[2] is None and calls[2].tensors[2] == ((6,), (1,), "float32")
+    # nothing of the model changed: BatchNorm's running statistics, the training mode
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert model.training
+    inference = layer_calls(model, x, train=False)  # (dw1's two calls are one)
+    assert len(inference) == 3 and all(c.grads == (False, False, False) for c in inference)
+    assert model.training
+
+
+def test_layer_calls_see_autocast_and_channels_last():
+    model = converted(torch.channels_last)
+    x = randn(2, 6, 11, 13).contiguous(memory_format=torch.channels_last).requires_grad_()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        calls = layer_calls(model, x)
+    assert all(c.tensors[0][2] == c.tensors[1][2] == "bfloat16" for c in calls)
+    assert calls[0].tensors[0][1] == (6 * 11 * 13, 1, 13 * 6, 6)  # channels_last strides
+    assert calls[0].grads[0]
+
+
+def test_warmup_fills_the_disk_cache(tmp_path, monkeypatch):
+    """Compiles into an empty cache directory; a second warmup finds everything there. On the GPU the
+    model's forward and backward then compile nothing (no new cache entries)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    model = converted()
+    x = randn(3, 6, 17, 19)  # (sizes no other test uses: the GPU process compiled nothing for them yet)
+    report = dwconv.warmup(model, x, workers=2, arch=None if DEVICE == "cuda" else 90, verbose=False)
+    assert report.errors == [] and report.layers == 4
+    entries = set(os.listdir(tmp_path))
+    assert len(entries) >= 3
+    again = dwconv.warmup(model, x, workers=1, arch=None if DEVICE == "cuda" else 90, verbose=False)
+    assert again.errors == [] and set(os.listdir(tmp_path)) == entries
+    if DEVICE == "cuda":
+        model(x.requires_grad_()).backward()
+        torch.cuda.synchronize()
+        assert set(os.listdir(tmp_path)) == entries, "the real step compiled kernels that warmup did not"
+
+
+def test_warmup_needs_arch_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="arch"):
+        dwconv.warmup(converted(), randn(1, 6, 8, 8), verbose=False)
