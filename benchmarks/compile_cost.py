@@ -25,7 +25,11 @@ def main():
     p.add_argument("--inference", action="store_true", help="forward only")
     p.add_argument("--workers", type=int)
     p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--kernels", action="store_true",
+                   help="instead of the pool: each call in this process, one kernel at a time, with its compile time")
     args = p.parse_args()
+    if args.kernels:
+        os.environ.pop("TRITON_INTERPRET", None)
 
     import torch
 
@@ -46,6 +50,9 @@ def main():
                    ((out_c,), (1,), args.dtype) if case.bias else None)
         grads = (False, False, False) if args.inference else (True, True, case.bias)
         calls.append(LayerCall(tensors, grads, (case.stride, case.padding, case.dilation)))
+    if args.kernels:
+        compile_one_by_one(calls, args.arch)
+        return
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         started = time.perf_counter()
@@ -60,6 +67,23 @@ def main():
           f"{len(report.errors)} errors")
     for error in report.errors:
         print(error)
+
+
+def compile_one_by_one(calls, arch):
+    import json
+
+    from dwconv import tuning
+    from dwconv._compile_worker import compile_call
+    from dwconv._triton_compat import compile_only
+
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        compile_only(arch, lambda name, compiled, seconds: print(f"    {seconds:6.1f} s  {name}  "
+                                                                 f"{compiled.metadata.num_warps} warps", flush=True))
+        tuning.override(plan_as_gpu=True)
+        for call in calls:
+            print(f"{call.tensors[0][0]} k{call.tensors[1][0][2]} stride {call.arguments[0]}", flush=True)
+            compile_call(json.loads(call.to_json()))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from dwconv._triton_compat import compile_only  # noqa: E402
 
 COMPILED = []  # (kernel name, CompiledKernel: .asm["ptx"] etc.) of every launch
 H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (the H200's limit too)
-compile_only(90, lambda name, compiled: COMPILED.append((name, compiled)))
+compile_only(90, lambda name, compiled, seconds: COMPILED.append((name, compiled)))
 
 from dwconv import tuning  # noqa: E402
 

@@ -4,6 +4,7 @@ Tested against Triton 3.6 and 3.9."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable, List, Optional, Tuple
 
 
@@ -40,8 +41,8 @@ def libcuda_dirs() -> List[str]:
 def compile_only(arch: int, on_compile: Optional[Callable] = None) -> None:
     """Makes this process compile kernels for an NVIDIA GPU of compute capability `arch` (90 for
     sm_90) whether or not it has one, and launch nothing: every `kernel[grid](...)` compiles into
-    Triton's caches (memory and disk) and returns. on_compile(kernel name, CompiledKernel) sees each
-    compile. Irreversible: for compile workers and checks, never for a process that runs kernels.
+    Triton's caches (memory and disk) and returns. on_compile(kernel name, CompiledKernel, seconds)
+    sees each compile (or cache hit). Irreversible: for compile workers and checks, never for a process that runs kernels.
     TRITON_INTERPRET must be unset before dwconv's kernels are imported."""
     import torch
     from triton.backends.compiler import GPUTarget
@@ -66,9 +67,10 @@ def compile_only(arch: int, on_compile: Optional[Callable] = None) -> None:
 
     def compile_instead_of_launch(self, grid):
         def launch(*args, **kwargs):
+            started = time.perf_counter()
             compiled = self.warmup(*args, grid=grid, **kwargs)
             if on_compile is not None:
-                on_compile(self.__name__, compiled)
+                on_compile(self.__name__, compiled, time.perf_counter() - started)
         return launch
 
     driver.set_active(CompileOnlyDriver())

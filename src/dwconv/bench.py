@@ -164,6 +164,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--model-precision", choices=["float32", "bf16", "all"], default="all",
                    help="--model: float32 NCHW, bf16 autocast channels_last, or both")
     p.add_argument("--image", type=int, default=224)
+    p.add_argument("--cold-start", choices=["yes", "no", "only"], default="yes",
+                   help="--model: also (or only) the first training steps in fresh processes with an empty Triton "
+                        "cache, stock, dwconv, dwconv after dwconv.warmup, and a second process on the warmed cache")
     return p.parse_args(argv)
 
 
@@ -456,10 +459,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.model:
         from .bench_models import bench_model, print_model_table
 
-        rows = [r for name in args.model for r in bench_model(name, args.model_batch, args.image, args.warmup,
-                                                                 min(args.iters, 20),
-                                                                 precisions=args.model_precision)]
-        print_model_table(rows)
+        rows = []
+        if args.cold_start != "no":
+            from .bench_models import cold_start
+
+            rows += [r for name in args.model for r in cold_start(name, args.model_batch, args.image,
+                                                                  args.model_precision)]
+        if args.cold_start != "only":
+            steady = [r for name in args.model for r in bench_model(name, args.model_batch, args.image, args.warmup,
+                                                                    min(args.iters, 20),
+                                                                    precisions=args.model_precision)]
+            print_model_table(steady)
+            rows += steady
         write_csv(args.csv, rows)
         return 0
     timer = Timer(args.warmup, args.iters)

@@ -13,7 +13,13 @@ timm; `tiny` is a small depthwise network for smoke tests.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
+import time
 from typing import Callable, Dict, List
 
 import torch
@@ -56,10 +62,11 @@ def build_model(name: str) -> nn.Module:
         raise SystemExit(f"--model {name}: neither torchvision nor timm has it ({e})") from e
 
 
-def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer, autocast_dtype) -> Callable[[], None]:
+def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer, autocast_dtype,
+                  device: str = "cuda") -> Callable[[], None]:
     def step():
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
@@ -157,9 +164,91 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     return rows
 
 
+# cold start: (variant, what the subprocess does, which Triton cache it finds)
+COLD_START_RUNS = [
+    ("stock", "stock", "empty"),
+    ("dwconv", "dwconv", "empty"),  # each layer compiles at its first call
+    ("dwconv+warmup", "dwconv+warmup", "empty"),  # dwconv.warmup first, then the step
+    ("dwconv warm", "dwconv", "warmed"),  # a second process: the kernels on disk
+]
+
+
+def first_step(name: str, batch: int, image: int, precision: str, variant: str) -> Dict[str, float]:
+    """In a fresh process: seconds to build the model, to warm it up (dwconv+warmup) and for its
+    first and second training steps (cuDNN's benchmark mode on, as for a real run). Without a GPU
+    (the tests' smoke run, under TRITON_INTERPRET=1) on the CPU, warmup compiling for sm_90."""
+    started = time.perf_counter()
+    torch.backends.cudnn.benchmark = True
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, memory_format = PRECISIONS[precision]
+    torch.manual_seed(0)
+    model = build_model(name).to(device, memory_format=memory_format)
+    x = torch.randn(batch, 3, image, image, device=device).contiguous(memory_format=memory_format)
+    y = torch.randint(0, 10, (batch,), device=device)
+    warmup_s = 0.0
+    if variant != "stock":
+        model = convert(model, inplace=True, verbose=False)
+    if variant == "dwconv+warmup":
+        from .precompile import warmup
+
+        began = time.perf_counter()
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+            warmup(model.train(), x, arch=None if device == "cuda" else 90, verbose=False)
+        warmup_s = time.perf_counter() - began
+    built_s = time.perf_counter() - started - warmup_s
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    step = training_step(model.train(), x, y, optimizer, dtype, device)
+    times = []
+    for _ in range(2):
+        began = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return dict(build_s=built_s, warmup_s=warmup_s, first_step_s=times[0], second_step_s=times[1],
+                to_first_step_end_s=time.perf_counter() - started - times[1])
+
+
+def cold_start(name: str, batch: int, image: int, precisions: str = "all", timeout: float = 900) -> List[Dict]:
+    """First training steps in fresh processes (COLD_START_RUNS), each with an empty temporary Triton
+    cache or the one a warmed-up run filled; the process's wall time includes its imports."""
+    rows = []
+    for precision in (PRECISIONS if precisions == "all" else [precisions]):
+        with tempfile.TemporaryDirectory() as empty_root, tempfile.TemporaryDirectory() as warmed:
+            for label, variant, cache in COLD_START_RUNS:
+                env = dict(os.environ, TRITON_CACHE_DIR=warmed if cache == "warmed" or variant == "dwconv+warmup"
+                           else os.path.join(empty_root, label))
+                began = time.perf_counter()
+                try:
+                    done = subprocess.run([sys.executable, "-m", "dwconv.bench_models", name, str(batch), str(image),
+                                           precision, variant], env=env, capture_output=True, text=True,
+                                          timeout=timeout)
+                    result = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
+                    error = "" if done.returncode == 0 else done.stderr[-400:]
+                except subprocess.TimeoutExpired:
+                    result, error = {}, f"over {timeout:.0f} s"
+                process_s = time.perf_counter() - began
+                measured = dict(result, process_s=process_s)
+                for key, what in (("warmup_s", "warmup"), ("first_step_s", "first train step"),
+                                  ("second_step_s", "second train step"), ("process_s", "process")):
+                    if key in measured and not (key == "warmup_s" and variant != "dwconv+warmup"):
+                        rows.append(dict(suite="model cold start", layer=name, dtype=precision, path=label,
+                                         layout="channels_last" if precision == "bf16" else "nchw",
+                                         ms=1000 * measured[key], **{"pass": what}))
+                print(f"  {name} {precision:<8} {label:<14} " + (error.strip().splitlines()[-1] + "  " if error else
+                      "".join(f"{k} {v:.1f}  " for k, v in result.items())) + f"process {process_s:.1f} s",
+                      flush=True)
+    return rows
+
+
 def print_model_table(rows: List[Dict]) -> None:
     print(f"\n{'model':<16} {'precision':<17} {'mode':<10} {'path':<16} {'ms':>9} {'std':>7} {'vs stock':>8}")
     print("-" * 88)
     for r in rows:
         print(f"{r['model']:<16} {r['precision']:<17} {r['mode']:<10} {r['path']:<16} {r['ms']:9.3f} "
               f"{r['std']:7.3f} {r['vs_stock']:7.2f}x")
+
+
+if __name__ == "__main__":  # (cold_start's subprocess: NAME BATCH IMAGE PRECISION VARIANT)
+    name, batch, image, precision, variant = sys.argv[1:6]
+    print(json.dumps(first_step(name, int(batch), int(image), precision, variant)))
