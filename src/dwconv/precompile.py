@@ -62,6 +62,7 @@ def layer_calls(model: nn.Module, *example_inputs, train: Optional[bool] = None)
     model will be called (inside the same torch.autocast)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+    model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the module it compiles)
     train = model.training if train is None else train
     calls: dict = {}
     pytorch_door = functional._DOORS["pytorch"]
