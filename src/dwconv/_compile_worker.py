@@ -1,7 +1,7 @@
 """A compile worker of `dwconv.warmup`: `python -m dwconv._compile_worker ARCH`.
 
-Reads one layer call a line (JSON, `precompile.LayerCall.to_json`) on stdin, runs dwconv's eager path
-for it on CPU tensors that are never written, with the GPU's launch plans, in a process that
+Reads one layer call and pass a line (JSON, `precompile.LayerCall.to_json`) on stdin, runs dwconv's
+eager forward or backward for it on CPU tensors that are never written, with the GPU's launch plans, in a process that
 compiles each launch for compute capability ARCH instead of running it (`_triton_compat.compile_only`):
 the kernels land in Triton's disk cache, where the process that trains finds them. Answers one line a
 call on stdout: `ok SECONDS` or `error MESSAGE`. A process of its own (not multiprocessing), so that a
@@ -21,24 +21,29 @@ os.environ["DWCONV_NATIVE"] = "0"  # (the C++ path launches the same kernels; no
 
 
 def compile_call(call: dict) -> None:
+    """call["pass"]: "forward", or "backward" (the gradients call["grads"] asks for, from a grad_out in
+    the output's layout, as autograd's would be): the two compile in different workers at once."""
     import torch
 
     from ._geometry import conv_geometry
-    from ._library import eager_conv
+    from ._library import backward_for_autograd, eager_conv
+    from .kernels._shared import output_memory_format
 
-    def tensor(spec, requires_grad):
+    def tensor(spec):
         if spec is None:
             return None
         shape, strides, dtype = spec
-        t = torch.empty_strided(shape, strides, dtype=getattr(torch, dtype))
-        return t.requires_grad_(requires_grad)
+        return torch.empty_strided(shape, strides, dtype=getattr(torch, dtype))
 
-    x, weight, bias = (tensor(spec, grad) for spec, grad in zip(call["tensors"], call["grads"]))
+    x, weight, bias = (tensor(spec) for spec in call["tensors"])
     arguments = tuple(tuple(a) if isinstance(a, list) else a for a in call["arguments"])
-    out = eager_conv(x, weight, bias, conv_geometry(x, weight, bias, *arguments), arguments)
-    leaves = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
-    if leaves:
-        torch.autograd.grad(out, leaves, torch.empty_like(out))
+    geom = conv_geometry(x, weight, bias, *arguments)
+    with torch.no_grad():
+        if call["pass"] == "forward":
+            eager_conv(x, weight, bias, geom, arguments)
+        else:
+            grad_out = torch.empty(geom.output_shape, dtype=x.dtype, memory_format=output_memory_format(x))
+            backward_for_autograd(grad_out, x, weight, geom, *call["grads"])
 
 
 def main(arch: int) -> None:

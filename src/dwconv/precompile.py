@@ -35,13 +35,19 @@ class LayerCall:
     grads: tuple  # whether input, weight and bias require a gradient
     arguments: tuple  # (stride, padding, dilation) as passed
 
-    def to_json(self) -> str:
-        return json.dumps({"tensors": self.tensors, "grads": self.grads, "arguments": self.arguments})
+    def passes(self) -> List[str]:
+        return ["backward", "forward"] if any(self.grads) else ["forward"]
 
-    def cost(self) -> tuple:
-        """Larger first: a pool's wall time is bounded by the call that starts last."""
+    def to_json(self, pass_: str) -> str:
+        return json.dumps({"tensors": self.tensors, "grads": self.grads, "arguments": self.arguments,
+                           "pass": pass_})
+
+    def cost(self, pass_: str) -> tuple:
+        """Larger first: a pool's wall time is bounded by the task that starts last. Backward passes,
+        channels_last, strides, then kernel size (the unrolled channels_last tiles compile longest)."""
         (_, _, k_h, k_w) = self.tensors[1][0]
-        return (any(self.grads), self.tensors[0][1][1] == 1, k_h * k_w)
+        stride = self.arguments[0] if isinstance(self.arguments[0], int) else max(self.arguments[0])
+        return (pass_ == "backward", self.tensors[0][1][1] == 1, stride, k_h * k_w)
 
 
 def _spec(t: Optional[torch.Tensor]):
@@ -99,7 +105,8 @@ class WarmupReport:
     seconds: float
     workers: int
     errors: List[str] = field(default_factory=list)  # calls whose kernels then compile at first use
-    call_seconds: List[float] = field(default_factory=list)  # each call's time in its worker, in call order
+    call_seconds: List[float] = field(default_factory=list)  # each call's passes' time in workers, in call order
+    longest_pass: float = 0.0  # the longest one pass took (a lower bound on the wall time, however many workers)
 
 
 def warmup(model: nn.Module, *example_inputs, train: Optional[bool] = None, workers: Optional[int] = None,
@@ -131,46 +138,49 @@ def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] 
     """Compiles the kernels of these calls for compute capability arch in a pool of worker
     processes (default: one a CPU core) into Triton's disk cache, the costliest calls first."""
     started = time.perf_counter()
-    count = max(1, min(workers or os.cpu_count() or 1, len(calls)))
+    tasks = sorted(((i, pass_) for i, call in enumerate(calls) for pass_ in call.passes()),
+                   key=lambda task: calls[task[0]].cost(task[1]), reverse=True)
+    count = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
     report = WarmupReport(len(calls), 0.0, count if calls else 0, call_seconds=[0.0] * len(calls))
-    order = sorted(range(len(calls)), key=lambda i: calls[i].cost(), reverse=True)
-    if calls:
-        _compile_in_pool(calls, order, arch, count, report, started, verbose)
+    if tasks:
+        _compile_in_pool(calls, tasks, arch, count, report, started, verbose)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _compile_in_pool(calls: Sequence[LayerCall], order: List[int], arch: int, count: int, report: WarmupReport,
+def _compile_in_pool(calls: Sequence[LayerCall], order: List[tuple], arch: int, count: int, report: WarmupReport,
                      started: float, verbose: bool) -> None:
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     tasks: queue.Queue = queue.Queue()
-    for index in order:
-        tasks.put(index)
+    for task in order:
+        tasks.put(task)
     done = [0]
     lock = threading.Lock()
 
     def show():
         if verbose:
-            print(f"\rdwconv.warmup: {done[0]}/{len(calls)} depthwise calls compiled on {count} processes, "
+            print(f"\rdwconv.warmup: {done[0]}/{len(order)} passes of {len(calls)} depthwise calls compiled on "
+                  f"{count} processes, "
                   f"{time.perf_counter() - started:.0f} s", end="", file=sys.stderr, flush=True)
 
     def serve(worker: subprocess.Popen):
         while True:
             try:
-                index = tasks.get_nowait()
+                index, pass_ = tasks.get_nowait()
             except queue.Empty:
                 break
-            worker.stdin.write(calls[index].to_json() + "\n")
+            worker.stdin.write(calls[index].to_json(pass_) + "\n")
             worker.stdin.flush()
             answer = worker.stdout.readline().strip() or "error the compile worker exited"
             with lock:
                 done[0] += 1
                 if answer.startswith("ok "):
-                    report.call_seconds[index] = float(answer.split()[1])
+                    report.call_seconds[index] += float(answer.split()[1])
+                    report.longest_pass = max(report.longest_pass, float(answer.split()[1]))
                 else:
-                    report.errors.append(f"{calls[index]}: {answer[len('error '):]}")
+                    report.errors.append(f"{calls[index]} {pass_}: {answer[len('error '):]}")
                 show()
         worker.stdin.close()
         worker.wait()
