@@ -25,6 +25,8 @@ def main():
     p.add_argument("--inference", action="store_true", help="forward only")
     p.add_argument("--workers", type=int)
     p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
+                   help="a tuning-table change (dwconv/tuning.py), in this process and the workers")
     p.add_argument("--kernels", action="store_true",
                    help="instead of the pool: each call in this process, one kernel at a time, with its compile time")
     args = p.parse_args()
@@ -33,8 +35,12 @@ def main():
 
     import torch
 
-    from dwconv import bench
+    import ast
+
+    from dwconv import bench, tuning
     from dwconv.precompile import LayerCall, compile_calls
+
+    tuning.override(**{name: ast.literal_eval(value) for name, value in (t.split("=", 1) for t in args.tune)})
 
     calls = []
     for case in bench.SUITES[args.suite]:

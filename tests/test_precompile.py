@@ -89,3 +89,26 @@ def test_warmup_needs_arch_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="arch"):
         dwconv.warmup(converted(), randn(1, 6, 8, 8), verbose=False)
+
+
+def test_workers_get_the_tuning_changes(retune, monkeypatch):
+    """The workers make the caller's choices: its tuning changes go to each (as repr()s)."""
+    import json
+    import subprocess
+
+    from dwconv import tuning
+
+    retune(pixel_interior_branch=False, nhwc_rows_widths=(48,))
+    assert tuning.changes() == {"pixel_interior_branch": False, "nhwc_rows_widths": (48,), "poison_partials": True}
+    commands = []
+
+    class NoWorker:
+        def __init__(self, command, **kwargs):
+            commands.append(command)
+            raise OSError("no worker in this test")
+
+    monkeypatch.setattr(subprocess, "Popen", NoWorker)
+    with pytest.raises(OSError):
+        dwconv.warmup(converted(), randn(1, 6, 8, 8), arch=90, verbose=False)
+    assert json.loads(commands[0][-1]) == {"pixel_interior_branch": "False", "nhwc_rows_widths": "(48,)",
+                                           "poison_partials": "True"}

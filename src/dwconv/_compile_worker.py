@@ -1,4 +1,4 @@
-"""A compile worker of `dwconv.warmup`: `python -m dwconv._compile_worker ARCH`.
+"""A compile worker of `dwconv.warmup`: `python -m dwconv._compile_worker ARCH [TUNING_CHANGES_JSON]`.
 
 Reads one layer call and pass a line (JSON, `precompile.LayerCall.to_json`) on stdin, runs dwconv's
 eager forward or backward for it on CPU tensors that are never written, with the GPU's launch plans, in a process that
@@ -46,14 +46,18 @@ def compile_call(call: dict) -> None:
             backward_for_autograd(grad_out, x, weight, geom, *call["grads"])
 
 
-def main(arch: int) -> None:
+def main(arch: int, tuning_changes: str) -> None:
+    import ast
+
     from . import tuning
     from ._triton_compat import compile_only
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # (anything else printed, by Python or a compiler, goes to stderr)
     compile_only(arch)
-    tuning.override(plan_as_gpu=True)  # (CPU tensors, the GPU's kernels and blocks)
+    # the caller's tuning table (its changes as repr()s), and the GPU's kernels and blocks for CPU tensors
+    changes = {name: ast.literal_eval(value) for name, value in json.loads(tuning_changes).items()}
+    tuning.override(**dict(changes, plan_as_gpu=True))
     for line in sys.stdin:
         started = time.perf_counter()
         try:
@@ -65,4 +69,4 @@ def main(arch: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "{}")

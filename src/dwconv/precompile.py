@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from . import functional
+from . import functional, tuning
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,9 @@ def _compile_in_pool(calls: Sequence[LayerCall], order: List[tuple], arch: int, 
         worker.wait()
 
     show()
-    workers = [subprocess.Popen([sys.executable, "-m", "dwconv._compile_worker", str(arch)], stdin=subprocess.PIPE,
+    changes = json.dumps({name: repr(value) for name, value in tuning.changes().items()})
+    workers = [subprocess.Popen([sys.executable, "-m", "dwconv._compile_worker", str(arch), changes],
+                                stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
                for _ in range(count)]
     threads = [threading.Thread(target=serve, args=(worker,), daemon=True) for worker in workers]

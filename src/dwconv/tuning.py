@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 from ._env import switch
 
@@ -34,6 +34,10 @@ class Tuning:
     interpreter_band_taps: int = 4096  # the same under the interpreter (cost per operation, not size)
     max_pixel_taps: int = 2048  # outputs x taps an unrolled-pixels program holds
     per_branch_weight_taps: int = 9  # up to 3x3 each tile branch loads its own weights
+    # channels_last pixel tiles (forward and backward): an unmasked branch for interior tiles beside the
+    # masked one. Under evaluation: it triples the compile (stride-2 3x3 bfloat16 forward 8.2 -> 2.9 s
+    # without it, sm_90 on the CPU machine); the GPU time it saves is to be measured
+    pixel_interior_branch: bool = True
     nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
     nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks
     min_pixel_grad_programs: int = 768  # channels_last backward: at least this many programs
@@ -61,7 +65,7 @@ class Tuning:
     replay_build_timeout_s: float = 600.0  # the C++ replayer's build never waits longer (stale locks too)
 
 
-_CURRENT = Tuning()
+_CURRENT = _DEFAULT = Tuning()
 _LOCK = threading.Lock()
 _RESETS: List[Callable[[], None]] = []
 
@@ -69,6 +73,13 @@ _RESETS: List[Callable[[], None]] = []
 def tuned() -> Tuning:
     """The table in force."""
     return _CURRENT
+
+
+def changes() -> Dict[str, object]:
+    """The fields of the table in force that differ from the defaults (what a worker process that
+    must make the same choices is given: dwconv.warmup's)."""
+    return {f.name: getattr(_CURRENT, f.name) for f in dataclasses.fields(Tuning)
+            if getattr(_CURRENT, f.name) != getattr(_DEFAULT, f.name)}
 
 
 def on_change(reset: Callable[[], None]) -> Callable[[], None]:
