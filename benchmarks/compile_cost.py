@@ -69,7 +69,7 @@ def main():
         print(f"{seconds:7.1f} s  {call.tensors[0][0]} k{call.tensors[1][0][2]} stride {call.arguments[0]}")
     print(f"{args.suite} '{args.match}' {args.dtype} {args.layout} {'inference' if args.inference else 'training'}: "
           f"{len(calls)} calls, {binaries} kernel binaries, {wall:.1f} s on {report.workers} processes; "
-          f"passes {sum(report.call_seconds):.1f} s in all, the longest {report.longest_pass:.1f} s; "
+          f"compiles {sum(report.call_seconds):.1f} s in all, the longest launch {report.longest_launch:.1f} s; "
           f"{len(report.errors)} errors")
     for error in report.errors:
         print(error)

@@ -4,7 +4,7 @@ Reads one layer call and pass a line (JSON, `precompile.LayerCall.to_json`) on s
 eager forward or backward for it on CPU tensors that are never written, with the GPU's launch plans, in a process that
 compiles each launch for compute capability ARCH instead of running it (`_triton_compat.compile_only`):
 the kernels land in Triton's disk cache, where the process that trains finds them. Answers one line a
-call on stdout: `ok SECONDS` or `error MESSAGE`. A process of its own (not multiprocessing), so that a
+call on stdout: `ok SECONDS LAUNCHES` (the pass's launches, counted) or `error MESSAGE`. A process of its own (not multiprocessing), so that a
 user's script without a __main__ guard is never imported again.
 """
 
@@ -22,7 +22,8 @@ os.environ["DWCONV_NATIVE"] = "0"  # (the C++ path launches the same kernels; no
 
 def compile_call(call: dict) -> None:
     """call["pass"]: "forward", or "backward" (the gradients call["grads"] asks for, from a grad_out in
-    the output's layout, as autograd's would be): the two compile in different workers at once."""
+    the output's layout, as autograd's would be). The pass runs whole; which of its launches compile
+    is the worker's `select` (call["launch"]): the kernels of one pass compile in several workers."""
     import torch
 
     from ._geometry import conv_geometry
@@ -46,6 +47,20 @@ def compile_call(call: dict) -> None:
             backward_for_autograd(grad_out, x, weight, geom, *call["grads"])
 
 
+class LaunchSelector:
+    """Which launch of the running pass compiles: the one numbered `wanted` (None: all); counts them."""
+
+    def __init__(self):
+        self.wanted, self.seen = None, 0
+
+    def start(self, wanted):
+        self.wanted, self.seen = wanted, 0
+
+    def __call__(self, kernel_name: str) -> bool:
+        self.seen += 1
+        return self.wanted is None or self.seen - 1 == self.wanted
+
+
 def main(arch: int, tuning_changes: str) -> None:
     import ast
 
@@ -54,15 +69,18 @@ def main(arch: int, tuning_changes: str) -> None:
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # (anything else printed, by Python or a compiler, goes to stderr)
-    compile_only(arch)
+    selector = LaunchSelector()
+    compile_only(arch, select=selector)
     # the caller's tuning table (its changes as repr()s), and the GPU's kernels and blocks for CPU tensors
     changes = {name: ast.literal_eval(value) for name, value in json.loads(tuning_changes).items()}
     tuning.override(**dict(changes, plan_as_gpu=True))
     for line in sys.stdin:
         started = time.perf_counter()
+        call = json.loads(line)
+        selector.start(call.get("launch"))
         try:
-            compile_call(json.loads(line))
-            answer = f"ok {time.perf_counter() - started:.3f}"
+            compile_call(call)
+            answer = f"ok {time.perf_counter() - started:.3f} {selector.seen}"
         except Exception as e:  # (reported; the layer then compiles at its first call)
             answer = "error " + " | ".join(traceback.format_exception_only(type(e), e)).replace("\n", " ")
         print(answer, file=answers, flush=True)

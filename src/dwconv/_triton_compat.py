@@ -38,12 +38,14 @@ def libcuda_dirs() -> List[str]:
     return find()
 
 
-def compile_only(arch: int, on_compile: Optional[Callable] = None) -> None:
+def compile_only(arch: int, on_compile: Optional[Callable] = None, select: Optional[Callable] = None) -> None:
     """Makes this process compile kernels for an NVIDIA GPU of compute capability `arch` (90 for
     sm_90) whether or not it has one, and launch nothing: every `kernel[grid](...)` compiles into
     Triton's caches (memory and disk) and returns. on_compile(kernel name, CompiledKernel, seconds)
-    sees each compile (or cache hit). Irreversible: for compile workers and checks, never for a process that runs kernels.
-    TRITON_INTERPRET must be unset before dwconv's kernels are imported."""
+    sees each compile (or cache hit); select(kernel name), where given, is asked first at each
+    launch, which is skipped when it answers False. Irreversible: for compile workers and checks,
+    never for a process that runs kernels. TRITON_INTERPRET must be unset before dwconv's kernels
+    are imported."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -67,6 +69,8 @@ def compile_only(arch: int, on_compile: Optional[Callable] = None) -> None:
 
     def compile_instead_of_launch(self, grid):
         def launch(*args, **kwargs):
+            if select is not None and not select(self.__name__):
+                return
             started = time.perf_counter()
             compiled = self.warmup(*args, grid=grid, **kwargs)
             if on_compile is not None:

@@ -38,9 +38,11 @@ class LayerCall:
     def passes(self) -> List[str]:
         return ["backward", "forward"] if any(self.grads) else ["forward"]
 
-    def to_json(self, pass_: str) -> str:
+    def to_json(self, pass_: str, launch: Optional[int] = None) -> str:
+        """The worker's task: this call's pass, compiling its launch number `launch` (-1: none, only
+        counting them; None: all)."""
         return json.dumps({"tensors": self.tensors, "grads": self.grads, "arguments": self.arguments,
-                           "pass": pass_})
+                           "pass": pass_, "launch": launch})
 
     def cost(self, pass_: str) -> tuple:
         """Larger first: a pool's wall time is bounded by the task that starts last. Backward passes,
@@ -106,7 +108,7 @@ class WarmupReport:
     workers: int
     errors: List[str] = field(default_factory=list)  # calls whose kernels then compile at first use
     call_seconds: List[float] = field(default_factory=list)  # each call's passes' time in workers, in call order
-    longest_pass: float = 0.0  # the longest one pass took (a lower bound on the wall time, however many workers)
+    longest_launch: float = 0.0  # the longest compile of one launch (the wall time's floor, however many workers)
 
 
 def warmup(model: nn.Module, *example_inputs, train: Optional[bool] = None, workers: Optional[int] = None,
@@ -136,51 +138,68 @@ def warmup(model: nn.Module, *example_inputs, train: Optional[bool] = None, work
 def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] = None,
                   verbose: bool = True) -> WarmupReport:
     """Compiles the kernels of these calls for compute capability arch in a pool of worker
-    processes (default: one a CPU core) into Triton's disk cache, the costliest calls first."""
+    processes (default: one a CPU core) into Triton's disk cache. Each call's passes (forward;
+    backward when a gradient is wanted) are counted first (how many launches each makes), then
+    every launch is a task of its own, the costliest passes' first: the slowest single kernel, not
+    the slowest layer, bounds the wall time."""
     started = time.perf_counter()
-    tasks = sorted(((i, pass_) for i, call in enumerate(calls) for pass_ in call.passes()),
-                   key=lambda task: calls[task[0]].cost(task[1]), reverse=True)
-    count = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
+    passes = sorted(((i, pass_) for i, call in enumerate(calls) for pass_ in call.passes()),
+                    key=lambda task: calls[task[0]].cost(task[1]), reverse=True)
+    count = max(1, min(workers or os.cpu_count() or 1, len(passes)))
     report = WarmupReport(len(calls), 0.0, count if calls else 0, call_seconds=[0.0] * len(calls))
-    if tasks:
-        _compile_in_pool(calls, tasks, arch, count, report, started, verbose)
+    if passes:
+        _compile_in_pool(calls, passes, arch, count, report, started, verbose)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _compile_in_pool(calls: Sequence[LayerCall], order: List[tuple], arch: int, count: int, report: WarmupReport,
+def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], arch: int, count: int, report: WarmupReport,
                      started: float, verbose: bool) -> None:
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    tasks: queue.Queue = queue.Queue()
-    for task in order:
-        tasks.put(task)
-    done = [0]
+    # (rank of the pass, launch number; -1: count the pass's launches), lowest first
+    tasks: queue.PriorityQueue = queue.PriorityQueue()
+    for rank in range(len(passes)):
+        tasks.put((-1, rank))  # (every count before any compile: a count takes milliseconds)
+    state = dict(outstanding=len(passes), done=0, total=0)
     lock = threading.Lock()
 
     def show():
         if verbose:
-            print(f"\rdwconv.warmup: {done[0]}/{len(order)} passes of {len(calls)} depthwise calls compiled on "
-                  f"{count} processes, "
-                  f"{time.perf_counter() - started:.0f} s", end="", file=sys.stderr, flush=True)
+            print(f"\rdwconv.warmup: {state['done']}/{state['total'] or '?'} kernel launches of {len(calls)} "
+                  f"depthwise calls compiled on {count} processes, {time.perf_counter() - started:.0f} s", end="",
+                  file=sys.stderr, flush=True)
 
     def serve(worker: subprocess.Popen):
         while True:
             try:
-                index, pass_ = tasks.get_nowait()
+                first, second = tasks.get(timeout=0.05)
             except queue.Empty:
-                break
-            worker.stdin.write(calls[index].to_json(pass_) + "\n")
+                with lock:
+                    if state["outstanding"] == 0:
+                        break
+                continue
+            rank, launch = (second, -1) if first == -1 else (first, second)
+            index, pass_ = passes[rank]
+            worker.stdin.write(calls[index].to_json(pass_, launch) + "\n")
             worker.stdin.flush()
             answer = worker.stdout.readline().strip() or "error the compile worker exited"
             with lock:
-                done[0] += 1
-                if answer.startswith("ok "):
-                    report.call_seconds[index] += float(answer.split()[1])
-                    report.longest_pass = max(report.longest_pass, float(answer.split()[1]))
+                if answer.startswith("ok ") and launch == -1:
+                    launches = int(answer.split()[2])
+                    for number in range(launches):
+                        tasks.put((rank, number))
+                    state["outstanding"] += launches
+                    state["total"] += launches
+                elif answer.startswith("ok "):
+                    seconds = float(answer.split()[1])
+                    report.call_seconds[index] += seconds
+                    report.longest_launch = max(report.longest_launch, seconds)
+                    state["done"] += 1
                 else:
                     report.errors.append(f"{calls[index]} {pass_}: {answer[len('error '):]}")
+                state["outstanding"] -= 1
                 show()
         worker.stdin.close()
         worker.wait()
@@ -188,8 +207,8 @@ def _compile_in_pool(calls: Sequence[LayerCall], order: List[tuple], arch: int, 
     show()
     changes = json.dumps({name: repr(value) for name, value in tuning.changes().items()})
     workers = [subprocess.Popen([sys.executable, "-m", "dwconv._compile_worker", str(arch), changes],
-                                stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env=env)
                for _ in range(count)]
     threads = [threading.Thread(target=serve, args=(worker,), daemon=True) for worker in workers]
     for thread in threads:
