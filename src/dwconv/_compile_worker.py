@@ -3,7 +3,8 @@
 Reads one layer call and pass a line (JSON, `precompile.LayerCall.to_json`) on stdin, runs dwconv's
 eager forward or backward for it on CPU tensors that are never written, with the GPU's launch plans, in a process that
 compiles each launch for compute capability ARCH instead of running it (`_triton_compat.compile_only`):
-the kernels land in Triton's disk cache, where the process that trains finds them. Answers one line a
+the kernels (and, under Triton 3.6, their C launchers) land in Triton's disk cache, where the
+process that trains finds them. Answers one line a
 call on stdout: `ok SECONDS LAUNCHES` (the pass's launches, counted) or `error MESSAGE`. A process of its own (not multiprocessing), so that a
 user's script without a __main__ guard is never imported again.
 """
@@ -65,12 +66,18 @@ def main(arch: int, tuning_changes: str) -> None:
     import ast
 
     from . import tuning
-    from ._triton_compat import compile_only
+    from ._triton_compat import build_launcher, compile_only
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # (anything else printed, by Python or a compiler, goes to stderr)
     selector = LaunchSelector()
-    compile_only(arch, select=selector)
+    launchers = [True]  # (False once this machine is found unable to build them)
+
+    def with_launcher(name, compiled, seconds):
+        if launchers[0]:
+            launchers[0] = build_launcher(compiled)
+
+    compile_only(arch, on_compile=with_launcher, select=selector)
     # the caller's tuning table (its changes as repr()s), and the GPU's kernels and blocks for CPU tensors
     changes = {name: ast.literal_eval(value) for name, value in json.loads(tuning_changes).items()}
     tuning.override(**dict(changes, plan_as_gpu=True))

@@ -79,3 +79,21 @@ def compile_only(arch: int, on_compile: Optional[Callable] = None, select: Optio
 
     driver.set_active(CompileOnlyDriver())
     JITFunction.__getitem__ = compile_instead_of_launch
+
+
+def build_launcher(compiled) -> bool:
+    """Builds, into Triton's disk cache, the C launcher a first launch of this CompiledKernel would
+    build: Triton 3.6 compiles one per kernel signature with the C compiler (about a second each),
+    found by the hash of its source, so a process that launches the kernel later finds it. Later
+    Triton versions launch every kernel through one launcher: nothing to build (True). False where
+    it cannot be built here (no libcuda: a machine without a GPU driver)."""
+    from triton.backends.nvidia import driver as nvidia
+
+    if not hasattr(nvidia, "make_launcher"):
+        return True
+    try:
+        nvidia.library_dirs()  # (finds libcuda, which the launcher links)
+    except Exception:
+        return False
+    nvidia.CudaLauncher(compiled.src, compiled.metadata)
+    return True
