@@ -66,12 +66,12 @@ def main(arch: int, tuning_changes: str) -> None:
     import ast
 
     from . import tuning
-    from ._triton_compat import build_launcher, compile_only
+    from ._triton_compat import build_driver_utils, build_launcher, compile_only
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # (anything else printed, by Python or a compiler, goes to stderr)
     selector = LaunchSelector()
-    launchers = [True]  # (False once this machine is found unable to build them)
+    launchers = [build_driver_utils()]  # (False: this machine cannot build them, having no libcuda)
 
     def with_launcher(name, compiled, seconds):
         if launchers[0]:

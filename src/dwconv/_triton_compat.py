@@ -97,3 +97,15 @@ def build_launcher(compiled) -> bool:
         return False
     nvidia.CudaLauncher(compiled.src, compiled.metadata)
     return True
+
+
+def build_driver_utils() -> bool:
+    """Builds Triton's CUDA utilities module into its disk cache (a C compile at a process's first
+    launch, once per cache), where libcuda is found; False where it cannot be built here."""
+    from triton.backends.nvidia import driver as nvidia
+
+    try:
+        nvidia.CudaUtils()
+        return True
+    except Exception:
+        return False
