@@ -25,6 +25,8 @@ def main():
     p.add_argument("--inference", action="store_true", help="forward only")
     p.add_argument("--workers", type=int)
     p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--cache", help="this Triton cache directory instead of an empty temporary one (kernel "
+                                   "binaries then counts the new entries: what another batch size adds)")
     p.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
                    help="a tuning-table change (dwconv/tuning.py), in this process and the workers")
     p.add_argument("--kernels", action="store_true",
@@ -59,12 +61,15 @@ def main():
     if args.kernels:
         compile_one_by_one(calls, args.arch)
         return
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as temporary:
+        cache = args.cache or temporary
+        os.makedirs(cache, exist_ok=True)
         os.environ["TRITON_CACHE_DIR"] = cache
+        before = len(os.listdir(cache))
         started = time.perf_counter()
         report = compile_calls(calls, args.arch, args.workers)
         wall = time.perf_counter() - started
-        binaries = len(os.listdir(cache))
+        binaries = len(os.listdir(cache)) - before
     for call, seconds in zip(calls, report.call_seconds):
         print(f"{seconds:7.1f} s  {call.tensors[0][0]} k{call.tensors[1][0][2]} stride {call.arguments[0]}")
     print(f"{args.suite} '{args.match}' {args.dtype} {args.layout} {'inference' if args.inference else 'training'}: "
