@@ -7,7 +7,8 @@ events after warm-up, for the stock model and the converted one, each eager and 
 converted model's eval outputs and parameter gradients are compared with the stock model's.
 
 Models come from torchvision (mobilenet_v2, efficientnet_b0, convnext_tiny, ...) or, failing that,
-timm; `tiny` is a small depthwise network for smoke tests.
+timm; `convnext_tiny_lk31` is timm's ConvNeXt-T with RepLKNet-31's kernel sizes (31, 29, 27, 13);
+`tiny` is a small depthwise network for smoke tests.
 """
 
 from __future__ import annotations
@@ -44,9 +45,18 @@ class TinyDepthwiseNet(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
+# Large-kernel networks: timm's ConvNeXt-T with RepLKNet-31's depthwise kernel sizes per stage
+LARGE_KERNEL_MODELS = {"convnext_tiny_lk31": ("convnext_tiny", dict(kernel_sizes=(31, 29, 27, 13)))}
+
+
 def build_model(name: str) -> nn.Module:
     if name == "tiny":
         return TinyDepthwiseNet()
+    if name in LARGE_KERNEL_MODELS:
+        import timm
+
+        base, options = LARGE_KERNEL_MODELS[name]
+        return timm.create_model(base, pretrained=False, **options)
     try:
         import torchvision
 
