@@ -112,3 +112,32 @@ def test_workers_get_the_tuning_changes(retune, monkeypatch):
         dwconv.warmup(converted(), randn(1, 6, 8, 8), arch=90, verbose=False)
     assert json.loads(commands[0][-1]) == {"pixel_interior_branch": "False", "nhwc_rows_widths": "(48,)",
                                            "poison_partials": "True"}
+
+
+class ReadsAValue(nn.Module):
+    """A forward that reads a tensor's value on the host after its first depthwise layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.dw1 = dwconv.DepthwiseConv2d(4, 4, 3, padding=1)
+        self.dw2 = dwconv.DepthwiseConv2d(4, 4, 5, padding=2)
+
+    def forward(self, x):
+        y = self.dw1(x)
+        return self.dw2(y) if y.sum().item() > -1e30 else y
+
+
+def test_untraceable_model_is_reported_and_what_was_found_compiles(monkeypatch):
+    from dwconv import precompile
+
+    model = ReadsAValue().to(DEVICE)
+    x = randn(1, 4, 9, 9)
+    with pytest.raises(precompile.ModelNotTraceable, match="after 1 depthwise call") as failure:
+        layer_calls(model, x)
+    assert [c.tensors[1][0] for c in failure.value.calls] == [(4, 1, 3, 3)]
+    compiled = []
+    monkeypatch.setattr(precompile, "compile_calls", lambda calls, *args: compiled.extend(calls) or
+                        precompile.WarmupReport(len(calls), 0.0, 1))
+    with pytest.warns(UserWarning, match="fake tensors"):
+        dwconv.warmup(model, x, arch=90, verbose=False)
+    assert compiled == failure.value.calls

@@ -62,6 +62,15 @@ def _plain(argument):
     return tuple(argument) if isinstance(argument, (list, tuple)) else argument
 
 
+class ModelNotTraceable(RuntimeError):
+    """The model's forward failed on fake tensors (a value read on the host, such as .item() or a
+    branch on a tensor): `calls` holds the depthwise calls recorded before the failure."""
+
+    def __init__(self, message: str, calls: List[LayerCall]):
+        super().__init__(message)
+        self.calls = calls
+
+
 def layer_calls(model: nn.Module, *example_inputs, train: Optional[bool] = None) -> List[LayerCall]:
     """The distinct depthwise calls one call of model(*example_inputs) makes through dwconv, and
     whether their backward runs (train, default model.training: the gradients its tensors
@@ -94,7 +103,11 @@ def layer_calls(model: nn.Module, *example_inputs, train: Optional[bool] = None)
             # (the model's own tensors replaced by fakes for the call: in-place updates such as BatchNorm's
             # num_batches_tracked then change the fakes)
             state = {name: mode.from_tensor(t) for name, t in (*model.named_parameters(), *model.named_buffers())}
-            torch.func.functional_call(model, state, fakes)
+            try:
+                torch.func.functional_call(model, state, fakes)
+            except Exception as e:
+                raise ModelNotTraceable(f"the model's forward failed on fake tensors after {len(calls)} depthwise "
+                                        f"call(s): {type(e).__name__}: {e}", list(calls)) from e
     finally:
         functional._DOORS["pytorch"] = pytorch_door
         model.train(was_training)
@@ -119,9 +132,15 @@ def warmup(model: nn.Module, *example_inputs, train: Optional[bool] = None, work
     batch and image size, dtype, memory format, inside the same torch.autocast); a second process
     finds the kernels on disk. workers: compile processes (default: one a CPU core); arch: the
     GPU's compute capability as 90 for sm_90 (default: the model's GPU). Prints progress to
-    stderr when verbose. A call whose compile fails is reported and compiles at its first use."""
+    stderr when verbose. A call whose compile fails is reported and compiles at its first use; a
+    model whose forward cannot run on fake tensors (it reads a value on the host) is reported and
+    the calls made before that point are compiled."""
     started = time.perf_counter()
-    calls = layer_calls(model, *example_inputs, train=train)
+    try:
+        calls = layer_calls(model, *example_inputs, train=train)
+    except ModelNotTraceable as e:  # (what was found still compiles; the rest at first use)
+        warnings.warn(f"dwconv.warmup: {e}; compiling the calls found before it", stacklevel=2)
+        calls = e.calls
     if arch is None:
         if not torch.cuda.is_available():
             raise ValueError("arch must be given without a GPU (e.g. arch=90 for sm_90)")
