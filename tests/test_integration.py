@@ -425,3 +425,16 @@ def test_model_cold_start_harness(monkeypatch):
     assert {(r["path"], r["pass"]) for r in rows} >= {("dwconv+warmup", "warmup"), ("stock", "first train step"),
                                                      ("dwconv warm", "second train step"), ("dwconv", "process")}
     assert all(r["ms"] > 0 and set(r) <= set(CSV_FIELDS) for r in rows)
+
+
+def test_model_profile_ranges():
+    """bench --model's profiler ranges: every depthwise layer's forward and backward is one range a
+    step (2 layers: 4 in training, 2 in inference); their GPU time needs a GPU."""
+    from dwconv.bench_models import build_model, depthwise_share, inference, training_step
+
+    torch.manual_seed(0)
+    model = build_model("tiny")  # (stock layers on the CPU: the hooks, not the kernels, are tested)
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+    step = training_step(model.train(), x, y, torch.optim.SGD(model.parameters(), lr=1e-3), None, "cpu")
+    assert depthwise_share(model, step)["ranges"] == 4
+    assert depthwise_share(model.eval(), inference(model, x, None))["ranges"] == 2

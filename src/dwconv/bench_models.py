@@ -114,6 +114,51 @@ def compare_outputs(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> 
 PRECISIONS = {"float32": (None, torch.contiguous_format), "bf16": (torch.bfloat16, torch.channels_last)}
 
 
+def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3) -> Dict[str, float]:
+    """Per call of fn, from torch's profiler: the GPU time of every kernel (ms) and of the kernels
+    launched by the model's depthwise layers, forward and backward (stock nn.Conv2d of groups ==
+    in_channels > 1, or dwconv's): each layer's forward and backward is a "depthwise" profiler range
+    (module hooks: forward pre/post, full backward pre/post); `ranges` counts them, on the CPU too."""
+    ranges: Dict[tuple, object] = {}
+
+    def opener(key):
+        def open_range(module, *_):
+            ranges[(module, key)] = torch.profiler.record_function("depthwise")
+            ranges[(module, key)].__enter__()
+        return open_range
+
+    def closer(key):
+        def close_range(module, *_):
+            record = ranges.pop((module, key), None)
+            if record is not None:
+                record.__exit__(None, None, None)
+        return close_range
+
+    layers = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups == m.in_channels > 1]
+    handles = [h for m in layers for h in (m.register_forward_pre_hook(opener("forward")),
+                                           m.register_forward_hook(closer("forward")),
+                                           m.register_full_backward_pre_hook(opener("backward")),
+                                           m.register_full_backward_hook(closer("backward")))]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        fn()  # (outside the profile: compiles, allocations)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    finally:
+        for handle in handles:
+            handle.remove()
+    averages = prof.key_averages()
+    depthwise = [e for e in averages if e.key == "depthwise"]
+    return dict(depthwise_ms=sum(e.device_time_total for e in depthwise) / 1e3 / steps,
+                gpu_ms=sum(e.self_device_time_total for e in averages) / 1e3 / steps,
+                ranges=sum(e.count for e in depthwise) / steps)
+
+
 def compare_gradients(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> float:
     """Largest relative difference, over the parameters, of the gradients of the eval-mode outputs'
     sum (float32, NCHW): max |stock - converted| / max |stock| per parameter tensor."""
@@ -133,6 +178,10 @@ def compare_gradients(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -
     return worst
 
 
+def rows_layout(memory_format) -> str:
+    return "channels_last" if memory_format == torch.channels_last else "nchw"
+
+
 def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_too: bool = True,
                 precisions: str = "all") -> List[Dict]:
     torch.manual_seed(0)
@@ -145,7 +194,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     grad_rel = compare_gradients(stock, converted, x[:8])
     print(f"{name}: {converted.dwconv_converted} depthwise layers converted; eval outputs differ by {rel:.2e}, "
           f"parameter gradients by {grad_rel:.2e} (relative, float32)", flush=True)
-    rows = []
+    rows, profiles = [], []
     for key in (PRECISIONS if precisions == "all" else [precisions]):
         dtype, memory_format = PRECISIONS[key]
         precision = "bf16 autocast CL" if dtype is not None else key
@@ -156,14 +205,23 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                 run = torch.compile(model) if compiled else model
                 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
                 path = f"{variant} {'compiled' if compiled else 'eager'}"
-                for mode, fn in (("train step", training_step(run.train(), inputs, y, optimizer, dtype)),
-                                 ("inference", inference(run.eval(), inputs, dtype))):
+                for mode, fn in (("train step", training_step(run, inputs, y, optimizer, dtype)),
+                                 ("inference", inference(run, inputs, dtype))):
+                    run.train(mode == "train step")  # (BatchNorm on the batch's statistics when training)
                     ms = time_ms(fn, warmup, iters)
+                    if not compiled:  # (the profiler's view of the same step: the depthwise layers' GPU time)
+                        share = depthwise_share(model, fn)
+                        for what in ("depthwise_ms", "gpu_ms"):
+                            profiles.append(dict(suite="model profile", layer=name, dtype=precision, path=path,
+                                             layout=rows_layout(memory_format), ms=share[what],
+                                             **{"pass": f"{mode} {what[:-3]} GPU"}))
+                        print(f"  {precision:<17} {mode:<10} {path:<16} profiler: depthwise {share['depthwise_ms']:.3f}"
+                              f" of {share['gpu_ms']:.3f} ms GPU", flush=True)
                     rows.append(dict(model=name, precision=precision, mode=mode, path=path,
                                      ms=statistics.median(ms), std=statistics.pstdev(ms),
                                      # (the results CSVs' schema: bench.CSV_FIELDS)
                                      suite="model", layer=name, dtype=precision, **{"pass": mode},
-                                     layout="channels_last" if memory_format == torch.channels_last else "nchw"))
+                                     layout=rows_layout(memory_format)))
                     print(f"  {precision:<17} {mode:<10} {path:<16} {rows[-1]['ms']:8.3f} ms", flush=True)
                 del model, run, optimizer
                 torch.cuda.empty_cache()
@@ -171,7 +229,11 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
         base = next(r for r in rows if (r["precision"], r["mode"]) == (row["precision"], row["mode"])
                     and r["path"] == "stock " + row["path"].split()[1])
         row["vs_stock"] = row["dwconv_speedup"] = base["ms"] / row["ms"]
-    return rows
+    for row in profiles:  # the profiled GPU times, stock's over this one's (depthwise: the issue's 1.5x)
+        base = next(r for r in profiles if (r["dtype"], r["pass"], r["path"]) == (row["dtype"], row["pass"],
+                                                                                 "stock eager"))
+        row["dwconv_speedup"] = base["ms"] / row["ms"] if row["ms"] else float("nan")
+    return rows + profiles
 
 
 # cold start: (variant, what the subprocess does, which Triton cache it finds)
@@ -254,7 +316,7 @@ def cold_start(name: str, batch: int, image: int, precisions: str = "all", timeo
 def print_model_table(rows: List[Dict]) -> None:
     print(f"\n{'model':<16} {'precision':<17} {'mode':<10} {'path':<16} {'ms':>9} {'std':>7} {'vs stock':>8}")
     print("-" * 88)
-    for r in rows:
+    for r in (r for r in rows if "model" in r):  # (the profile rows are printed as they are measured)
         print(f"{r['model']:<16} {r['precision']:<17} {r['mode']:<10} {r['path']:<16} {r['ms']:9.3f} "
               f"{r['std']:7.3f} {r['vs_stock']:7.2f}x")
 
