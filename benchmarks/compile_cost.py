@@ -22,6 +22,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--layout", default="channels_last", choices=["nchw", "channels_last"])
     p.add_argument("--batch", type=int, help="instead of the suite's")
+    p.add_argument("--scale", type=float, default=1.0, help="image sizes times this (e.g. 192/224)")
     p.add_argument("--inference", action="store_true", help="forward only")
     p.add_argument("--workers", type=int)
     p.add_argument("--arch", type=int, default=90)
@@ -49,7 +50,7 @@ def main():
         if case.dtype != args.dtype or args.match not in case.label:
             continue
         n = args.batch or case.n
-        shape = (n, case.c, case.h, case.w)
+        shape = (n, case.c, max(1, round(case.h * args.scale)), max(1, round(case.w * args.scale)))
         fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
         x = torch.empty(shape, device="meta", memory_format=fmt)
         out_c = case.c * case.multiplier
