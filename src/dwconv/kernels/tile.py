@@ -427,7 +427,9 @@ def depthwise_grad_weight_nhwc_kernel(
     tl.store(partial_ptr + offsets, acc, mask=c_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["batch", "runs"])  # (loop counts: one binary for every batch size)
+# (loop counts and the image's size, which bound loops and pixel masks, never the channel vectors: one
+# binary for every batch and image size; the row strides stay specialised, for the vectors' alignment)
+@triton.jit(do_not_specialize=["batch", "runs", "src_h", "src_w", "tile_h", "tile_w"])
 def depthwise_grad_nhwc_pixels_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
     channels, batch, src_h, src_w, tile_h, tile_w, row_tiles, runs,
@@ -596,7 +598,7 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
     return weight_grads
 
 
-@triton.jit(do_not_specialize=["batch", "segments"])  # (as the pixel tiles' batch and runs)
+@triton.jit(do_not_specialize=["batch", "segments", "src_h", "src_w", "tile_h", "tile_w"])  # (as the pixel tiles')
 def depthwise_grad_nhwc_rows_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
     channels, batch, src_h, src_w, tile_h, tile_w, segments, segment_rows,
