@@ -1,12 +1,13 @@
 """A compile worker of `dwconv.warmup`: `python -m dwconv._compile_worker ARCH [TUNING_CHANGES_JSON]`.
 
-Reads one layer call and pass a line (JSON, `precompile.LayerCall.to_json`) on stdin, runs dwconv's
-eager forward or backward for it on CPU tensors that are never written, with the GPU's launch plans, in a process that
-compiles each launch for compute capability ARCH instead of running it (`_triton_compat.compile_only`):
-the kernels (and, under Triton 3.6, their C launchers) land in Triton's disk cache, where the
-process that trains finds them. Answers one line a
-call on stdout: `ok SECONDS LAUNCHES` (the pass's launches, counted) or `error MESSAGE`. A process of its own (not multiprocessing), so that a
-user's script without a __main__ guard is never imported again.
+Reads one task a line on stdin (JSON, `precompile.LayerCall.to_json`: a layer call, a pass, a
+launch number) and runs dwconv's eager forward or backward for it on CPU tensors that are never
+written, with the GPU's launch plans, in a process that compiles a launch for compute capability
+ARCH instead of running it (`_triton_compat.compile_only`). The kernels (and, under Triton 3.6,
+their C launchers) land in Triton's disk cache, where the process that trains finds them. Answers
+one line a task on stdout: `ok SECONDS LAUNCHES` (the pass's launches, counted) or `error MESSAGE`.
+A process of its own (not multiprocessing), so that a user's script without a __main__ guard is
+never imported again.
 """
 
 from __future__ import annotations
@@ -71,11 +72,12 @@ def main(arch: int, tuning_changes: str) -> None:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # (anything else printed, by Python or a compiler, goes to stderr)
     selector = LaunchSelector()
-    launchers = [build_driver_utils()]  # (False: this machine cannot build them, having no libcuda)
+    can_build_launchers = build_driver_utils()  # (False: no libcuda on this machine)
 
     def with_launcher(name, compiled, seconds):
-        if launchers[0]:
-            launchers[0] = build_launcher(compiled)
+        nonlocal can_build_launchers
+        if can_build_launchers:
+            can_build_launchers = build_launcher(compiled)
 
     compile_only(arch, on_compile=with_launcher, select=selector)
     # the caller's tuning table (its changes as repr()s), and the GPU's kernels and blocks for CPU tensors

@@ -177,10 +177,11 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], arch: int,
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    # (rank of the pass, launch number; -1: count the pass's launches), lowest first
+    # (phase, rank of the pass, launch number), lowest first: phase 0 counts a pass's launches (launch -1,
+    # milliseconds), phase 1 compiles one; every count goes before any compile
     tasks: queue.PriorityQueue = queue.PriorityQueue()
     for rank in range(len(passes)):
-        tasks.put((-1, rank))  # (every count before any compile: a count takes milliseconds)
+        tasks.put((0, rank, -1))
     state = dict(outstanding=len(passes), done=0, total=0)
     lock = threading.Lock()
 
@@ -193,13 +194,12 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], arch: int,
     def serve(worker: subprocess.Popen):
         while True:
             try:
-                first, second = tasks.get(timeout=0.05)
+                _, rank, launch = tasks.get(timeout=0.05)
             except queue.Empty:
                 with lock:
                     if state["outstanding"] == 0:
                         break
                 continue
-            rank, launch = (second, -1) if first == -1 else (first, second)
             index, pass_ = passes[rank]
             worker.stdin.write(calls[index].to_json(pass_, launch) + "\n")
             worker.stdin.flush()
@@ -208,7 +208,7 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], arch: int,
                 if answer.startswith("ok ") and launch == -1:
                     launches = int(answer.split()[2])
                     for number in range(launches):
-                        tasks.put((rank, number))
+                        tasks.put((1, rank, number))
                     state["outstanding"] += launches
                     state["total"] += launches
                 elif answer.startswith("ok "):
