@@ -75,10 +75,13 @@ def test_warmup_fills_the_disk_cache(tmp_path, monkeypatch):
     x = randn(3, 6, 17, 19)  # (sizes no other test uses: the GPU process compiled nothing for them yet)
     report = dwconv.warmup(model, x, workers=2, arch=None if DEVICE == "cuda" else 90, verbose=False)
     assert report.errors == [] and report.layers == 4
+    assert report.passes_warm == 0 and report.launches >= 8  # (4 calls, each a forward and a backward)
     entries = set(os.listdir(tmp_path))
-    assert len(entries) >= 3
+    assert len(entries) >= 3 and len(os.listdir(tmp_path / "dwconv-warmup")) == 8
     again = dwconv.warmup(model, x, workers=1, arch=None if DEVICE == "cuda" else 90, verbose=False)
-    assert again.errors == [] and set(os.listdir(tmp_path)) == entries
+    # the markers say every pass is compiled: no worker starts
+    assert again.errors == [] and again.workers == 0 and again.passes_warm == 8
+    assert set(os.listdir(tmp_path)) == entries
     if DEVICE == "cuda":
         model(x.requires_grad_()).backward()
         torch.cuda.synchronize()
@@ -91,13 +94,14 @@ def test_warmup_needs_arch_without_a_gpu(monkeypatch):
         dwconv.warmup(converted(), randn(1, 6, 8, 8), verbose=False)
 
 
-def test_workers_get_the_tuning_changes(retune, monkeypatch):
+def test_workers_get_the_tuning_changes(retune, monkeypatch, tmp_path):
     """The workers make the caller's choices: its tuning changes go to each (as repr()s)."""
     import json
     import subprocess
 
     from dwconv import tuning
 
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     retune(pixel_interior_branch=False, nhwc_rows_widths=(48,))
     assert tuning.changes() == {"pixel_interior_branch": False, "nhwc_rows_widths": (48,), "poison_partials": True}
     commands = []
@@ -141,3 +145,66 @@ def test_untraceable_model_is_reported_and_what_was_found_compiles(monkeypatch):
     with pytest.warns(UserWarning, match="fake tensors"):
         dwconv.warmup(model, x, arch=90, verbose=False)
     assert compiled == failure.value.calls
+
+
+def test_markers_key_on_arch_tuning_and_call(retune):
+    from dwconv.precompile import LayerCall, _marker
+
+    call = LayerCall((((2, 6, 9, 9), (486, 81, 9, 1), "float32"), (((6, 1, 3, 3), (9, 9, 3, 1), "float32")), None),
+                     (True, True, False), ((1, 1), (1, 1), (1, 1)))
+    other = LayerCall(call.tensors, (False, True, False), call.arguments)
+    keys = {_marker(call, "forward", 90, "{}"), _marker(call, "backward", 90, "{}"), _marker(other, "backward", 90, "{}"),
+            _marker(call, "forward", 100, "{}"), _marker(call, "forward", 90, '{"pixel_interior_branch": "False"}')}
+    assert len(keys) == 5 and _marker(call, "forward", 90, "{}") in keys
+
+
+class FirstCalls:
+    """Records the warmups the first-call hook starts (on CPU tensors too, for the test)."""
+
+    def __init__(self, monkeypatch):
+        from dwconv import precompile
+
+        self.calls = []
+        monkeypatch.setattr(precompile, "_WARM_UP_ON", ("cpu", "cuda"))
+        monkeypatch.setattr(precompile, "warmup", lambda model, *args, **kwargs: self.calls.append(
+            (tuple(a.shape for a in args), kwargs["train"])))
+
+
+def test_converted_model_warms_up_at_its_first_call_with_each_signature(monkeypatch):
+    first_calls = FirstCalls(monkeypatch)
+    model = converted()
+    x = randn(2, 6, 9, 9)
+    model(x)
+    model(x)  # (seen: no warmup)
+    assert first_calls.calls == [(((2, 6, 9, 9),), True)]
+    model(randn(3, 6, 9, 9))
+    with torch.no_grad():
+        model(x)  # (no gradient: another signature, forward kernels only)
+    model.eval()(x)
+    assert first_calls.calls[1:] == [(((3, 6, 9, 9),), True), (((2, 6, 9, 9),), False)]
+    copy.deepcopy(model).train()(randn(4, 6, 9, 9))  # (the copy keeps the hook)
+    assert len(first_calls.calls) == 4
+    monkeypatch.setenv("DWCONV_WARMUP", "0")
+    model(randn(5, 6, 9, 9))
+    assert len(first_calls.calls) == 4
+    assert len(dwconv.convert(model, verbose=False)._forward_pre_hooks) == 1  # (converted again: one hook)
+    assert not dwconv.convert(Block(), verbose=False, precompile=False)._forward_pre_hooks
+
+
+def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call(monkeypatch):
+    from dwconv import precompile
+
+    monkeypatch.setattr(precompile, "_WARM_UP_ON", ("cpu", "cuda"))
+    found = []
+    monkeypatch.setattr(precompile, "compile_calls", lambda calls, *args: found.append(calls) or
+                        precompile.WarmupReport(len(calls), 0.0, 1))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = converted()
+    x = randn(2, 6, 9, 9)
+    expected = model(x)
+    assert len(found) == 1 and len(found[0]) == 4  # (the hook stayed out of its own fake run)
+    monkeypatch.setattr(precompile, "compile_calls", lambda *args: 1 / 0)
+    with pytest.warns(RuntimeWarning, match="ZeroDivisionError"):
+        assert torch.equal(model(x[:1]), model(x[:1]))
+    assert torch.equal(model(x), expected)

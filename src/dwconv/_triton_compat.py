@@ -31,6 +31,13 @@ def launch_parameters(compiled):
         compiled.asm["ptx"]
 
 
+def cache_dir() -> str:
+    """Triton's disk cache directory (TRITON_CACHE_DIR, default ~/.triton/cache)."""
+    from triton import knobs
+
+    return knobs.cache.dir
+
+
 def libcuda_dirs() -> List[str]:
     """The directories of CUDA's driver library, as Triton finds them."""
     from triton.backends.nvidia.driver import libcuda_dirs as find

@@ -166,7 +166,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--image", type=int, default=224)
     p.add_argument("--cold-start", choices=["yes", "no", "only"], default="yes",
                    help="--model: also (or only) the first training steps in fresh processes with an empty Triton "
-                        "cache, stock, dwconv, dwconv after dwconv.warmup, and a second process on the warmed cache")
+                        "cache, stock and dwconv (its first call warms up), and a second process on the warmed cache")
+    p.add_argument("--cold-start-unwarmed", action="store_true",
+                   help="--cold-start: also the converted model without its first-call warmup (each layer then "
+                        "compiles at its first call, one after another)")
     return p.parse_args(argv)
 
 
@@ -464,7 +467,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .bench_models import cold_start
 
             rows += [r for name in args.model for r in cold_start(name, args.model_batch, args.image,
-                                                                  args.model_precision)]
+                                                                  args.model_precision,
+                                                                  without_warmup=args.cold_start_unwarmed)]
         if args.cold_start != "only":
             steady = [r for name in args.model for r in bench_model(name, args.model_batch, args.image, args.warmup,
                                                                     min(args.iters, 20),

@@ -239,16 +239,18 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
 # cold start: (variant, what the subprocess does, which Triton cache it finds)
 COLD_START_RUNS = [
     ("stock", "stock", "empty"),
-    ("dwconv", "dwconv", "empty"),  # each layer compiles at its first call
-    ("dwconv+warmup", "dwconv+warmup", "empty"),  # dwconv.warmup first, then the step
+    ("dwconv", "dwconv", "empty"),  # convert's warmup at the first call, then the step
     ("dwconv warm", "dwconv", "warmed"),  # a second process: the kernels on disk
 ]
+WITHOUT_WARMUP = ("dwconv no warmup", "dwconv no warmup", "empty")  # each layer compiles at its first call
 
 
 def first_step(name: str, batch: int, image: int, precision: str, variant: str) -> Dict[str, float]:
-    """In a fresh process: seconds to build the model, to warm it up (dwconv+warmup) and for its
-    first and second training steps (cuDNN's benchmark mode on, as for a real run). Without a GPU
-    (the tests' smoke run, under TRITON_INTERPRET=1) on the CPU, warmup compiling for sm_90."""
+    """In a fresh process: seconds to build the model and for its first and second training steps
+    (cuDNN's benchmark mode on, as for a real run), and what the first step's warmup did. Without a
+    GPU (the tests' smoke run, under TRITON_INTERPRET=1) on the CPU, warmup compiling for sm_90."""
+    from . import precompile
+
     started = time.perf_counter()
     torch.backends.cudnn.benchmark = True
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -257,17 +259,12 @@ def first_step(name: str, batch: int, image: int, precision: str, variant: str) 
     model = build_model(name).to(device, memory_format=memory_format)
     x = torch.randn(batch, 3, image, image, device=device).contiguous(memory_format=memory_format)
     y = torch.randint(0, 10, (batch,), device=device)
-    warmup_s = 0.0
     if variant != "stock":
-        model = convert(model, inplace=True, verbose=False)
-    if variant == "dwconv+warmup":
-        from .precompile import warmup
-
-        began = time.perf_counter()
+        model = convert(model, inplace=True, verbose=False, precompile=variant == "dwconv")
+    if variant == "dwconv" and device == "cpu":  # (the first-call warmup acts on CUDA inputs only)
         with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-            warmup(model.train(), x, arch=None if device == "cuda" else 90, verbose=False)
-        warmup_s = time.perf_counter() - began
-    built_s = time.perf_counter() - started - warmup_s
+            precompile.warmup(model.train(), x, arch=90, verbose=False)
+    built_s = time.perf_counter() - started
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     step = training_step(model.train(), x, y, optimizer, dtype, device)
     times = []
@@ -277,18 +274,26 @@ def first_step(name: str, batch: int, image: int, precision: str, variant: str) 
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
-    return dict(build_s=built_s, warmup_s=warmup_s, first_step_s=times[0], second_step_s=times[1],
-                to_first_step_end_s=time.perf_counter() - started - times[1])
+    report = precompile.last_report
+    warmed = {} if report is None else dict(
+        warmup_s=report.seconds, trace_s=report.trace_seconds, first_answer_s=report.first_answer_seconds,
+        longest_launch_s=report.longest_launch, launches=report.launches, workers=report.workers,
+        passes_warm=report.passes_warm, errors=len(report.errors))
+    return dict(build_s=built_s, first_step_s=times[0], second_step_s=times[1],
+                to_first_step_end_s=time.perf_counter() - started - times[1], **warmed)
 
 
-def cold_start(name: str, batch: int, image: int, precisions: str = "all", timeout: float = 900) -> List[Dict]:
-    """First training steps in fresh processes (COLD_START_RUNS), each with an empty temporary Triton
-    cache or the one a warmed-up run filled; the process's wall time includes its imports."""
+def cold_start(name: str, batch: int, image: int, precisions: str = "all", timeout: float = 900,
+               without_warmup: bool = False) -> List[Dict]:
+    """First training steps in fresh processes (COLD_START_RUNS, and WITHOUT_WARMUP first if asked),
+    each with an empty temporary Triton cache or the one the converted model's run filled; the
+    process's wall time includes its imports."""
     rows = []
+    runs = ([WITHOUT_WARMUP] if without_warmup else []) + COLD_START_RUNS
     for precision in (PRECISIONS if precisions == "all" else [precisions]):
         with tempfile.TemporaryDirectory() as empty_root, tempfile.TemporaryDirectory() as warmed:
-            for label, variant, cache in COLD_START_RUNS:
-                env = dict(os.environ, TRITON_CACHE_DIR=warmed if cache == "warmed" or variant == "dwconv+warmup"
+            for label, variant, cache in runs:
+                env = dict(os.environ, TRITON_CACHE_DIR=warmed if label in ("dwconv", "dwconv warm")
                            else os.path.join(empty_root, label))
                 began = time.perf_counter()
                 try:
@@ -303,12 +308,13 @@ def cold_start(name: str, batch: int, image: int, precisions: str = "all", timeo
                 measured = dict(result, process_s=process_s)
                 for key, what in (("warmup_s", "warmup"), ("first_step_s", "first train step"),
                                   ("second_step_s", "second train step"), ("process_s", "process")):
-                    if key in measured and not (key == "warmup_s" and variant != "dwconv+warmup"):
+                    if key in measured:
                         rows.append(dict(suite="model cold start", layer=name, dtype=precision, path=label,
                                          layout="channels_last" if precision == "bf16" else "nchw",
                                          ms=1000 * measured[key], **{"pass": what}))
                 print(f"  {name} {precision:<8} {label:<14} " + (error.strip().splitlines()[-1] + "  " if error else
-                      "".join(f"{k} {v:.1f}  " for k, v in result.items())) + f"process {process_s:.1f} s",
+                      "".join(f"{k} {v:.1f}  " if isinstance(v, float) else f"{k} {v}  " for k, v in result.items()))
+                      + f"process {process_s:.1f} s",
                       flush=True)
     return rows
 

@@ -28,7 +28,8 @@ def _depthwise_class(cls: type) -> type:
     return type(cls.__name__.replace("Conv2d", "DepthwiseConv2d"), (DepthwiseConv2d,), members)
 
 
-def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, example_inputs=None) -> nn.Module:
+def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, example_inputs=None,
+            precompile: bool = True) -> nn.Module:
     """Makes every convertible nn.Conv2d in model (see `is_convertible`) a DepthwiseConv2d; every
     other layer is left alone. Each layer stays the same object, only its class changes: its
     parameters (device, dtype, memory format, requires_grad), buffers, training mode, hooks (the
@@ -36,9 +37,12 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     used in several places is converted everywhere. The layers are all found before any changes.
     Returns the model (a deep copy unless inplace); the number converted is printed when verbose
     and kept as `model.dwconv_converted`. state_dict keys do not change, so a converted model's
-    state_dict loads into the stock model and back. With example_inputs (a tensor or a tuple of the
-    model's arguments, as it will be called), the converted layers' kernels are compiled ahead of
-    use: `dwconv.warmup(model, *example_inputs)`."""
+    state_dict loads into the stock model and back.
+
+    Kernels compile ahead of use, in parallel (`dwconv.warmup`): with precompile, at the model's
+    first call with each new input signature (`precompile.warm_up_on_first_call`: the whole model's
+    depthwise kernels before its first step runs); with example_inputs (a tensor or a tuple of the
+    model's arguments, as it will be called), now."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not inplace:
@@ -52,9 +56,11 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     if verbose:
         print(f"dwconv.convert: replaced {len(layers)} depthwise Conv2d layer(s); {convs - len(layers)} other Conv2d "
               "left as is")
-    if example_inputs is not None:
-        from .precompile import warmup
+    from .precompile import warm_up_on_first_call, warmup
 
+    if precompile and layers:
+        warm_up_on_first_call(model)
+    if example_inputs is not None:
         inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         warmup(model, *inputs, verbose=verbose)
     return model

@@ -6,11 +6,17 @@ calling thread (a converted MobileNetV2's first training step waited ~114 s on a
 warmup finds every depthwise call one step makes without running a kernel (the model runs once on
 fake tensors, which carry shapes, strides and dtypes only), then compiles each call's forward and,
 when training, backward kernels in a pool of worker processes (`_compile_worker.py`) into Triton's
-disk cache. The model's first real call then loads them from disk.
+disk cache. The model's first real call then loads them from disk. A marker file a call and pass
+(under the cache directory, keyed by everything its kernels depend on) tells a later warmup, in
+this process or another, that they are there: a warm start starts no worker.
+
+`convert` attaches `warm_up_on_first_call` to the converted model: its first call with each new
+input signature warms up first, under the caller's autocast and grad mode.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -26,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from . import functional, tuning
+from ._env import switch
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,11 @@ class ModelNotTraceable(RuntimeError):
         self.calls = calls
 
 
-def layer_calls(model: nn.Module, *example_inputs, train: Optional[bool] = None) -> List[LayerCall]:
+_TRACING = threading.local()  # (set while layer_calls runs the model: its own first-call hook stays out)
+
+
+def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict] = None,
+                train: Optional[bool] = None) -> List[LayerCall]:
     """The distinct depthwise calls one call of model(*example_inputs) makes through dwconv, and
     whether their backward runs (train, default model.training: the gradients its tensors
     require). Runs the model once on fake tensors (torch's FakeTensorMode: no kernel, no memory,
@@ -96,36 +107,47 @@ def layer_calls(model: nn.Module, *example_inputs, train: Optional[bool] = None)
     was_training = model.training
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     functional._DOORS["pytorch"] = recording_door
+    _TRACING.active = True
     try:
         model.train(train)
         with mode, torch.set_grad_enabled(train):
             fakes = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+            fake_kwargs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                           for k, v in (example_kwargs or {}).items()}
             # (the model's own tensors replaced by fakes for the call: in-place updates such as BatchNorm's
             # num_batches_tracked then change the fakes)
             state = {name: mode.from_tensor(t) for name, t in (*model.named_parameters(), *model.named_buffers())}
             try:
-                torch.func.functional_call(model, state, fakes)
+                torch.func.functional_call(model, state, fakes, fake_kwargs)
             except Exception as e:
                 raise ModelNotTraceable(f"the model's forward failed on fake tensors after {len(calls)} depthwise "
                                         f"call(s): {type(e).__name__}: {e}", list(calls)) from e
     finally:
         functional._DOORS["pytorch"] = pytorch_door
+        _TRACING.active = False
         model.train(was_training)
     return list(calls)
 
 
 @dataclass
 class WarmupReport:
-    layers: int  # distinct depthwise calls compiled for
+    layers: int  # distinct depthwise calls found
     seconds: float
-    workers: int
+    workers: int  # compile processes started (0: everything was warm already)
     errors: List[str] = field(default_factory=list)  # calls whose kernels then compile at first use
     call_seconds: List[float] = field(default_factory=list)  # each call's passes' time in workers, in call order
     longest_launch: float = 0.0  # the longest compile of one launch (the wall time's floor, however many workers)
+    launches: int = 0  # kernel launches compiled (or found in Triton's cache by a worker)
+    passes_warm: int = 0  # (call, pass) pairs whose marker said their kernels were on disk already
+    trace_seconds: float = 0.0  # finding the calls on fake tensors
+    first_answer_seconds: float = 0.0  # from the pool's start to a worker's first answer (its imports)
 
 
-def warmup(model: nn.Module, *example_inputs, train: Optional[bool] = None, workers: Optional[int] = None,
-           arch: Optional[int] = None, verbose: bool = True) -> WarmupReport:
+last_report: Optional[WarmupReport] = None  # (the latest warmup's, for benchmarks)
+
+
+def warmup(model: nn.Module, *example_inputs, example_kwargs: Optional[dict] = None, train: Optional[bool] = None,
+           workers: Optional[int] = None, arch: Optional[int] = None, verbose: bool = True) -> WarmupReport:
     """Compiles, ahead of use and in parallel, every dwconv kernel that model(*example_inputs) and,
     when training (train, default model.training), its backward will launch, into Triton's disk
     cache (TRITON_CACHE_DIR, default ~/.triton/cache). Call it as the model will be called (same
@@ -134,13 +156,15 @@ def warmup(model: nn.Module, *example_inputs, train: Optional[bool] = None, work
     GPU's compute capability as 90 for sm_90 (default: the model's GPU). Prints progress to
     stderr when verbose. A call whose compile fails is reported and compiles at its first use; a
     model whose forward cannot run on fake tensors (it reads a value on the host) is reported and
-    the calls made before that point are compiled."""
+    the calls made before that point are compiled. example_kwargs: the model's keyword arguments."""
+    global last_report
     started = time.perf_counter()
     try:
-        calls = layer_calls(model, *example_inputs, train=train)
+        calls = layer_calls(model, *example_inputs, example_kwargs=example_kwargs, train=train)
     except ModelNotTraceable as e:  # (what was found still compiles; the rest at first use)
         warnings.warn(f"dwconv.warmup: {e}; compiling the calls found before it", stacklevel=2)
         calls = e.calls
+    traced = time.perf_counter() - started
     if arch is None:
         if not torch.cuda.is_available():
             raise ValueError("arch must be given without a GPU (e.g. arch=90 for sm_90)")
@@ -148,32 +172,113 @@ def warmup(model: nn.Module, *example_inputs, train: Optional[bool] = None, work
         major, minor = torch.cuda.get_device_capability(device)
         arch = 10 * major + minor
     report = compile_calls(calls, arch, workers, verbose)
-    report.seconds = time.perf_counter() - started
+    report.seconds, report.trace_seconds = time.perf_counter() - started, traced
     for error in report.errors:
         warnings.warn(f"dwconv.warmup: {error}", stacklevel=2)
+    last_report = report
     return report
+
+
+def warm_up_on_first_call(model: nn.Module) -> nn.Module:
+    """Makes model's first call with each new input signature (tensor shapes, strides and dtypes,
+    training and grad mode, autocast dtype) run `warmup` first, under the same autocast and grad
+    mode, on CUDA inputs, outside torch.compile and unless DWCONV_WARMUP=0; a later call with that
+    signature costs a set lookup. What a warmup cannot do is a warning, never an error of the call.
+    `convert` attaches it (a forward pre-hook, kept by deepcopy and pickling)."""
+    if _first_call_hook not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(_first_call_hook, with_kwargs=True)
+    return model
+
+
+_WARM_UP_ON = ("cuda",)  # (the devices whose inputs start a warmup: dwconv's kernels run on CUDA tensors)
+
+
+def _first_call_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling() or getattr(_TRACING, "active", False) or switch("DWCONV_WARMUP") is False:
+        return None
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    if not any(t.device.type in _WARM_UP_ON for t in tensors):
+        return None
+    train = module.training and torch.is_grad_enabled()
+    autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    signature = (train, autocast, tuple((_spec(t), t.requires_grad) for t in tensors))
+    seen = module.__dict__.setdefault("_dwconv_warmed_up", set())
+    if signature in seen:
+        return None
+    seen.add(signature)
+    try:
+        warmup(module, *args, example_kwargs=kwargs, train=train)
+    except Exception as e:  # (the kernels then compile at their first use, as without a warmup)
+        warnings.warn(f"dwconv.warmup at the model's first call failed ({type(e).__name__}: {e}); the kernels "
+                      "compile at their first use", RuntimeWarning, stacklevel=2)
+    return None
+
+
+def default_workers() -> int:
+    """One compile process a CPU core this process may use, shared among the local ranks of a
+    distributed run (LOCAL_WORLD_SIZE), which warm up at once."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+
+
+_FINGERPRINT: dict = {}
+
+
+def _fingerprint() -> str:
+    """What every compiled kernel depends on besides its call: Triton's and torch's versions and
+    dwconv's sources (read once a process)."""
+    if "value" not in _FINGERPRINT:
+        import triton
+
+        digest = hashlib.sha256(f"{triton.__version__} {torch.__version__}".encode())
+        package = os.path.dirname(os.path.abspath(__file__))
+        for folder, _, names in sorted(os.walk(package)):
+            for name in sorted(n for n in names if n.endswith(".py")):
+                with open(os.path.join(folder, name), "rb") as source:
+                    digest.update(name.encode() + source.read())
+        _FINGERPRINT["value"] = digest.hexdigest()
+    return _FINGERPRINT["value"]
+
+
+def _marker(call: LayerCall, pass_: str, arch: int, changes: str) -> str:
+    """The file that says this call's pass has its kernels in the Triton cache (for arch and the
+    tuning changes in force)."""
+    from ._triton_compat import cache_dir
+
+    key = hashlib.sha256(f"{_fingerprint()} {arch} {changes} {call.to_json(pass_)}".encode()).hexdigest()
+    return os.path.join(cache_dir(), "dwconv-warmup", key[:32])
+
+
+def _mark(path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "w").close()
 
 
 def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] = None,
                   verbose: bool = True) -> WarmupReport:
     """Compiles the kernels of these calls for compute capability arch in a pool of worker
-    processes (default: one a CPU core) into Triton's disk cache. Each call's passes (forward;
+    processes (default: `default_workers()`) into Triton's disk cache. Each call's passes (forward;
     backward when a gradient is wanted) are counted first (how many launches each makes), then
     every launch is a task of its own, the costliest passes' first: the slowest single kernel, not
-    the slowest layer, bounds the wall time."""
+    the slowest layer, bounds the wall time. Passes a marker says are compiled already are skipped."""
     started = time.perf_counter()
-    passes = sorted(((i, pass_) for i, call in enumerate(calls) for pass_ in call.passes()),
+    changes = json.dumps({name: repr(value) for name, value in tuning.changes().items()})
+    markers = {(i, pass_): _marker(call, pass_, arch, changes) for i, call in enumerate(calls)
+               for pass_ in call.passes()}
+    passes = sorted((task for task, path in markers.items() if not os.path.exists(path)),
                     key=lambda task: calls[task[0]].cost(task[1]), reverse=True)
-    count = max(1, min(workers or os.cpu_count() or 1, len(passes)))
-    report = WarmupReport(len(calls), 0.0, count if calls else 0, call_seconds=[0.0] * len(calls))
+    count = max(1, min(workers or default_workers(), len(passes)))
+    report = WarmupReport(len(calls), 0.0, count if passes else 0, call_seconds=[0.0] * len(calls),
+                          passes_warm=len(markers) - len(passes))
     if passes:
-        _compile_in_pool(calls, passes, arch, count, report, started, verbose)
+        _compile_in_pool(calls, passes, [markers[task] for task in passes], arch, count, changes, report, started,
+                         verbose)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], arch: int, count: int, report: WarmupReport,
-                     started: float, verbose: bool) -> None:
+def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: List[str], arch: int, count: int,
+                     changes: str, report: WarmupReport, started: float, verbose: bool) -> None:
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -183,6 +288,8 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], arch: int,
     for rank in range(len(passes)):
         tasks.put((0, rank, -1))
     state = dict(outstanding=len(passes), done=0, total=0)
+    left = [None] * len(passes)  # each pass's launches not compiled yet (None: not counted yet)
+    failed = [False] * len(passes)
     lock = threading.Lock()
 
     def show():
@@ -190,6 +297,10 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], arch: int,
             print(f"\rdwconv.warmup: {state['done']}/{state['total'] or '?'} kernel launches of {len(calls)} "
                   f"depthwise calls compiled on {count} processes, {time.perf_counter() - started:.0f} s", end="",
                   file=sys.stderr, flush=True)
+
+    def finished(rank: int) -> None:  # (under the lock)
+        if left[rank] == 0 and not failed[rank]:
+            _mark(markers[rank])
 
     def serve(worker: subprocess.Popen):
         while True:
@@ -205,18 +316,25 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], arch: int,
             worker.stdin.flush()
             answer = worker.stdout.readline().strip() or "error the compile worker exited"
             with lock:
+                report.first_answer_seconds = report.first_answer_seconds or time.perf_counter() - started
                 if answer.startswith("ok ") and launch == -1:
                     launches = int(answer.split()[2])
                     for number in range(launches):
                         tasks.put((1, rank, number))
+                    left[rank] = launches
                     state["outstanding"] += launches
                     state["total"] += launches
+                    finished(rank)
                 elif answer.startswith("ok "):
                     seconds = float(answer.split()[1])
                     report.call_seconds[index] += seconds
                     report.longest_launch = max(report.longest_launch, seconds)
+                    report.launches += 1
                     state["done"] += 1
+                    left[rank] -= 1
+                    finished(rank)
                 else:
+                    failed[rank] = True
                     report.errors.append(f"{calls[index]} {pass_}: {answer[len('error '):]}")
                 state["outstanding"] -= 1
                 show()
@@ -224,12 +342,15 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], arch: int,
         worker.wait()
 
     show()
-    changes = json.dumps({name: repr(value) for name, value in tuning.changes().items()})
     workers = [subprocess.Popen([sys.executable, "-m", "dwconv._compile_worker", str(arch), changes],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                 env=env)
                for _ in range(count)]
     threads = [threading.Thread(target=serve, args=(worker,), daemon=True) for worker in workers]
+    if torch.cuda.is_available():  # (Triton's CUDA utilities, a C compile at a process's first launch: built meanwhile)
+        from ._triton_compat import build_driver_utils
+
+        threads.append(threading.Thread(target=build_driver_utils, daemon=True))
     for thread in threads:
         thread.start()
     for thread in threads:
