@@ -4,7 +4,8 @@ alike), forward or forward+backward, with the bench's timer (CUDA events, L2 flu
 graph replays (GPU time alone).
 
     python benchmarks/ab_tuning.py --suite models --dtype bfloat16 --cases 0 2 \\
-        --variant toeplitz_min_taps=81 --variant pixel_kernel_taps=25,fused_nhwc_taps=25 [--backward] [--graphs]
+        --variant toeplitz_min_taps=81 --variant pixel_kernel_taps=25,fused_nhwc_taps=25 [--backward] [--graphs] \\
+        [--precompile]
 
 Each variant is a comma-separated list of Tuning fields (dwconv/tuning.py) and values. Prints a
 row per layer and variant: median ms over rounds and the ratio to the default's.
@@ -39,11 +40,15 @@ def main():
     parser.add_argument("--graphs", action="store_true", help="CUDA graph replays: GPU time alone")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--precompile", action="store_true",
+                        help="first compile every variant's kernels in dwconv.warmup's worker pool")
     args = parser.parse_args()
     cases = [c for c in bench.SUITES[args.suite] if not args.dtype or c.dtype == args.dtype]
     if args.cases:
         cases = [cases[i] for i in args.cases]
     variants = [("default", {})] + [(text, parse_variant(text)) for text in args.variant]
+    if args.precompile:
+        precompile(cases, variants, args)
     timer = bench.Timer(10, args.iters)
     generator = torch.Generator(device="cuda").manual_seed(0)
     times = {}
@@ -70,6 +75,26 @@ def main():
         for name, _ in variants:
             ms = statistics.median(times[(case.label, name)])
             print(f"{case.label:<64} {name:<40} {ms:8.4f} {ms / base:9.3f}x")
+
+
+def precompile(cases, variants, args):
+    from dwconv.precompile import LayerCall, compile_calls
+
+    calls = []
+    for case in cases:
+        dtype = bench.DTYPES[case.dtype]
+        fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+        x = torch.empty(case.n, case.c, case.h, case.w, device="meta", dtype=dtype, memory_format=fmt)
+        weight = torch.empty(case.c * case.multiplier, 1, case.kernel, case.kernel, device="meta", dtype=dtype)
+        bias = torch.empty(case.c * case.multiplier, device="meta", dtype=dtype) if case.bias else None
+        grads = (True, True, case.bias) if args.backward else (False, False, False)
+        calls.append(LayerCall.of(x, weight, bias, (case.stride, case.padding, case.dilation), grads))
+    major, minor = torch.cuda.get_device_capability()
+    for name, changes in variants:
+        with tuning.override(**changes):
+            report = compile_calls(calls, 10 * major + minor, verbose=False)
+        print(f"precompiled {name}: {report.launches} launches in {report.seconds:.1f} s, {len(report.errors)} errors",
+              flush=True)
 
 
 if __name__ == "__main__":

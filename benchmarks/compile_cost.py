@@ -52,13 +52,13 @@ def main():
         n = args.batch or case.n
         shape = (n, case.c, max(1, round(case.h * args.scale)), max(1, round(case.w * args.scale)))
         fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
-        x = torch.empty(shape, device="meta", memory_format=fmt)
+        dtype = getattr(torch, args.dtype)
+        x = torch.empty(shape, device="meta", dtype=dtype, memory_format=fmt)
         out_c = case.c * case.multiplier
-        tensors = ((shape, x.stride(), args.dtype), ((out_c, 1, case.kernel, case.kernel),
-                   (case.kernel ** 2, case.kernel ** 2, case.kernel, 1), args.dtype),
-                   ((out_c,), (1,), args.dtype) if case.bias else None)
+        weight = torch.empty(out_c, 1, case.kernel, case.kernel, device="meta", dtype=dtype)
+        bias = torch.empty(out_c, device="meta", dtype=dtype) if case.bias else None
         grads = (False, False, False) if args.inference else (True, True, case.bias)
-        calls.append(LayerCall(tensors, grads, (case.stride, case.padding, case.dilation)))
+        calls.append(LayerCall.of(x, weight, bias, (case.stride, case.padding, case.dilation), grads))
     if args.kernels:
         compile_one_by_one(calls, args.arch)
         return
@@ -66,11 +66,14 @@ def main():
         cache = args.cache or temporary
         os.makedirs(cache, exist_ok=True)
         os.environ["TRITON_CACHE_DIR"] = cache
-        before = len(os.listdir(cache))
+        def binaries_in(cache):  # (warmup's markers are no binaries)
+            return len([name for name in os.listdir(cache) if name != "dwconv-warmup"])
+
+        before = binaries_in(cache)
         started = time.perf_counter()
         report = compile_calls(calls, args.arch, args.workers)
         wall = time.perf_counter() - started
-        binaries = len(os.listdir(cache)) - before
+        binaries = binaries_in(cache) - before
     for call, seconds in zip(calls, report.call_seconds):
         print(f"{seconds:7.1f} s  {call.tensors[0][0]} k{call.tensors[1][0][2]} stride {call.arguments[0]}")
     print(f"{args.suite} '{args.match}' {args.dtype} {args.layout} {'inference' if args.inference else 'training'}: "

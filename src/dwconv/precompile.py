@@ -42,6 +42,14 @@ class LayerCall:
     grads: tuple  # whether input, weight and bias require a gradient
     arguments: tuple  # (stride, padding, dilation) as passed
 
+    @classmethod
+    def of(cls, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], arguments: tuple,
+           grads: tuple = (False, False, False)) -> "LayerCall":
+        """The call depthwise_conv2d(input, weight, bias, *arguments) makes (meta tensors will do),
+        with the gradients grads (input, weight, bias) wanted."""
+        return cls(tuple(_spec(t) for t in (input, weight, bias)), tuple(bool(g) for g in grads),
+                   tuple(_plain(a) for a in arguments))
+
     def passes(self) -> List[str]:
         return ["backward", "forward"] if any(self.grads) else ["forward"]
 
@@ -99,9 +107,7 @@ def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict
         # fake tensors dispatch in Python, so every dwconv call of the fake run takes this door
         if isinstance(input, FakeTensor):
             grads = tuple(bool(train and t is not None and t.requires_grad) for t in (input, weight, bias))
-            call = LayerCall(tuple(_spec(t) for t in (input, weight, bias)), grads,
-                             tuple(_plain(a) for a in arguments))
-            calls.setdefault(call, None)
+            calls.setdefault(LayerCall.of(input, weight, bias, arguments, grads), None)
         return pytorch_door(input, weight, bias, geom, arguments)
 
     was_training = model.training
