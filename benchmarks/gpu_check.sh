@@ -8,7 +8,8 @@
 #   bench      the models and large suites (SUITES, DTYPES) into fixed-schema CSVs (docs/data, docs/performance.md)
 #   coldstart  first training steps of whole models in fresh processes, empty Triton cache (MODELS, PRECISION:
 #              bench --model --cold-start only): stock, dwconv, dwconv after dwconv.warmup, a warmed second process
-#   models     whole models' steady state, stock against converted (MODELS, PRECISION, MODEL_BATCH)
+#   models     whole models' steady state, stock against converted (MODELS, PRECISION, MODEL_BATCH,
+#              MODEL_COMPILE yes|no)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
 #   host       host time per eager call, .ab_old/src against src (benchmarks/host_time.py)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
@@ -42,7 +43,7 @@ for step in "$@"; do
            mode=only; [ "$step" = models ] && mode=no
            for model in ${MODELS:-mobilenet_v2}; do
              python3 -m dwconv bench --model "$model" --model-precision "${PRECISION:-bf16}" --cold-start $mode \
-               --model-batch "${MODEL_BATCH:-64}" --csv "$OUT/${step}_${model}_$(date +%F)_${DWCONV_COMMIT:-unknown}.csv" 2>&1
+               --model-batch "${MODEL_BATCH:-64}" --model-compile "${MODEL_COMPILE:-yes}" --csv "$OUT/${step}_${model}_$(date +%F)_${DWCONV_COMMIT:-unknown}.csv" 2>&1
            done ;;
     ab) bash benchmarks/ab_trees.sh ;;
     host) python3 benchmarks/host_time.py .ab_old/src src | tee "$OUT/host_time.txt" ;;

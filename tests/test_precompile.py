@@ -102,8 +102,8 @@ def test_workers_get_the_tuning_changes(retune, monkeypatch, tmp_path):
     from dwconv import tuning
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    retune(pixel_interior_branch=False, nhwc_rows_widths=(48,))
-    assert tuning.changes() == {"pixel_interior_branch": False, "nhwc_rows_widths": (48,), "poison_partials": True}
+    retune(per_branch_weight_taps=4, nhwc_rows_widths=(48,))
+    assert tuning.changes() == {"per_branch_weight_taps": 4, "nhwc_rows_widths": (48,), "poison_partials": True}
     commands = []
 
     class NoWorker:
@@ -114,7 +114,7 @@ def test_workers_get_the_tuning_changes(retune, monkeypatch, tmp_path):
     monkeypatch.setattr(subprocess, "Popen", NoWorker)
     with pytest.raises(OSError):
         dwconv.warmup(converted(), randn(1, 6, 8, 8), arch=90, verbose=False)
-    assert json.loads(commands[0][-1]) == {"pixel_interior_branch": "False", "nhwc_rows_widths": "(48,)",
+    assert json.loads(commands[0][-1]) == {"per_branch_weight_taps": "4", "nhwc_rows_widths": "(48,)",
                                            "poison_partials": "True"}
 
 
@@ -154,7 +154,7 @@ def test_markers_key_on_arch_tuning_and_call(retune):
                      (True, True, False), ((1, 1), (1, 1), (1, 1)))
     other = LayerCall(call.tensors, (False, True, False), call.arguments)
     keys = {_marker(call, "forward", 90, "{}"), _marker(call, "backward", 90, "{}"), _marker(other, "backward", 90, "{}"),
-            _marker(call, "forward", 100, "{}"), _marker(call, "forward", 90, '{"pixel_interior_branch": "False"}')}
+            _marker(call, "forward", 100, "{}"), _marker(call, "forward", 90, '{"per_branch_weight_taps": "4"}')}
     assert len(keys) == 5 and _marker(call, "forward", 90, "{}") in keys
 
 

@@ -34,10 +34,6 @@ class Tuning:
     interpreter_band_taps: int = 4096  # the same under the interpreter (cost per operation, not size)
     max_pixel_taps: int = 2048  # outputs x taps an unrolled-pixels program holds
     per_branch_weight_taps: int = 9  # up to 3x3 each tile branch loads its own weights
-    # channels_last pixel tiles (forward and backward): an unmasked branch for interior tiles beside the
-    # masked one. Under evaluation: it triples the compile (stride-2 3x3 bfloat16 forward 8.2 -> 2.9 s
-    # without it, sm_90 on the CPU machine); the GPU time it saves is to be measured
-    pixel_interior_branch: bool = True
     nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
     nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks
     min_pixel_grad_programs: int = 768  # channels_last backward: at least this many programs

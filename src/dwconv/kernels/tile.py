@@ -767,8 +767,7 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
         PIXEL_STRIDE_W=geom.stride_w if pixels else 1, PIXEL_DILATION_W=geom.dilation_w if pixels else 1,
         PIXEL_X_STRIDE_W=x.stride(3) if pixels else 1, PIXEL_Y_STRIDE_W=out.stride(3) if pixels else 1,
         BF16_PAIRS=pixels and bf16_pairs_apply(x, geom, block_c, config.num_warps),
-        INTERIOR_TILES=geom.has_interior_tile(config.block_h, config.block_w, block_c)
-        and (tuned().pixel_interior_branch or not pixels),
+        INTERIOR_TILES=geom.has_interior_tile(config.block_h, config.block_w, block_c),
         BRANCH_WEIGHT_TAPS=tuned().per_branch_weight_taps,
         num_stages=1)  # (bands are unrolled: no loop loads to software-pipeline)
     return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
@@ -896,8 +895,7 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
                      ACC_DTYPE=acc_dtype(x.dtype), BLOCK_H=config.block_h,
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
                      BF16_PAIRS=bf16_pairs_apply(src, tile_geom, config.block_c, config.num_warps),
-                     INTERIOR_TILES=tile_geom.has_interior_tile(config.block_h, config.block_w, config.block_c)
-                     and tuned().pixel_interior_branch,
+                     INTERIOR_TILES=tile_geom.has_interior_tile(config.block_h, config.block_w, config.block_c),
                      num_warps=config.num_warps, num_stages=1)
     # a register cap lets 8 programs of 2 warps share an SM (spills past it; dilated layers lost)
     if (grad_input and x.element_size() == 2 and geom.dilation_h == geom.dilation_w == 1
