@@ -10,6 +10,8 @@
 #              bench --model --cold-start only): stock, dwconv, dwconv after dwconv.warmup, a warmed second process
 #   models     whole models' steady state, stock against converted (MODELS, PRECISION, MODEL_BATCH,
 #              MODEL_COMPILE yes|no)
+#   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
+#              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
 #   host       host time per eager call, .ab_old/src against src (benchmarks/host_time.py)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
@@ -45,6 +47,10 @@ for step in "$@"; do
              python3 -m dwconv bench --model "$model" --model-precision "${PRECISION:-bf16}" --cold-start $mode \
                --model-batch "${MODEL_BATCH:-64}" --model-compile "${MODEL_COMPILE:-yes}" --csv "$OUT/${step}_${model}_$(date +%F)_${DWCONV_COMMIT:-unknown}.csv" 2>&1
            done ;;
+    profile) for model in ${MODELS:-mobilenet_v2}; do
+               python3 benchmarks/model_profile.py --model "$model" --precision "${PRECISION:-bf16}" \
+                 --batch "${MODEL_BATCH:-64}" --mode "${PROFILE_MODE:-train}" --out "$OUT" 2>&1
+             done ;;
     ab) bash benchmarks/ab_trees.sh ;;
     host) python3 benchmarks/host_time.py .ab_old/src src | tee "$OUT/host_time.txt" ;;
     tuning) python3 benchmarks/ab_tuning.py ${AB_ARGS:-} | tee "$OUT/ab_tuning.txt" ;;

@@ -43,7 +43,38 @@ def environment(rows):
     first = rows[0]
     copy = sorted({round(_float(r["copy_gbps"])) for r in rows if r.get("copy_gbps")})
     return (f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, commit {first['commit']}, "
-            f"{first['date']}; device copy {copy[0]}-{copy[-1]} GB/s in the run")
+            f"{first['date']}" + (f"; device copy {copy[0]}-{copy[-1]} GB/s in the run" if copy else ""))
+
+
+MODEL_PROTOCOL = """\
+Whole models (`python -m dwconv bench --model NAME --model-precision P [--cold-start only|no]`),
+random weights and inputs, batch 64, 224 x 224, cuDNN's benchmark mode on. "model": a training step
+(forward, cross-entropy, backward, SGD step) and an inference forward, median of 20 after warm-up,
+stock and converted timed in the same run; "vs stock" is stock's time over this row's. "model cold
+start": one fresh process each, with an empty temporary Triton cache (dwconv warm: the cache the
+dwconv process filled); seconds of the first training step (the converted model's includes its
+warmup, shown apart), the second step's, and the whole process's (imports included)."""
+
+
+def model_table(rows):
+    suite = rows[0]["suite"]
+    if suite == "model cold start":
+        passes = ["warmup", "first train step", "second train step", "process"]
+        keyed = {(r["layer"], r["dtype"], r["path"], r["pass"]): _float(r["ms"]) for r in rows}
+        runs = list(dict.fromkeys((r["layer"], r["dtype"], r["path"]) for r in rows))
+        lines = ["| model | precision | run | warmup s | first train step s | second train step ms | process s |",
+                 "|---|---|---|---|---|---|---|"]
+        for run in runs:
+            cells = [keyed.get(run + (p,)) for p in passes]
+            shown = [f"{v / 1e3:.1f}" if v is not None else "" for v in cells[:2]]
+            shown += [f"{cells[2]:.1f}" if cells[2] is not None else "", f"{cells[3] / 1e3:.1f}" if cells[3] else ""]
+            lines.append("| " + " | ".join(list(run) + shown) + " |")
+        return "\n".join(lines)
+    lines = ["| model | precision | pass | path | ms | vs stock |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['dtype']} | {r['pass']} | {r['path']} | {_float(r['ms']):.3f} | "
+                     f"{_float(r['dwconv_speedup']):.2f}x |")
+    return "\n".join(lines)
 
 
 def table(rows):
@@ -103,13 +134,21 @@ def cl_summary(rows):
 
 
 def document(paths):
-    parts = [PROTOCOL]
+    parts, models = [PROTOCOL], []
     for path in sorted(paths):
         rows = list(csv.DictReader(open(path)))
         if not rows:
             continue
         suite, dtype = rows[0].get("suite", ""), rows[0].get("dtype", "")
+        if suite in ("model", "model cold start", "model profile"):
+            for kind in dict.fromkeys(r["suite"] for r in rows):
+                group = [r for r in rows if r["suite"] == kind]
+                models.append(f"### {kind}\n\n{environment(group)}; `{path}`.\n\n{model_table(group)}\n")
+            continue
         parts.append(f"## {suite} suite, {dtype}\n\n{environment(rows)}; `{path}`.\n\n{table(rows)}\n")
+    if models:
+        parts.append("## Whole models\n\n" + MODEL_PROTOCOL + "\n")
+        parts += models
     return "\n".join(parts)
 
 

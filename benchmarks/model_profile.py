@@ -1,0 +1,109 @@
+"""Where a whole model's step goes, stock against dwconv.convert, on the GPU: for each, the step's
+wall time (CUDA events), the host's time to issue one step (steps queued behind a long GPU sleep,
+so that the host never waits for the GPU), the GPU kernels' time per step from the profiler, and
+the kernels and host operations that take the most, per step.
+
+    python benchmarks/model_profile.py --model mobilenet_v2 [--precision bf16|float32] [--batch 64]
+        [--mode train|inference] [--out DIR]
+
+A step whose wall time is near its host time and well above its kernels' time is bound by the host;
+near its kernels' time, by the GPU. Tables go to stdout and DIR/profile_MODEL_PRECISION_MODE.txt.
+"""
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+
+from dwconv import convert
+from dwconv.bench_models import PRECISIONS, build_model, inference, time_ms, training_step
+
+
+def host_ms(fn, steps: int = 20) -> float:
+    """Milliseconds the host takes to issue one step while the GPU is busy with a sleep queued first
+    (long enough for every step): the host never waits on the GPU, so this is its own time."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # (about a second of GPU cycles ahead of the steps)
+    started = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    issued = (time.perf_counter() - started) / steps * 1e3
+    torch.cuda.synchronize()
+    return issued
+
+
+def profile(fn, steps: int = 5):
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels, host_ops = {}, {}
+    for event in prof.events():
+        if event.device_type.name != "CPU":
+            continue
+        for kernel in event.kernels:
+            if kernel.name != event.name:  # (a record_function range's own span is no kernel)
+                count, total = kernels.get(kernel.name, (0, 0.0))
+                kernels[kernel.name] = (count + 1, total + kernel.duration)
+        count, total = host_ops.get(event.name, (0, 0.0))
+        host_ops[event.name] = (count + 1, total + event.self_cpu_time_total)
+    per_step = lambda table: sorted(((name, count / steps, total / steps / 1e3) for name, (count, total)
+                                     in table.items()), key=lambda row: -row[2])
+    return per_step(kernels), per_step(host_ops)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="mobilenet_v2")
+    parser.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS))
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--image", type=int, default=224)
+    parser.add_argument("--mode", default="train", choices=["train", "inference"])
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    torch.backends.cudnn.benchmark = True
+    dtype, memory_format = PRECISIONS[args.precision]
+    torch.manual_seed(0)
+    stock = build_model(args.model).cuda().to(memory_format=memory_format)
+    x = torch.randn(args.batch, 3, args.image, args.image, device="cuda").contiguous(memory_format=memory_format)
+    y = torch.randint(0, 10, (args.batch,), device="cuda")
+    lines = []
+
+    def say(text=""):
+        print(text, flush=True)
+        lines.append(text)
+
+    for variant in ("stock", "dwconv"):
+        model = copy.deepcopy(stock) if variant == "stock" else convert(copy.deepcopy(stock), verbose=False)
+        model.train(args.mode == "train")
+        if args.mode == "train":
+            fn = training_step(model, x, y, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), dtype)
+        else:
+            fn = inference(model, x, dtype)
+        wall = statistics.median(time_ms(fn, 10, 20))
+        host = statistics.median(host_ms(fn) for _ in range(3))
+        kernels, host_ops = profile(fn)
+        gpu = sum(ms for _, _, ms in kernels)
+        say(f"{args.model} {args.precision} {args.mode} batch {args.batch} {variant}: wall {wall:.3f} ms a step, "
+            f"host {host:.3f} ms, GPU kernels {gpu:.3f} ms ({sum(n for _, n, _ in kernels):.0f} kernels)")
+        say(f"  {'kernel (per step)':<100} {'count':>6} {'ms':>8}")
+        for name, count, ms in kernels[:args.top]:
+            say(f"  {name[:100]:<100} {count:6.1f} {ms:8.3f}")
+        say(f"  {'host operation, self time (per step)':<100} {'count':>6} {'ms':>8}")
+        for name, count, ms in host_ops[:args.top]:
+            say(f"  {name[:100]:<100} {count:6.1f} {ms:8.3f}")
+        say()
+        del model, fn
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"profile_{args.model}_{args.precision}_{args.mode}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
