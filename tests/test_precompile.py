@@ -208,3 +208,41 @@ def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call
     with pytest.warns(RuntimeWarning, match="ZeroDivisionError"):
         assert torch.equal(model(x[:1]), model(x[:1]))
     assert torch.equal(model(x), expected)
+
+
+def _kernel_binaries(cache) -> dict:
+    """Triton's cache entries that hold a compiled kernel: {entry: kernel name}."""
+    import glob
+    import json
+
+    found = {}
+    for entry in os.listdir(cache):
+        for path in glob.glob(os.path.join(cache, entry, "*.json")):
+            if not os.path.basename(path).startswith("__grp__"):
+                found[entry] = json.load(open(path)).get("name")
+    return found
+
+
+def test_batch_and_image_sizes_share_kernel_binaries(tmp_path, monkeypatch):
+    """The channels_last kernels of a training step (forward, input and weight gradients) take the
+    batch and image size as runtime arguments: another batch or image size (of the same divisibility
+    by 16, which Triton specialises) compiles nothing new, except the forward tile for an output
+    width that takes another block width. Channel counts are specialised: another count compiles
+    each kernel again. Compiled for sm_90 into an empty cache."""
+    from dwconv.precompile import LayerCall, compile_calls
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
+    def call(n, c, h, w):
+        x = torch.empty(n, c, h, w, device="meta", dtype=torch.bfloat16, memory_format=torch.channels_last)
+        weight = torch.empty(c, 1, 3, 3, device="meta", dtype=torch.bfloat16)
+        return LayerCall.of(x, weight, None, (1, 1, 1), (True, True, False))
+
+    new = []
+    for layer in (call(2, 16, 9, 11), call(3, 16, 9, 11), call(2, 16, 13, 10), call(2, 16, 9, 7), call(2, 24, 9, 11)):
+        before = _kernel_binaries(tmp_path)
+        report = compile_calls([layer], 90, workers=2, verbose=False)
+        assert report.errors == [] and report.launches == 3
+        new.append(sorted(name for entry, name in _kernel_binaries(tmp_path).items() if entry not in before))
+    kernels = ["depthwise_fwd_tile_kernel", "depthwise_grad_nhwc_pixels_kernel", "depthwise_weight_grad_sums_kernel"]
+    assert new == [kernels, [], [], ["depthwise_fwd_tile_kernel"], kernels], new

@@ -22,7 +22,9 @@ from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, plan_cache
 
 
 
-@triton.jit
+# (the part counts and strides change with the batch and image size: runtime values, never specialised,
+# so that one binary serves every batch and image size of a layer)
+@triton.jit(do_not_specialize=["outer", "inner", "outer_stride", "inner_stride"])
 def depthwise_weight_grad_sums_kernel(
     partial_ptr, grad_w_ptr, grad_b_ptr,
     outputs, outer, inner, outer_stride, inner_stride, channel_stride,
@@ -80,12 +82,13 @@ _PLANS = plan_cache()
 
 def _plan(channels: int, taps: int, bias_grad: bool, channel_stride: int, inner: Tuple[int, int],
           outer: Tuple[int, int], gpu: bool) -> LaunchPlan:
-    # 8 outputs by up to 256 parts a step on the GPU: many programs (C*taps / 8), few steps each;
-    # under the interpreter few programs
+    # 8 outputs by 256 parts a step on the GPU: many programs (C*taps / 8), few steps each; the
+    # step's size does not follow the part count (another batch or image size would compile again),
+    # rows past it are masked. Under the interpreter few programs, small steps
     outputs = channels * (taps + int(bias_grad))
     parts = outer[0] * inner[0]
     block_e = 8 if gpu else triton.next_power_of_2(min(outputs, 256))
-    block_r = triton.next_power_of_2(min(parts, 256 if gpu else 64))
+    block_r = 256 if gpu else triton.next_power_of_2(min(parts, 64))
     scalars = (outputs, outer[0], inner[0], outer[1], inner[1], channel_stride)
     constants = dict(TAPS=taps, BIAS_GRAD=bias_grad, BLOCK_E=block_e, BLOCK_R=block_r, num_warps=4)
     return LaunchPlan("weight_grad_sums", (triton.cdiv(outputs, block_e),), scalars, constants)
