@@ -181,6 +181,8 @@ def test_converted_model_warms_up_at_its_first_call_with_each_signature(monkeypa
     with torch.no_grad():
         model(x)  # (no gradient: another signature, forward kernels only)
     model.eval()(x)
+    with torch.inference_mode():
+        model(x)  # (no gradient either: the same signature)
     assert first_calls.calls[1:] == [(((3, 6, 9, 9),), True), (((2, 6, 9, 9),), False)]
     copy.deepcopy(model).train()(randn(4, 6, 9, 9))  # (the copy keeps the hook)
     assert len(first_calls.calls) == 4
@@ -204,6 +206,10 @@ def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call
     x = randn(2, 6, 9, 9)
     expected = model(x)
     assert len(found) == 1 and len(found[0]) == 4  # (the hook stayed out of its own fake run)
+    with torch.inference_mode():
+        model.eval()(x[:, :, :7])
+    assert len(found) == 2 and all(not any(call.grads) for call in found[1])
+    model.train()
     monkeypatch.setattr(precompile, "compile_calls", lambda *args: 1 / 0)
     with pytest.warns(RuntimeWarning, match="ZeroDivisionError"):
         assert torch.equal(model(x[:1]), model(x[:1]))
