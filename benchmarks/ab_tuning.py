@@ -12,21 +12,12 @@ row per layer and variant: median ms over rounds and the ratio to the default's.
 """
 
 import argparse
-import ast
 import statistics
 
 import torch
 
 import dwconv
 from dwconv import bench, tuning
-
-
-def parse_variant(text):
-    changes = {}
-    for part in text.split(","):
-        name, value = part.split("=", 1)
-        changes[name.strip()] = ast.literal_eval(value.strip())
-    return changes
 
 
 def main():
@@ -46,7 +37,7 @@ def main():
     cases = [c for c in bench.SUITES[args.suite] if not args.dtype or c.dtype == args.dtype]
     if args.cases:
         cases = [cases[i] for i in args.cases]
-    variants = [("default", {})] + [(text, parse_variant(text)) for text in args.variant]
+    variants = [("default", {})] + [(text, tuning.from_text(text)) for text in args.variant]
     if args.precompile:
         precompile(cases, variants, args)
     timer = bench.Timer(10, args.iters)

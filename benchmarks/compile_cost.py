@@ -38,12 +38,10 @@ def main():
 
     import torch
 
-    import ast
-
     from dwconv import bench, tuning
     from dwconv.precompile import LayerCall, compile_calls
 
-    tuning.override(**{name: ast.literal_eval(value) for name, value in (t.split("=", 1) for t in args.tune)})
+    tuning.override(**tuning.from_text(",".join(args.tune)))
 
     calls = []
     for case in bench.SUITES[args.suite]:

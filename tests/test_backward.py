@@ -105,6 +105,20 @@ def test_channels_last_gradients_with_the_gpu_forward_choice(monkeypatch, kernel
     check_grads(x, weight, randn(64), stride, padding)
 
 
+@pytest.mark.parametrize("kernel,stride,padding", [(7, 1, 3), (3, 2, 1)], ids=str)
+def test_channels_last_pixel_tiles_of_two_rows(monkeypatch, retune, kernel, stride, padding):
+    """The pixel tiles with two output rows a program (tuning.pixel_tile_rows, under evaluation)."""
+    from dwconv import dispatch
+    from dwconv.kernels import tile
+
+    retune(pixel_tile_rows=2)
+    monkeypatch.setattr(tile, "nhwc_blocks", lambda geom, x: tile.nhwc_pixels_blocks(geom, x))
+    x = randn(2, 64, 7, 9).contiguous(memory_format=torch.channels_last)
+    weight = randn(64, 1, kernel, kernel)
+    assert dispatch.forward_config(conv_geometry(x, weight, None, stride, padding, 1), x).block_h == 2
+    check_grads(x, weight, randn(64), stride, padding)
+
+
 def test_channels_last_takes_the_nhwc_kernels():
     """grad_weight of channels_last x and grad_out on the NHWC kernel, grad_input (stride 1) on the
     forward's NHWC kernel; an NCHW grad_out keeps the strided NCHW kernels."""

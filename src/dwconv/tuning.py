@@ -9,6 +9,7 @@ under another.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
@@ -33,6 +34,10 @@ class Tuning:
     max_band_taps: int = 256  # tile kernel: rows x taps unrolled per program on the GPU
     interpreter_band_taps: int = 4096  # the same under the interpreter (cost per operation, not size)
     max_pixel_taps: int = 2048  # outputs x taps an unrolled-pixels program holds
+    # channels_last pixel tiles' output rows a program. Under evaluation: 2 compiles 2.6-4x faster (sm_90,
+    # Triton 3.6: a stride-2 3x3 bfloat16 weight-gradient tile 18.8 -> 4.7 s, a 7x7 forward 29.1 -> 11.0 s),
+    # the slowest compiles of a cold start; its GPU time is to be measured
+    pixel_tile_rows: int = 4
     per_branch_weight_taps: int = 9  # up to 3x3 each tile branch loads its own weights
     nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
     nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks
@@ -61,7 +66,26 @@ class Tuning:
     replay_build_timeout_s: float = 600.0  # the C++ replayer's build never waits longer (stale locks too)
 
 
-_CURRENT = _DEFAULT = Tuning()
+def from_text(text: str) -> Dict[str, object]:
+    """Changes written "name=value,name=value" (Python literals), checked against the table's fields."""
+    import ast
+
+    changes = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name.strip() not in {f.name for f in dataclasses.fields(Tuning)}:
+            raise ValueError(f"dwconv: {name.strip()!r} is no tuning field (dwconv/tuning.py)")
+        try:
+            changes[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"dwconv: tuning field {name.strip()}: {value.strip()!r} is no Python literal") from None
+    return changes
+
+
+_DEFAULT = Tuning()
+# DWCONV_TUNING="name=value,...": the table this process starts with (A/B runs of whole processes: cold
+# starts, models; its compile workers get the same changes)
+_CURRENT = dataclasses.replace(_DEFAULT, **from_text(os.environ.get("DWCONV_TUNING", "")))
 _LOCK = threading.Lock()
 _RESETS: List[Callable[[], None]] = []
 

@@ -713,7 +713,7 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
         block_c = 16 if runs_of_16 and x.element_size() >= 4 else 32
     if whole_tiles and geom.out_w % block_w and geom.out_w % 7 == 0:
         block_w = 7
-    block_h = max(1, min(block_h, tuned().max_pixel_taps // (block_w * taps)))
+    block_h = max(1, min(block_h, tuned().pixel_tile_rows, tuned().max_pixel_taps // (block_w * taps)))
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
 
 
