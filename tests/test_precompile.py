@@ -114,8 +114,26 @@ def test_workers_get_the_tuning_changes(retune, monkeypatch, tmp_path):
     monkeypatch.setattr(subprocess, "Popen", NoWorker)
     with pytest.raises(OSError):
         dwconv.warmup(converted(), randn(1, 6, 8, 8), arch=90, verbose=False)
-    assert json.loads(commands[0][-1]) == {"per_branch_weight_taps": "4", "nhwc_rows_widths": "(48,)",
+    assert json.loads(commands[0][4]) == {"per_branch_weight_taps": "4", "nhwc_rows_widths": "(48,)",
                                            "poison_partials": "True"}
+
+
+def test_workers_that_exit_are_reported_not_waited_for(monkeypatch, tmp_path):
+    """Workers that die (here: at once) leave their tasks as errors, and warmup returns."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    popen = subprocess.Popen
+
+    def dying(command, **kwargs):
+        return popen([sys.executable, "-c", "pass"], **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", dying)
+    with pytest.warns(UserWarning, match="the compile worker exited"):
+        report = dwconv.warmup(converted(), randn(1, 6, 8, 8), workers=2, arch=90, verbose=False)
+    assert report.layers == 4 and len(report.errors) == 8 and report.launches == 0  # (each pass once)
+    assert not os.path.exists(tmp_path / "dwconv-warmup")  # (nothing marked compiled)
 
 
 class ReadsAValue(nn.Module):

@@ -1,13 +1,16 @@
-"""A compile worker of `dwconv.warmup`: `python -m dwconv._compile_worker ARCH [TUNING_CHANGES_JSON]`.
+"""The compile workers of `dwconv.warmup`:
+`python -m dwconv._compile_worker ARCH TUNING_CHANGES_JSON IN_FD,OUT_FD [IN_FD,OUT_FD ...]`.
 
-Reads one task a line on stdin (JSON, `precompile.LayerCall.to_json`: a layer call, a pass, a
-launch number) and runs dwconv's eager forward or backward for it on CPU tensors that are never
-written, with the GPU's launch plans, in a process that compiles a launch for compute capability
-ARCH instead of running it (`_triton_compat.compile_only`). The kernels (and, under Triton 3.6,
-their C launchers) land in Triton's disk cache, where the process that trains finds them. Answers
-one line a task on stdout: `ok SECONDS LAUNCHES` (the pass's launches, counted) or `error MESSAGE`.
-A process of its own (not multiprocessing), so that a user's script without a __main__ guard is
-never imported again.
+A worker reads one task a line from its IN_FD (JSON, `precompile.LayerCall.to_json`: a layer
+call, a pass, a launch number) and runs dwconv's eager forward or backward for it on CPU tensors
+that are never written, with the GPU's launch plans, in a process that compiles a launch for
+compute capability ARCH instead of running it (`_triton_compat.compile_only`). The kernels (and,
+under Triton 3.6, their C launchers) land in Triton's disk cache, where the process that trains
+finds them. It answers one line a task on OUT_FD: `ok SECONDS LAUNCHES` (the pass's launches,
+counted) or `error MESSAGE`. One process imports torch, Triton and dwconv once and forks a worker
+for each further pair of descriptors (16 processes importing torch at once took ~4.6 s to a first
+answer on the GPU machine's host). A process of its own (not multiprocessing), so that a user's
+script without a __main__ guard is never imported again.
 """
 
 from __future__ import annotations
@@ -63,14 +66,36 @@ class LaunchSelector:
         return self.wanted is None or self.seen - 1 == self.wanted
 
 
-def main(arch: int, tuning_changes: str) -> None:
+def main(arch: int, tuning_changes: str, channels: list) -> None:
+    import torch  # noqa: F401  (imported before the forks, once for all workers)
+
+    from . import _library, _triton_compat, tuning  # noqa: F401
+
+    os.dup2(2, 1)  # (anything else printed, by Python or a compiler, goes to stderr)
+    children = []
+    for tasks_fd, answers_fd in channels[1:]:
+        child = os.fork()
+        if child == 0:
+            for other in channels:  # (a worker keeps its own pair only: its pipes then close with it)
+                if other != (tasks_fd, answers_fd):
+                    os.close(other[0]), os.close(other[1])
+            serve(arch, tuning_changes, tasks_fd, answers_fd)
+            os._exit(0)
+        children.append(child)
+    for tasks_fd, answers_fd in channels[1:]:
+        os.close(tasks_fd), os.close(answers_fd)
+    serve(arch, tuning_changes, *channels[0])
+    for child in children:
+        os.waitpid(child, 0)
+
+
+def serve(arch: int, tuning_changes: str, tasks_fd: int, answers_fd: int) -> None:
     import ast
 
     from . import tuning
     from ._triton_compat import build_launcher, compile_only
 
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # (anything else printed, by Python or a compiler, goes to stderr)
+    answers = os.fdopen(answers_fd, "w")
     selector = LaunchSelector()
     can_build_launchers = True  # (False once one could not be: no libcuda on this machine)
 
@@ -83,7 +108,7 @@ def main(arch: int, tuning_changes: str) -> None:
     # the caller's tuning table (its changes as repr()s), and the GPU's kernels and blocks for CPU tensors
     changes = {name: ast.literal_eval(value) for name, value in json.loads(tuning_changes).items()}
     tuning.override(**dict(changes, plan_as_gpu=True))
-    for line in sys.stdin:
+    for line in os.fdopen(tasks_fd):
         started = time.perf_counter()
         call = json.loads(line)
         selector.start(call.get("launch"))
@@ -96,4 +121,4 @@ def main(arch: int, tuning_changes: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "{}")
+    main(int(sys.argv[1]), sys.argv[2], [tuple(int(fd) for fd in pair.split(",")) for pair in sys.argv[3:]])

@@ -283,6 +283,14 @@ def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] 
     return report
 
 
+def iter_queue(tasks: queue.Queue):
+    while True:
+        try:
+            yield tasks.get_nowait()
+        except queue.Empty:
+            return
+
+
 def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: List[str], arch: int, count: int,
                      changes: str, report: WarmupReport, started: float, verbose: bool) -> None:
     env = dict(os.environ)
@@ -308,7 +316,8 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
         if left[rank] == 0 and not failed[rank]:
             _mark(markers[rank])
 
-    def serve(worker: subprocess.Popen):
+    def serve(channel: tuple):
+        to_worker, from_worker = channel
         while True:
             try:
                 _, rank, launch = tasks.get(timeout=0.05)
@@ -318,9 +327,12 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
                         break
                 continue
             index, pass_ = passes[rank]
-            worker.stdin.write(calls[index].to_json(pass_, launch) + "\n")
-            worker.stdin.flush()
-            answer = worker.stdout.readline().strip() or "error the compile worker exited"
+            try:
+                to_worker.write(calls[index].to_json(pass_, launch) + "\n")
+                to_worker.flush()
+                answer = from_worker.readline().strip() or "error the compile worker exited"
+            except OSError:
+                answer = "error the compile worker exited"
             with lock:
                 report.first_answer_seconds = report.first_answer_seconds or time.perf_counter() - started
                 if answer.startswith("ok ") and launch == -1:
@@ -344,15 +356,31 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
                     report.errors.append(f"{calls[index]} {pass_}: {answer[len('error '):]}")
                 state["outstanding"] -= 1
                 show()
-        worker.stdin.close()
-        worker.wait()
+            if answer == "error the compile worker exited":  # (its tasks go to the others)
+                break
+        try:
+            to_worker.close()  # (the worker's end of the pipe closes: it exits)
+        except OSError:
+            pass
 
     show()
-    workers = [subprocess.Popen([sys.executable, "-m", "dwconv._compile_worker", str(arch), changes],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                env=env)
-               for _ in range(count)]
-    threads = [threading.Thread(target=serve, args=(worker,), daemon=True) for worker in workers]
+    # one process imports once and forks the others (_compile_worker.main); a pair of pipes a worker
+    ends = [(os.pipe(), os.pipe()) for _ in range(count)]  # ((tasks read, tasks write), (answers read, answers write))
+    theirs = [(tasks[0], answers[1]) for tasks, answers in ends]
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "dwconv._compile_worker", str(arch), changes,
+                                    *(f"{r},{w}" for r, w in theirs)], pass_fds=[fd for pair in theirs for fd in pair],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   env=env)
+    except BaseException:
+        for tasks, answers in ends:
+            os.close(tasks[1]), os.close(answers[0])
+        raise
+    finally:
+        for r, w in theirs:
+            os.close(r), os.close(w)
+    channels = [(os.fdopen(tasks[1], "w"), os.fdopen(answers[0])) for tasks, answers in ends]
+    threads = [threading.Thread(target=serve, args=(channel,), daemon=True) for channel in channels]
     if torch.cuda.is_available():  # (Triton's CUDA utilities, a C compile at a process's first launch: built meanwhile)
         from ._triton_compat import build_driver_utils
 
@@ -361,5 +389,10 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
         thread.start()
     for thread in threads:
         thread.join()
+    for _, from_worker in channels:
+        from_worker.close()
+    process.wait()
+    unreported = {rank for _, rank, _ in iter_queue(tasks) if not failed[rank]}  # (every worker exited first)
+    report.errors += [f"{calls[passes[rank][0]]} {passes[rank][1]}: no compile worker left" for rank in sorted(unreported)]
     if verbose:
         print(file=sys.stderr)
