@@ -4,6 +4,7 @@ model's real step compiles nothing)."""
 
 import copy
 import os
+import shutil
 
 import pytest
 import torch
@@ -77,15 +78,19 @@ def test_warmup_fills_the_disk_cache(tmp_path, monkeypatch):
     assert report.errors == [] and report.layers == 4
     assert report.passes_warm == 0 and report.launches >= 8  # (4 calls, each a forward and a backward)
     entries = set(os.listdir(tmp_path))
-    assert len(entries) >= 3 and len(os.listdir(tmp_path / "dwconv-warmup")) == 8
+    assert len(entries) >= 3 and len(os.listdir(tmp_path / "dwconv-warmup")) == 2 * 8  # (with the batch-free ones)
     again = dwconv.warmup(model, x, workers=1, arch=None if DEVICE == "cuda" else 90, verbose=False)
     # the markers say every pass is compiled: no worker starts
     assert again.errors == [] and again.workers == 0 and again.passes_warm == 8
     assert set(os.listdir(tmp_path)) == entries
+    # another batch size: the batch-free markers say its kernels are those compiled (no worker either)
+    other_batch = dwconv.warmup(model, x[:2], workers=1, arch=None if DEVICE == "cuda" else 90, verbose=False)
+    assert other_batch.workers == 0 and other_batch.passes_warm == 8
     if DEVICE == "cuda":
         model(x.requires_grad_()).backward()
+        model(x[:2]).backward()
         torch.cuda.synchronize()
-        assert set(os.listdir(tmp_path)) == entries, "the real step compiled kernels that warmup did not"
+        assert set(os.listdir(tmp_path)) == entries, "the real steps compiled kernels that warmup did not"
 
 
 def test_warmup_needs_arch_without_a_gpu(monkeypatch):
@@ -265,6 +270,7 @@ def test_batch_and_image_sizes_share_kernel_binaries(tmp_path, monkeypatch):
     new = []
     for layer in (call(2, 16, 9, 11), call(3, 16, 9, 11), call(2, 16, 13, 10), call(2, 16, 9, 7), call(2, 24, 9, 11)):
         before = _kernel_binaries(tmp_path)
+        shutil.rmtree(tmp_path / "dwconv-warmup", ignore_errors=True)  # (markers would skip the batch-only change)
         report = compile_calls([layer], 90, workers=2, verbose=False)
         assert report.errors == [] and report.launches == 3
         new.append(sorted(name for entry, name in _kernel_binaries(tmp_path).items() if entry not in before))

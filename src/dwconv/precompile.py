@@ -50,6 +50,11 @@ class LayerCall:
         return cls(tuple(_spec(t) for t in (input, weight, bias)), tuple(bool(g) for g in grads),
                    tuple(_plain(a) for a in arguments))
 
+    def without_batch(self) -> "LayerCall":
+        """The call with the input's batch size (and its stride) as 0: what every batch size shares."""
+        (shape, strides, dtype), *rest = self.tensors
+        return LayerCall((((0, *shape[1:]), (0, *strides[1:]), dtype), *rest), self.grads, self.arguments)
+
     def passes(self) -> List[str]:
         return ["backward", "forward"] if any(self.grads) else ["forward"]
 
@@ -269,9 +274,11 @@ def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] 
     the slowest layer, bounds the wall time. Passes a marker says are compiled already are skipped."""
     started = time.perf_counter()
     changes = json.dumps({name: repr(value) for name, value in tuning.changes().items()})
-    markers = {(i, pass_): _marker(call, pass_, arch, changes) for i, call in enumerate(calls)
-               for pass_ in call.passes()}
-    passes = sorted((task for task, path in markers.items() if not os.path.exists(path)),
+    # (the call's own marker, and its batch-free one: the kernels take the batch as a runtime value, so a
+    # layer compiled for one batch size has them all; tests/test_precompile.py counts what another compiles)
+    markers = {(i, pass_): (_marker(call, pass_, arch, changes), _marker(call.without_batch(), pass_, arch, changes))
+               for i, call in enumerate(calls) for pass_ in call.passes()}
+    passes = sorted((task for task, paths in markers.items() if not any(map(os.path.exists, paths))),
                     key=lambda task: calls[task[0]].cost(task[1]), reverse=True)
     count = max(1, min(workers or default_workers(), len(passes)))
     report = WarmupReport(len(calls), 0.0, count if passes else 0, call_seconds=[0.0] * len(calls),
@@ -291,7 +298,7 @@ def iter_queue(tasks: queue.Queue):
             return
 
 
-def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: List[str], arch: int, count: int,
+def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: List[tuple], arch: int, count: int,
                      changes: str, report: WarmupReport, started: float, verbose: bool) -> None:
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -314,7 +321,8 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
 
     def finished(rank: int) -> None:  # (under the lock)
         if left[rank] == 0 and not failed[rank]:
-            _mark(markers[rank])
+            for path in markers[rank]:
+                _mark(path)
 
     def serve(channel: tuple):
         to_worker, from_worker = channel
