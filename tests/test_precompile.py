@@ -276,3 +276,24 @@ def test_batch_and_image_sizes_share_kernel_binaries(tmp_path, monkeypatch):
         new.append(sorted(name for entry, name in _kernel_binaries(tmp_path).items() if entry not in before))
     kernels = ["depthwise_fwd_tile_kernel", "depthwise_grad_nhwc_pixels_kernel", "depthwise_weight_grad_sums_kernel"]
     assert new == [kernels, [], [], ["depthwise_fwd_tile_kernel"], kernels], new
+
+
+def test_the_fake_run_calls_no_user_hook_but_torch_weight_hooks():
+    """A user's hooks keep what they see: the fake run must not call them (fake tensors, a run that
+    is none). The older weight_norm's pre-hook computes the weight: it runs. Every hook is back after."""
+    import warnings
+
+    model = converted()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch.nn.utils.weight_norm is deprecated)
+        torch.nn.utils.weight_norm(model.dw3)
+    seen = []
+    model.dw1.register_forward_hook(lambda module, args, out: seen.append(out))
+    model.register_forward_pre_hook(lambda module, args: seen.append("pre"))
+    hooks = {m: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in model.modules()}
+    calls = layer_calls(model, randn(2, 6, 11, 13))
+    assert seen == []
+    assert [c.tensors[1][0] for c in calls][-1] == (12, 1, 5, 5)  # (dw3 through its weight_norm hook)
+    assert {m: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in model.modules()} == hooks
+    model(randn(2, 6, 11, 13))
+    assert seen[0] == "pre" and len(seen) == 3  # (dw1 is called twice)

@@ -99,8 +99,9 @@ def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict
     """The distinct depthwise calls one call of model(*example_inputs) makes through dwconv, and
     whether their backward runs (train, default model.training: the gradients its tensors
     require). Runs the model once on fake tensors (torch's FakeTensorMode: no kernel, no memory,
-    parameters and buffers left as they are), under the caller's autocast state, so call it as the
-    model will be called (inside the same torch.autocast)."""
+    parameters and buffers left as they are; the model's forward hooks are not called, but for torch's
+    own weight-computing pre-hooks), under the caller's autocast state, so call it as the model will
+    be called (inside the same torch.autocast)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the module it compiles)
@@ -119,6 +120,7 @@ def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     functional._DOORS["pytorch"] = recording_door
     _TRACING.active = True
+    hooks = _keep_torch_hooks_only(model)
     try:
         model.train(train)
         with mode, torch.set_grad_enabled(train):
@@ -136,8 +138,32 @@ def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict
     finally:
         functional._DOORS["pytorch"] = pytorch_door
         _TRACING.active = False
+        for module, (forward_hooks, pre_hooks) in hooks.items():
+            module._forward_hooks, module._forward_pre_hooks = forward_hooks, pre_hooks
         model.train(was_training)
     return list(calls)
+
+
+def _keep_torch_hooks_only(model: nn.Module) -> dict:
+    """Takes the model's forward hooks away for the fake run, but for the forward pre-hooks that
+    compute a weight (the older weight_norm, spectral_norm, pruning): a user's hook may keep what it
+    sees (activations, statistics, counters), and must never see fake tensors or be called for a run
+    that is not one. Returns what to put back: {module: (forward hooks, forward pre-hooks)}."""
+    from collections import OrderedDict
+
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    weights = (BasePruningMethod, SpectralNorm, WeightNorm)
+    taken = {}
+    for module in model.modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            taken[module] = (module._forward_hooks, module._forward_pre_hooks)
+            module._forward_hooks = OrderedDict()
+            module._forward_pre_hooks = OrderedDict((k, hook) for k, hook in taken[module][1].items()
+                                                    if isinstance(hook, weights))
+    return taken
 
 
 @dataclass
