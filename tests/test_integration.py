@@ -162,6 +162,28 @@ def test_compile_fullgraph_forward_and_backward(monkeypatch):
         assert_close(q.grad, p.grad.double(), torch.float32, f"compiled grad of {name}")
 
 
+def test_compile_dynamic_batch():
+    """torch.compile(dynamic=True) of a converted model: one graph for every batch size, the same
+    values and gradients as eager at each."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    model = dwconv.convert(DepthwiseNet().to(DEVICE), verbose=False)
+    counter = CompileCounterWithBackend(BACKEND)
+    compiled = torch.compile(copy.deepcopy(model), fullgraph=True, backend=counter, dynamic=True)
+    for batch in (2, 3, 5):
+        x = randn(batch, 4, 12, 12)
+        model.zero_grad(), compiled.zero_grad()
+        eager_out = model(x)
+        eager_out.square().sum().backward()
+        out = compiled(x)
+        out.square().sum().backward()
+        assert_close(out, eager_out.double(), torch.float32, f"compiled output, batch {batch}")
+        for (name, p), q in zip(model.named_parameters(), compiled.parameters()):
+            assert_close(q.grad, p.grad.double(), torch.float32, f"compiled grad of {name}, batch {batch}")
+    assert counter.frame_count == 1
+
+
 def test_compile_channels_last_large_kernel():
     """A channels_last large kernel compiled: its traced backward copies grad_out to NCHW once in the
     graph (both gradients' kernels index unit-stride rows); values and gradients as eager's."""
