@@ -258,6 +258,10 @@ def default_workers() -> int:
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
+# (launches a pass makes: up to 4 for the small kernels' backward (weight tiles, sums, grad_input), up to 7
+# for the large kernels' channels_last backward, some of them the same binary: counted over the suites)
+LAUNCHES_A_PASS = 4
+
 _FINGERPRINT: dict = {}
 
 
@@ -306,7 +310,10 @@ def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] 
                for i, call in enumerate(calls) for pass_ in call.passes()}
     passes = sorted((task for task, paths in markers.items() if not any(map(os.path.exists, paths))),
                     key=lambda task: calls[task[0]].cost(task[1]), reverse=True)
-    count = max(1, min(workers or default_workers(), len(passes)))
+    # (each launch is a task of its own: fewer workers than launches would queue the
+    # slow compiles one behind another, as ConvNeXt-T's 16 launches on 8 workers did on the H200's host:
+    # a 61.2 s warmup whose longest compile took 41.2 s; forked workers cost little)
+    count = max(1, min(workers or default_workers(), LAUNCHES_A_PASS * len(passes)))
     report = WarmupReport(len(calls), 0.0, count if passes else 0, call_seconds=[0.0] * len(calls),
                           passes_warm=len(markers) - len(passes))
     if passes:
