@@ -451,6 +451,19 @@ def test_model_cold_start_harness(monkeypatch):
     assert all(r["ms"] > 0 and set(r) <= set(CSV_FIELDS) for r in rows)
 
 
+def test_model_paths_compare_with_stock_of_the_same_compilation():
+    from dwconv.bench_models import COMPILE_MODES, model_paths, stock_path
+
+    paths = model_paths(COMPILE_MODES["all"])
+    labels = [label for label, _, _, _ in paths]
+    assert len(labels) == len(set(labels)) == 9
+    for label, variant, mode, native in paths:
+        base = next(p for p in paths if p[0] == stock_path(label))
+        assert base[1] == "stock" and base[2] == mode and (native is None or variant == "dwconv")
+    assert [label for label, *_ in model_paths(COMPILE_MODES["no"])] == [
+        "stock eager", "dwconv eager", "dwconv eager, Python path"]
+
+
 def test_model_profile_ranges():
     """bench --model's profiler ranges: every depthwise layer's forward and backward is one range a
     step (2 layers: 4 in training, 2 in inference); their GPU time needs a GPU."""

@@ -167,8 +167,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--cold-start", choices=["yes", "no", "only"], default="yes",
                    help="--model: also (or only) the first training steps in fresh processes with an empty Triton "
                         "cache, stock and dwconv (its first call warms up), and a second process on the warmed cache")
-    p.add_argument("--model-compile", choices=["yes", "no"], default="yes",
-                   help="--model: also time both models under torch.compile (default mode)")
+    p.add_argument("--model-compile", choices=["no", "default", "all"], default="default",
+                   help="--model: also time both models under torch.compile: its default mode, or also "
+                        "max-autotune-no-cudagraphs and reduce-overhead (CUDA graphs)")
     p.add_argument("--cold-start-unwarmed", action="store_true",
                    help="--cold-start: also the converted model without its first-call warmup (each layer then "
                         "compiles at its first call, one after another)")
@@ -474,7 +475,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.cold_start != "only":
             steady = [r for name in args.model for r in bench_model(name, args.model_batch, args.image, args.warmup,
                                                                     min(args.iters, 20),
-                                                                    compile_too=args.model_compile == "yes",
+                                                                    compile_modes=args.model_compile,
                                                                     precisions=args.model_precision)]
             print_model_table(steady)
             rows += steady

@@ -197,12 +197,34 @@ def rows_layout(memory_format) -> str:
     return "channels_last" if memory_format == torch.channels_last else "nchw"
 
 
-def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_too: bool = True,
+COMPILE_MODES = {"no": [], "default": ["default"],
+                 "all": ["default", "max-autotune-no-cudagraphs", "reduce-overhead"]}
+
+
+def model_paths(compile_modes: List[str]) -> List[tuple]:
+    """(path label, model, compile mode or None, DWCONV_NATIVE for the timing or None): stock and
+    converted eager, the converted model's eager calls also through the Python path (the C++
+    replayer off: whether it wins on whole models), and each compile mode for both."""
+    paths = [("stock eager", "stock", None, None), ("dwconv eager", "dwconv", None, None),
+             ("dwconv eager, Python path", "dwconv", None, "0")]
+    for mode in compile_modes:
+        label = "compiled" if mode == "default" else f"compiled {mode}"
+        paths += [(f"stock {label}", "stock", mode, None), (f"dwconv {label}", "dwconv", mode, None)]
+    return paths
+
+
+def stock_path(path: str) -> str:
+    """The stock path a path is compared with: the same compilation."""
+    return path.replace("dwconv", "stock").replace(", Python path", "")
+
+
+def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_modes: str = "default",
                 precisions: str = "all") -> List[Dict]:
     torch.backends.cudnn.benchmark = True  # (as conv nets are trained: cuDNN's fastest algorithm for the stock layers)
     torch.manual_seed(0)
     stock = build_model(name).cuda()
     converted = convert(stock, verbose=False)
+    models = {"stock": stock, "dwconv": converted}
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(batch, 3, image, image, device="cuda", generator=gen)
     y = torch.randint(0, 10, (batch,), device="cuda", generator=gen)
@@ -215,35 +237,41 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
         dtype, memory_format = PRECISIONS[key]
         precision = "bf16 autocast CL" if dtype is not None else key
         inputs = x.contiguous(memory_format=memory_format)
-        for variant, source in (("stock", stock), ("dwconv", converted)):
-            for compiled in ((False, True) if compile_too else (False,)):
-                model = copy.deepcopy(source).to(memory_format=memory_format)
-                run = torch.compile(model) if compiled else model
-                optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-                path = f"{variant} {'compiled' if compiled else 'eager'}"
-                for mode, fn in (("train step", training_step(run, inputs, y, optimizer, dtype)),
+        for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes]):
+            model = copy.deepcopy(models[variant]).to(memory_format=memory_format)
+            run = torch.compile(model, mode=mode) if mode else model
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+            saved = os.environ.get("DWCONV_NATIVE")
+            if native is not None:
+                os.environ["DWCONV_NATIVE"] = native
+            try:
+                for step, fn in (("train step", training_step(run, inputs, y, optimizer, dtype)),
                                  ("inference", inference(run, inputs, dtype))):
-                    run.train(mode == "train step")  # (BatchNorm on the batch's statistics when training)
+                    run.train(step == "train step")  # (BatchNorm on the batch's statistics when training)
                     ms = time_ms(fn, warmup, iters)
-                    if not compiled:  # (the profiler's view of the same step: the depthwise layers' GPU time)
+                    if not mode:  # (the profiler's view of the same step: the depthwise layers' GPU time)
                         share = depthwise_share(model, fn)
                         for what in ("depthwise_ms", "gpu_ms"):
                             profiles.append(dict(suite="model profile", layer=name, dtype=precision, path=path,
-                                             layout=rows_layout(memory_format), ms=share[what],
-                                             **{"pass": f"{mode} {what[:-3]} GPU"}))
-                        print(f"  {precision:<17} {mode:<10} {path:<16} profiler: depthwise {share['depthwise_ms']:.3f}"
-                              f" of {share['gpu_ms']:.3f} ms GPU", flush=True)
-                    rows.append(dict(model=name, precision=precision, mode=mode, path=path,
+                                                 layout=rows_layout(memory_format), ms=share[what],
+                                                 **{"pass": f"{step} {what[:-3]} GPU"}))
+                        print(f"  {precision:<17} {step:<10} {path:<26} profiler: depthwise "
+                              f"{share['depthwise_ms']:.3f} of {share['gpu_ms']:.3f} ms GPU", flush=True)
+                    rows.append(dict(model=name, precision=precision, mode=step, path=path, stock_path=stock_path(path),
                                      ms=statistics.median(ms), std=statistics.pstdev(ms),
                                      # (the results CSVs' schema: bench.CSV_FIELDS)
-                                     suite="model", layer=name, dtype=precision, **{"pass": mode},
+                                     suite="model", layer=name, dtype=precision, **{"pass": step},
                                      layout=rows_layout(memory_format)))
-                    print(f"  {precision:<17} {mode:<10} {path:<16} {rows[-1]['ms']:8.3f} ms", flush=True)
-                del model, run, optimizer
-                torch.cuda.empty_cache()
-    for row in rows:  # speedup against the stock model of the same precision, mode and compilation
-        base = next(r for r in rows if (r["precision"], r["mode"]) == (row["precision"], row["mode"])
-                    and r["path"] == "stock " + row["path"].split()[1])
+                    print(f"  {precision:<17} {step:<10} {path:<26} {rows[-1]['ms']:8.3f} ms", flush=True)
+            finally:
+                if native is not None:
+                    os.environ.pop("DWCONV_NATIVE") if saved is None else os.environ.update(DWCONV_NATIVE=saved)
+            del model, run, optimizer
+            torch.cuda.empty_cache()
+    for row in rows:  # speedup against the stock model of the same precision, step and compilation
+        stock_path = row.pop("stock_path")
+        base = next(r for r in rows if (r["precision"], r["mode"], r["path"]) == (row["precision"], row["mode"],
+                                                                                stock_path))
         row["vs_stock"] = row["dwconv_speedup"] = base["ms"] / row["ms"]
     for row in profiles:  # the profiled GPU times, stock's over this one's (depthwise: the issue's 1.5x)
         base = next(r for r in profiles if (r["dtype"], r["pass"], r["path"]) == (row["dtype"], row["pass"],
@@ -336,10 +364,10 @@ def cold_start(name: str, batch: int, image: int, precisions: str = "all", timeo
 
 
 def print_model_table(rows: List[Dict]) -> None:
-    print(f"\n{'model':<16} {'precision':<17} {'mode':<10} {'path':<16} {'ms':>9} {'std':>7} {'vs stock':>8}")
-    print("-" * 88)
+    print(f"\n{'model':<16} {'precision':<17} {'mode':<10} {'path':<44} {'ms':>9} {'std':>7} {'vs stock':>8}")
+    print("-" * 116)
     for r in (r for r in rows if "model" in r):  # (the profile rows are printed as they are measured)
-        print(f"{r['model']:<16} {r['precision']:<17} {r['mode']:<10} {r['path']:<16} {r['ms']:9.3f} "
+        print(f"{r['model']:<16} {r['precision']:<17} {r['mode']:<10} {r['path']:<44} {r['ms']:9.3f} "
               f"{r['std']:7.3f} {r['vs_stock']:7.2f}x")
 
 
