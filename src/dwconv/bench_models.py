@@ -244,7 +244,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
             saved = os.environ.get("DWCONV_NATIVE")
             if native is not None:
                 os.environ["DWCONV_NATIVE"] = native
-            try:
+            try:  # (a path that fails is reported and skipped: the other rows still come)
                 for step, fn in (("train step", training_step(run, inputs, y, optimizer, dtype)),
                                  ("inference", inference(run, inputs, dtype))):
                     run.train(step == "train step")  # (BatchNorm on the batch's statistics when training)
@@ -263,16 +263,18 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                                      suite="model", layer=name, dtype=precision, **{"pass": step},
                                      layout=rows_layout(memory_format)))
                     print(f"  {precision:<17} {step:<10} {path:<26} {rows[-1]['ms']:8.3f} ms", flush=True)
+            except Exception as error:
+                print(f"  {precision:<17} {path}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             finally:
                 if native is not None:
                     os.environ.pop("DWCONV_NATIVE") if saved is None else os.environ.update(DWCONV_NATIVE=saved)
             del model, run, optimizer
             torch.cuda.empty_cache()
     for row in rows:  # speedup against the stock model of the same precision, step and compilation
-        stock_path = row.pop("stock_path")
-        base = next(r for r in rows if (r["precision"], r["mode"], r["path"]) == (row["precision"], row["mode"],
-                                                                                stock_path))
-        row["vs_stock"] = row["dwconv_speedup"] = base["ms"] / row["ms"]
+        base_path = row.pop("stock_path")
+        base = next((r for r in rows if (r["precision"], r["mode"], r["path"]) == (row["precision"], row["mode"],
+                                                                                 base_path)), None)
+        row["vs_stock"] = row["dwconv_speedup"] = base["ms"] / row["ms"] if base else float("nan")
     for row in profiles:  # the profiled GPU times, stock's over this one's (depthwise: the 1.5x)
         base = next(r for r in profiles if (r["dtype"], r["pass"], r["path"]) == (row["dtype"], row["pass"],
                                                                                  "stock eager"))
