@@ -276,9 +276,9 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                                                                                  base_path)), None)
         row["vs_stock"] = row["dwconv_speedup"] = base["ms"] / row["ms"] if base else float("nan")
     for row in profiles:  # the profiled GPU times, stock's over this one's (depthwise: the 1.5x)
-        base = next(r for r in profiles if (r["dtype"], r["pass"], r["path"]) == (row["dtype"], row["pass"],
-                                                                                 "stock eager"))
-        row["dwconv_speedup"] = base["ms"] / row["ms"] if row["ms"] else float("nan")
+        base = next((r for r in profiles if (r["dtype"], r["pass"], r["path"]) == (row["dtype"], row["pass"],
+                                                                                  "stock eager")), None)
+        row["dwconv_speedup"] = base["ms"] / row["ms"] if base and row["ms"] else float("nan")
     return rows + profiles
 
 
