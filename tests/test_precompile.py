@@ -123,8 +123,9 @@ def test_workers_get_the_tuning_changes(retune, monkeypatch, tmp_path):
                                            "poison_partials": "True"}
 
 
-def test_workers_that_exit_are_reported_not_waited_for(monkeypatch, tmp_path):
-    """Workers that die (here: at once) leave their tasks as errors, and warmup returns."""
+def test_workers_that_exit_are_reported_not_waited_for(monkeypatch, tmp_path, capsys):
+    """Workers that die (here: at once) leave their tasks as errors, and warmup returns. Its
+    progress, where stderr is no terminal, is one line at the end."""
     import subprocess
     import sys
 
@@ -136,8 +137,10 @@ def test_workers_that_exit_are_reported_not_waited_for(monkeypatch, tmp_path):
 
     monkeypatch.setattr(subprocess, "Popen", dying)
     with pytest.warns(UserWarning, match="the compile worker exited"):
-        report = dwconv.warmup(converted(), randn(1, 6, 8, 8), workers=2, arch=90, verbose=False)
+        report = dwconv.warmup(converted(), randn(1, 6, 8, 8), workers=2, arch=90)
     assert report.layers == 4 and len(report.errors) == 8 and report.launches == 0  # (each pass once)
+    assert capsys.readouterr().err.splitlines() == [
+        "dwconv.warmup: 0/? kernel launches of 4 depthwise calls compiled on 2 processes, 0 s"]
     assert not os.path.exists(tmp_path / "dwconv-warmup")  # (nothing marked compiled)
 
 

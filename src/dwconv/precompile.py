@@ -346,11 +346,13 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
     failed = [False] * len(passes)
     lock = threading.Lock()
 
-    def show():
-        if verbose:
-            print(f"\rdwconv.warmup: {state['done']}/{state['total'] or '?'} kernel launches of {len(calls)} "
-                  f"depthwise calls compiled on {count} processes, {time.perf_counter() - started:.0f} s", end="",
-                  file=sys.stderr, flush=True)
+    live = verbose and sys.stderr.isatty()  # (a log gets one line, at the end)
+
+    def show(end: str = ""):
+        if live or (verbose and end):
+            line = (f"dwconv.warmup: {state['done']}/{state['total'] or '?'} kernel launches of {len(calls)} "
+                    f"depthwise calls compiled on {count} processes, {time.perf_counter() - started:.0f} s")
+            print(("\r" if live else "") + line, end=end, file=sys.stderr, flush=True)
 
     def finished(rank: int) -> None:  # (under the lock)
         if left[rank] == 0 and not failed[rank]:
@@ -435,5 +437,4 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
     process.wait()
     unreported = {rank for _, rank, _ in iter_queue(tasks) if not failed[rank]}  # (every worker exited first)
     report.errors += [f"{calls[passes[rank][0]]} {passes[rank][1]}: no compile worker left" for rank in sorted(unreported)]
-    if verbose:
-        print(file=sys.stderr)
+    show(end="\n")
