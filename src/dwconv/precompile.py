@@ -16,6 +16,7 @@ input signature warms up first, under the caller's autocast and grad mode.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -262,23 +263,19 @@ def default_workers() -> int:
 # for the large kernels' channels_last backward, some of them the same binary: counted over the suites)
 LAUNCHES_A_PASS = 4
 
-_FINGERPRINT: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _fingerprint() -> str:
     """What every compiled kernel depends on besides its call: Triton's and torch's versions and
     dwconv's sources (read once a process)."""
-    if "value" not in _FINGERPRINT:
-        import triton
+    import triton
 
-        digest = hashlib.sha256(f"{triton.__version__} {torch.__version__}".encode())
-        package = os.path.dirname(os.path.abspath(__file__))
-        for folder, _, names in sorted(os.walk(package)):
-            for name in sorted(n for n in names if n.endswith(".py")):
-                with open(os.path.join(folder, name), "rb") as source:
-                    digest.update(name.encode() + source.read())
-        _FINGERPRINT["value"] = digest.hexdigest()
-    return _FINGERPRINT["value"]
+    digest = hashlib.sha256(f"{triton.__version__} {torch.__version__}".encode())
+    package = os.path.dirname(os.path.abspath(__file__))
+    for folder, _, names in sorted(os.walk(package)):
+        for name in sorted(n for n in names if n.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as source:
+                digest.update(name.encode() + source.read())
+    return digest.hexdigest()
 
 
 def _marker(call: LayerCall, pass_: str, arch: int, changes: str) -> str:
@@ -323,7 +320,7 @@ def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] 
     return report
 
 
-def iter_queue(tasks: queue.Queue):
+def _drained(tasks: queue.Queue):
     while True:
         try:
             yield tasks.get_nowait()
@@ -408,21 +405,21 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
 
     show()
     # one process imports once and forks the others (_compile_worker.main); a pair of pipes a worker
-    ends = [(os.pipe(), os.pipe()) for _ in range(count)]  # ((tasks read, tasks write), (answers read, answers write))
-    theirs = [(tasks[0], answers[1]) for tasks, answers in ends]
+    pipes = [(os.pipe(), os.pipe()) for _ in range(count)]  # ((tasks read, write), (answers read, write))
+    theirs = [(task_pipe[0], answer_pipe[1]) for task_pipe, answer_pipe in pipes]
     try:
         process = subprocess.Popen([sys.executable, "-m", "dwconv._compile_worker", str(arch), changes,
                                     *(f"{r},{w}" for r, w in theirs)], pass_fds=[fd for pair in theirs for fd in pair],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                    env=env)
     except BaseException:
-        for tasks, answers in ends:
-            os.close(tasks[1]), os.close(answers[0])
+        for task_pipe, answer_pipe in pipes:
+            os.close(task_pipe[1]), os.close(answer_pipe[0])
         raise
     finally:
         for r, w in theirs:
             os.close(r), os.close(w)
-    channels = [(os.fdopen(tasks[1], "w"), os.fdopen(answers[0])) for tasks, answers in ends]
+    channels = [(os.fdopen(task_pipe[1], "w"), os.fdopen(answer_pipe[0])) for task_pipe, answer_pipe in pipes]
     threads = [threading.Thread(target=serve, args=(channel,), daemon=True) for channel in channels]
     if torch.cuda.is_available():  # (Triton's CUDA utilities, a C compile at a process's first launch: built meanwhile)
         from ._triton_compat import build_driver_utils
@@ -435,6 +432,6 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
     for _, from_worker in channels:
         from_worker.close()
     process.wait()
-    unreported = {rank for _, rank, _ in iter_queue(tasks) if not failed[rank]}  # (every worker exited first)
+    unreported = {rank for _, rank, _ in _drained(tasks) if not failed[rank]}  # (every worker exited first)
     report.errors += [f"{calls[passes[rank][0]]} {passes[rank][1]}: no compile worker left" for rank in sorted(unreported)]
     show(end="\n")

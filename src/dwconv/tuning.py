@@ -72,13 +72,13 @@ def from_text(text: str) -> Dict[str, object]:
 
     changes = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
-        if name.strip() not in {f.name for f in dataclasses.fields(Tuning)}:
-            raise ValueError(f"dwconv: {name.strip()!r} is no tuning field (dwconv/tuning.py)")
+        name, value = (side.strip() for side in part.partition("=")[::2])
+        if name not in {f.name for f in dataclasses.fields(Tuning)}:
+            raise ValueError(f"dwconv: {name!r} is no tuning field (dwconv/tuning.py)")
         try:
-            changes[name.strip()] = ast.literal_eval(value.strip())
+            changes[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            raise ValueError(f"dwconv: tuning field {name.strip()}: {value.strip()!r} is no Python literal") from None
+            raise ValueError(f"dwconv: tuning field {name}: {value!r} is no Python literal") from None
     return changes
 
 
