@@ -71,15 +71,9 @@ def main():
 def precompile(cases, variants, args):
     from dwconv.precompile import LayerCall, compile_calls
 
-    calls = []
-    for case in cases:
-        dtype = bench.DTYPES[case.dtype]
-        fmt = torch.channels_last if args.channels_last else torch.contiguous_format
-        x = torch.empty(case.n, case.c, case.h, case.w, device="meta", dtype=dtype, memory_format=fmt)
-        weight = torch.empty(case.c * case.multiplier, 1, case.kernel, case.kernel, device="meta", dtype=dtype)
-        bias = torch.empty(case.c * case.multiplier, device="meta", dtype=dtype) if case.bias else None
-        grads = (True, True, case.bias) if args.backward else (False, False, False)
-        calls.append(LayerCall.of(x, weight, bias, (case.stride, case.padding, case.dilation), grads))
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    calls = [LayerCall.of(*bench.meta_inputs(case, fmt), (case.stride, case.padding, case.dilation),
+                          (args.backward, args.backward, args.backward and case.bias)) for case in cases]
     major, minor = torch.cuda.get_device_capability()
     for name, changes in variants:
         with tuning.override(**changes):

@@ -50,13 +50,9 @@ def main():
         n = args.batch or case.n
         shape = (n, case.c, max(1, round(case.h * args.scale)), max(1, round(case.w * args.scale)))
         fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
-        dtype = getattr(torch, args.dtype)
-        x = torch.empty(shape, device="meta", dtype=dtype, memory_format=fmt)
-        out_c = case.c * case.multiplier
-        weight = torch.empty(out_c, 1, case.kernel, case.kernel, device="meta", dtype=dtype)
-        bias = torch.empty(out_c, device="meta", dtype=dtype) if case.bias else None
         grads = (False, False, False) if args.inference else (True, True, case.bias)
-        calls.append(LayerCall.of(x, weight, bias, (case.stride, case.padding, case.dilation), grads))
+        calls.append(LayerCall.of(*bench.meta_inputs(case, fmt, shape), (case.stride, case.padding, case.dilation),
+                                  grads))
     if args.kernels:
         compile_one_by_one(calls, args.arch)
         return

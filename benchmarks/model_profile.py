@@ -19,7 +19,7 @@ import time
 import torch
 
 from dwconv import convert
-from dwconv.bench_models import PRECISIONS, build_model, inference, time_ms, training_step
+from dwconv.bench_models import PRECISIONS, build_model, inference, launched_kernels, time_ms, training_step
 
 
 def host_ms(fn, steps: int = 20) -> float:
@@ -42,13 +42,12 @@ def profile(fn, steps: int = 5):
             fn()
         torch.cuda.synchronize()
     kernels, host_ops = {}, {}
+    for name, duration in launched_kernels(prof.events()):
+        count, total = kernels.get(name, (0, 0.0))
+        kernels[name] = (count + 1, total + duration)
     for event in prof.events():
         if event.device_type.name != "CPU":
             continue
-        for kernel in event.kernels:
-            if kernel.name != event.name:  # (a record_function range's own span is no kernel)
-                count, total = kernels.get(kernel.name, (0, 0.0))
-                kernels[kernel.name] = (count + 1, total + kernel.duration)
         count, total = host_ops.get(event.name, (0, 0.0))
         host_ops[event.name] = (count + 1, total + event.self_cpu_time_total)
     per_step = lambda table: sorted(((name, count / steps, total / steps / 1e3) for name, (count, total)

@@ -268,6 +268,16 @@ def make_inputs(case: Case, generator: torch.Generator):
     return x, weight, bias
 
 
+def meta_inputs(case: Case, memory_format=torch.contiguous_format, shape=None):
+    """make_inputs' tensors on the meta device (shapes, strides, dtypes only: what a compile needs);
+    shape: the input's, where it is not the case's."""
+    dtype = DTYPES[case.dtype]
+    x = torch.empty(shape or (case.n, case.c, case.h, case.w), device="meta", dtype=dtype, memory_format=memory_format)
+    out_c = case.c * case.multiplier
+    weight = torch.empty(out_c, 1, case.kernel, case.kernel, device="meta", dtype=dtype)
+    return x, weight, torch.empty(out_c, device="meta", dtype=dtype) if case.bias else None
+
+
 def check_values(out: torch.Tensor, x, weight, bias, case: Case) -> float:
     """Max abs error of dwconv against PyTorch in float32 (float64 for float32 inputs); raises past tolerance."""
     ref_dtype = torch.float64 if case.dtype == "float32" else torch.float32

@@ -157,12 +157,12 @@ def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3) ->
                 ranges=sum(e.name == "depthwise" for e in prof.events() if e.device_type.name == "CPU") / steps)
 
 
-def _kernel_us(events, within: str = "") -> float:
-    """The GPU kernels' time (us) of the CPU events that launched them (their `kernels`), under a CPU
-    range named `within` (all when empty). Not key_averages' device times: those add each
-    record_function range's span on the GPU ("gpu_user_annotation"), the optimizer's step and our
-    own ranges, to the kernels' time (pytorch/pytorch#130730), which put a step's GPU time above its
-    wall time. A range's own span shows up as a kernel of its own name, and is left out."""
+def launched_kernels(events, within: str = ""):
+    """The GPU kernels (name, duration in us) the profiled CPU events launched (their `kernels`),
+    under a CPU range named `within` (all when empty). Not key_averages' device times: those add
+    each record_function range's span on the GPU ("gpu_user_annotation"), the optimizer's step and
+    our own ranges, to the kernels' time (pytorch/pytorch#130730), which put a step's GPU time above
+    its wall time. A range's own span shows up as a kernel of its own name, and is left out."""
     def under(event):
         while event is not None:
             if event.name == within:
@@ -170,8 +170,12 @@ def _kernel_us(events, within: str = "") -> float:
             event = event.cpu_parent
         return False
 
-    return sum(kernel.duration for e in events if e.device_type.name == "CPU" and (not within or under(e))
-               for kernel in e.kernels if kernel.name != e.name)
+    return [(kernel.name, kernel.duration) for e in events if e.device_type.name == "CPU" and (not within or under(e))
+            for kernel in e.kernels if kernel.name != e.name]
+
+
+def _kernel_us(events, within: str = "") -> float:
+    return sum(duration for _, duration in launched_kernels(events, within))
 
 
 def compare_gradients(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> float:
