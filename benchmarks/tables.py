@@ -53,7 +53,9 @@ random weights and inputs, batch 64, 224 x 224, cuDNN's benchmark mode on. "mode
 stock and converted timed in the same run; "vs stock" is stock's time over this row's. "model cold
 start": one fresh process each, with an empty temporary Triton cache (dwconv warm: the cache the
 dwconv process filled); seconds of the first training step (the converted model's includes its
-warmup, shown apart), the second step's, and the whole process's (imports included)."""
+warmup, shown apart), the second step's, and the whole process's (imports included). Before
+convert warmed a model up by itself (commit 6862c1e), "dwconv" compiled each layer at its first
+call and "dwconv+warmup" called dwconv.warmup first."""
 
 
 def model_table(rows):
