@@ -27,6 +27,8 @@ cache_dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 for archive in .tcache/triton_cache*.tar.xz; do
   [ -f "$archive" ] && mkdir -p "$cache_dir" && tar -xJf "$archive" -C "$cache_dir"
 done
+# (result files named in letters, digits, '.', '_' and '-' only: files of other names are not fetched back)
+commit=$(printf %s "${DWCONV_COMMIT:-unknown}" | tr -c 'A-Za-z0-9._-' '-')
 xdist=$(python3 -c 'import xdist' 2>/dev/null && printf -- '-n %s' "${WORKERS:-16}")
 tests=(tests); [ -n "${TESTS_FILE:-}" ] && mapfile -t tests <"$TESTS_FILE"
 for step in "$@"; do
@@ -38,14 +40,14 @@ for step in "$@"; do
              for dtype in ${DTYPES:-float32 bfloat16 float16}; do
                iters=100; [ "$suite" = large ] && iters=40
                python3 -m dwconv bench --suite "$suite" --dtype "$dtype" --iters $iters \
-                 --csv "$OUT/${suite}_${dtype}_$(date +%F)_${DWCONV_COMMIT:-unknown}.csv" 2>&1 | tail -40
+                 --csv "$OUT/${suite}_${dtype}_$(date +%F)_$commit.csv" 2>&1 | tail -40
              done
            done ;;
     coldstart|models)
            mode=only; [ "$step" = models ] && mode=no
            for model in ${MODELS:-mobilenet_v2}; do
              python3 -m dwconv bench --model "$model" --model-precision "${PRECISION:-bf16}" --cold-start $mode \
-               --model-batch "${MODEL_BATCH:-64}" --model-compile "${MODEL_COMPILE:-default}" --csv "$OUT/${step}_${model}_$(date +%F)_${DWCONV_COMMIT:-unknown}.csv" 2>&1
+               --model-batch "${MODEL_BATCH:-64}" --model-compile "${MODEL_COMPILE:-default}" --csv "$OUT/${step}_${model}_$(date +%F)_$commit.csv" 2>&1
            done ;;
     profile) for model in ${MODELS:-mobilenet_v2}; do
                python3 benchmarks/model_profile.py --model "$model" --precision "${PRECISION:-bf16}" \

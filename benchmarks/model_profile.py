@@ -18,21 +18,24 @@ import time
 
 import torch
 
-from dwconv import convert
+from dwconv import convert, replay
 from dwconv.bench_models import PRECISIONS, build_model, inference, launched_kernels, time_ms, training_step
 
 
-def host_ms(fn, steps: int = 20) -> float:
+def host_ms(fn, repeats: int = 10) -> float:
     """Milliseconds the host takes to issue one step while the GPU is busy with a sleep queued first
-    (long enough for every step): the host never waits on the GPU, so this is its own time."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # (about a second of GPU cycles ahead of the steps)
-    started = time.perf_counter()
-    for _ in range(steps):
+    (about 0.1 s, longer than any step here): the host never waits on the GPU, so this is its own
+    time. One step a sleep, median of repeats: more steps queued would fill the driver's queue of
+    pending launches (about a thousand), and the host would wait on the sleeping GPU."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e8))
+        started = time.perf_counter()
         fn()
-    issued = (time.perf_counter() - started) / steps * 1e3
+        times.append((time.perf_counter() - started) * 1e3)
     torch.cuda.synchronize()
-    return issued
+    return statistics.median(times)
 
 
 def profile(fn, steps: int = 5):
@@ -77,15 +80,20 @@ def main():
         print(text, flush=True)
         lines.append(text)
 
-    for variant in ("stock", "dwconv"):
-        model = copy.deepcopy(stock) if variant == "stock" else convert(copy.deepcopy(stock), verbose=False)
+    native = replay.prepare()
+    converted = convert(copy.deepcopy(stock), verbose=False)
+    variants = [("stock", stock, None), ("dwconv, C++ replayer", converted, "1" if native else None),
+                ("dwconv, Python path", converted, "0")]
+    for variant, model, native_setting in variants:
+        if native_setting is not None:
+            os.environ["DWCONV_NATIVE"] = native_setting
         model.train(args.mode == "train")
         if args.mode == "train":
             fn = training_step(model, x, y, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), dtype)
         else:
             fn = inference(model, x, dtype)
         wall = statistics.median(time_ms(fn, 10, 20))
-        host = statistics.median(host_ms(fn) for _ in range(3))
+        host = host_ms(fn)
         kernels, host_ops = profile(fn)
         gpu = sum(ms for _, _, ms in kernels)
         say(f"{args.model} {args.precision} {args.mode} batch {args.batch} {variant}: wall {wall:.3f} ms a step, "
@@ -97,6 +105,7 @@ def main():
         for name, count, ms in host_ops[:args.top]:
             say(f"  {name[:100]:<100} {count:6.1f} {ms:8.3f}")
         say()
+        os.environ.pop("DWCONV_NATIVE", None)
         del model, fn
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)

@@ -105,17 +105,20 @@ def test_channels_last_gradients_with_the_gpu_forward_choice(monkeypatch, kernel
     check_grads(x, weight, randn(64), stride, padding)
 
 
-@pytest.mark.parametrize("kernel,stride,padding", [(7, 1, 3), (3, 2, 1)], ids=str)
-def test_channels_last_pixel_tiles_of_two_rows(monkeypatch, retune, kernel, stride, padding):
-    """The pixel tiles with two output rows a program (tuning.pixel_tile_rows, under evaluation)."""
+@pytest.mark.parametrize("kernel,stride,padding,short_max_bytes,rows", [
+    (3, 2, 1, None, 2), (3, 1, 1, None, 2), (3, 1, 1, 0, 4), (7, 1, 3, None, 4)], ids=str)
+def test_channels_last_pixel_tile_rows(monkeypatch, retune, kernel, stride, padding, short_max_bytes, rows):
+    """The pixel tiles' output rows a program: 2 for 3x3 on inputs up to short_pixel_tile_max_bytes,
+    else 4; values and gradients right with each."""
     from dwconv import dispatch
     from dwconv.kernels import tile
 
-    retune(pixel_tile_rows=2)
+    if short_max_bytes is not None:
+        retune(short_pixel_tile_max_bytes=short_max_bytes)
     monkeypatch.setattr(tile, "nhwc_blocks", lambda geom, x: tile.nhwc_pixels_blocks(geom, x))
-    x = randn(2, 64, 7, 9).contiguous(memory_format=torch.channels_last)
+    x = randn(2, 64, 9, 9).contiguous(memory_format=torch.channels_last)
     weight = randn(64, 1, kernel, kernel)
-    assert dispatch.forward_config(conv_geometry(x, weight, None, stride, padding, 1), x).block_h == 2
+    assert dispatch.forward_config(conv_geometry(x, weight, None, stride, padding, 1), x).block_h == rows
     check_grads(x, weight, randn(64), stride, padding)
 
 

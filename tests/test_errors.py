@@ -68,9 +68,9 @@ def test_module_rejects_other_groups():
 
 
 @pytest.mark.parametrize("setting,answer", [
-    ("pixel_tile_rows=2, max_pixel_taps=1024", "2 1024 {'max_pixel_taps': 1024, 'pixel_tile_rows': 2}"),
+    ("short_pixel_tile_rows=4, max_pixel_taps=1024", "4 1024 {'max_pixel_taps': 1024, 'short_pixel_tile_rows': 4}"),
     ("pixel_tile_row=2", "'pixel_tile_row' is no tuning field"),
-    ("pixel_tile_rows=two", "pixel_tile_rows: 'two' is no Python literal"),
+    ("short_pixel_tile_rows=two", "short_pixel_tile_rows: 'two' is no Python literal"),
 ])
 def test_tuning_from_the_environment(setting, answer):
     """DWCONV_TUNING sets the table a process starts with (whole-process A/B runs); a wrong name or
@@ -81,6 +81,6 @@ def test_tuning_from_the_environment(setting, answer):
 
     env = dict(os.environ, DWCONV_TUNING=setting)
     done = subprocess.run([sys.executable, "-c", "from dwconv import tuning; t = tuning.tuned(); "
-                           "print(t.pixel_tile_rows, t.max_pixel_taps, dict(sorted(tuning.changes().items())))"],
+                           "print(t.short_pixel_tile_rows, t.max_pixel_taps, dict(sorted(tuning.changes().items())))"],
                           env=env, capture_output=True, text=True)
     assert answer in (done.stdout if done.returncode == 0 else done.stderr)

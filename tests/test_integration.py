@@ -275,6 +275,75 @@ def test_cuda_graph_training_step(kernel, dtype):
         assert_close(p, q.double(), dtype, "parameters after replays")
 
 
+class ConvNeXtBlocks(nn.Module):
+    """ConvNeXt's block (7x7 depthwise with a bias, LayerNorm over channels, MLP, residual), twice."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.depthwise = nn.ModuleList(nn.Conv2d(channels, channels, 7, padding=3, groups=channels) for _ in range(2))
+        self.norms = nn.ModuleList(nn.LayerNorm(channels) for _ in range(2))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(channels, 4 * channels), nn.GELU(),
+                                                nn.Linear(4 * channels, channels)) for _ in range(2))
+
+    def forward(self, x):
+        for depthwise, norm, mlp in zip(self.depthwise, self.norms, self.mlps):
+            x = x + mlp(norm(depthwise(x).permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+        return x.mean(dim=(2, 3))
+
+
+@GPU
+@pytest.mark.parametrize("shape", [(2, 32, 12, 12), (64, 96, 56, 56)], ids=["small", "convnext_t_stage1"])
+def test_eager_steps_beside_a_captured_graph(shape):
+    """bench --model's sequence on ConvNeXt's block (an illegal memory access on the H200 with
+    ConvNeXt-T, batch 64, bfloat16 autocast, channels_last): one copy's training steps eager (C++
+    path, then the Python path) in turns with another copy's step captured in a CUDA graph and
+    replayed; the eager copy ends as a stock model trained alike, the graph's as an eager dwconv
+    copy stepped alike."""
+    torch.manual_seed(0)
+    stock = ConvNeXtBlocks(shape[1]).cuda().to(memory_format=torch.channels_last)
+    converted = dwconv.convert(copy.deepcopy(stock), verbose=False)
+    eager, graphed, beside = (copy.deepcopy(converted) for _ in range(3))
+    models = {"stock": stock, "eager": eager, "graphed": graphed, "beside": beside}
+    optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for name, m in models.items()}
+    x = randn(*shape).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, shape[1], (shape[0],), device="cuda")
+
+    def step(name):
+        optimizers[name].zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(models[name](x), y)
+        loss.backward()
+        optimizers[name].step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step("graphed"), step("beside")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        step("graphed")  # (captured, not run)
+    for _ in range(3):
+        step("stock"), step("eager")
+    torch.cuda.synchronize()
+    for round in range(3):
+        for native in ("1", "0"):
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("DWCONV_NATIVE", native)
+                step("eager")
+                torch.cuda.synchronize()
+            step("stock")
+        graph.replay()
+        step("beside")
+        torch.cuda.synchronize()
+    for (name, p), q, g, b in zip(stock.named_parameters(), eager.parameters(), graphed.parameters(),
+                                  beside.parameters()):
+        torch.testing.assert_close(q, p, rtol=5e-2, atol=5e-3, msg=lambda m: f"eager {name}: {m}")
+        torch.testing.assert_close(g, b, rtol=5e-2, atol=5e-3, msg=lambda m: f"graphed {name}: {m}")
+
+
 @GPU
 def test_compile_reduce_overhead():
     torch.manual_seed(0)
@@ -456,12 +525,42 @@ def test_model_paths_compare_with_stock_of_the_same_compilation():
 
     paths = model_paths(COMPILE_MODES["all"])
     labels = [label for label, _, _, _ in paths]
-    assert len(labels) == len(set(labels)) == 9
+    assert len(labels) == len(set(labels)) == 11
     for label, variant, mode, native in paths:
         base = next(p for p in paths if p[0] == stock_path(label))
         assert base[1] == "stock" and base[2] == mode and (native is None or variant == "dwconv")
     assert [label for label, *_ in model_paths(COMPILE_MODES["no"])] == [
-        "stock eager", "dwconv eager", "dwconv eager, Python path"]
+        "stock eager", "dwconv eager", "dwconv eager, Python path", "stock eager, CUDA graph",
+        "dwconv eager, CUDA graph"]
+
+
+def test_launched_kernels_from_profiler_events():
+    """The profiler's kernels: device events but the GPU spans of record_function ranges; under a
+    range, those its operators launched and dwconv's kernels by name (launched outside any operator,
+    they are linked to no CPU event)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from dwconv.bench_models import dwconv_kernel_names, launched_kernels
+
+    def event(id, name, start, end, device=DeviceType.CPU, annotation=False, linked=0):
+        return FunctionEvent(id=id, name=name, thread=0, start_us=start, end_us=end, device_type=device,
+                             is_user_annotation=annotation, linked_correlation_id=linked)
+
+    depthwise, conv, other = event(1, "depthwise", 0, 50, annotation=True), event(2, "aten::conv", 1, 9), \
+        event(3, "aten::add", 60, 70)
+    conv.set_cpu_parent(depthwise)
+    launch = event(2, "cudaLaunchKernel", 2, 3, linked=2)  # (a driver call: its own id may equal an operator's)
+    launch.set_cpu_parent(other)
+    events = [depthwise, conv, launch, other,
+              event(10, "dgrad_kernel", 100, 104, DeviceType.CUDA, linked=2),
+              event(11, "depthwise_fwd_tile_kernel", 104, 110, DeviceType.CUDA),
+              event(12, "add_kernel", 110, 111, DeviceType.CUDA, linked=3),
+              event(13, "depthwise", 100, 110, DeviceType.CUDA, annotation=True)]
+    assert launched_kernels(events) == [("dgrad_kernel", 4), ("depthwise_fwd_tile_kernel", 6), ("add_kernel", 1)]
+    assert launched_kernels(events, "depthwise") == [("dgrad_kernel", 4)]
+    assert launched_kernels(events, "depthwise", dwconv_kernel_names()) == [("dgrad_kernel", 4),
+                                                                            ("depthwise_fwd_tile_kernel", 6)]
 
 
 def test_model_profile_ranges():

@@ -31,6 +31,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from .bench_models import graphed
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -215,23 +217,6 @@ class Timer:
             end.record()
         torch.cuda.synchronize()
         return [s.elapsed_time(e) for s, e in zip(starts, ends)]
-
-
-def graphed(fn: Callable[[], object]) -> Callable[[], None]:
-    """fn captured in a CUDA graph (after warm-up on a side stream, as torch.cuda.graph asks):
-    its replay, which launches the same kernels with no Python in between. Captured on the same
-    side stream: a backward runs on its forward's stream, and autograd graphs built in the warm-up
-    (the "backward" pass's) must not tie the capture to another stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        fn()
-    return graph.replay
 
 
 def _leaves(args: tuple):

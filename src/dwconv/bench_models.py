@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Collection, Dict, List, Set
 
 import torch
 import torch.nn as nn
@@ -90,6 +90,23 @@ def inference(model: nn.Module, x: torch.Tensor, autocast_dtype) -> Callable[[],
     return forward
 
 
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn captured in a CUDA graph (after warm-up on a side stream, as torch.cuda.graph asks):
+    its replay, which launches the same kernels with no Python in between. Captured on the same
+    side stream: a backward runs on its forward's stream, and autograd graphs built in the warm-up
+    (the "backward" pass's) must not tie the capture to another stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        fn()
+    return graph.replay
+
+
 def time_ms(fn: Callable[[], None], warmup: int, iters: int) -> List[float]:
     for _ in range(warmup):
         fn()
@@ -118,7 +135,9 @@ def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3) ->
     """Per call of fn, from torch's profiler: the GPU time of every kernel (ms) and of the kernels
     launched by the model's depthwise layers, forward and backward (stock nn.Conv2d of groups ==
     in_channels > 1, or dwconv's): each layer's forward and backward is a "depthwise" profiler range
-    (module hooks: forward pre/post, full backward pre/post); `ranges` counts them, on the CPU too."""
+    (module hooks: forward pre/post, full backward pre/post), and dwconv's kernels count by their
+    names (launched outside any operator, they are linked to no range); `ranges` counts the ranges,
+    on the CPU too."""
     ranges: Dict[tuple, object] = {}
 
     def opener(key):
@@ -152,17 +171,37 @@ def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3) ->
     finally:
         for handle in handles:
             handle.remove()
-    return dict(depthwise_ms=_kernel_us(prof.events(), within="depthwise") / 1e3 / steps,
+    return dict(depthwise_ms=_kernel_us(prof.events(), within="depthwise", named=dwconv_kernel_names()) / 1e3 / steps,
                 gpu_ms=_kernel_us(prof.events()) / 1e3 / steps,
                 ranges=sum(e.name == "depthwise" for e in prof.events() if e.device_type.name == "CPU") / steps)
 
 
-def launched_kernels(events, within: str = ""):
-    """The GPU kernels (name, duration in us) the profiled CPU events launched (their `kernels`),
-    under a CPU range named `within` (all when empty). Not key_averages' device times: those add
-    each record_function range's span on the GPU ("gpu_user_annotation"), the optimizer's step and
-    our own ranges, to the kernels' time (pytorch/pytorch#130730), which put a step's GPU time above
-    its wall time. A range's own span shows up as a kernel of its own name, and is left out."""
+def dwconv_kernel_names() -> Set[str]:
+    """The names of dwconv's Triton kernels (and their jit helpers, which never launch)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import KernelInterface
+
+    from . import kernels
+
+    modules = [importlib.import_module(f"{kernels.__name__}.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
+    return {value.__name__ for module in modules for value in vars(module).values()
+            if isinstance(value, KernelInterface) and hasattr(value, "__name__")}
+
+
+def launched_kernels(events, within: str = "", named: Collection[str] = ()):
+    """The GPU kernels (name, duration in us) of the profiled events: every device event but the
+    GPU spans of record_function ranges (which key_averages adds to the kernels' time:
+    pytorch/pytorch#130730, a step's "GPU time" came out above its wall time). within: only those
+    launched under a CPU range of that name, or named in `named`: a kernel launched outside any
+    operator (dwconv's launches from C++, or from Triton's launcher under no_grad) is linked to no
+    CPU event, and is known by its name alone."""
+    # (the operators and ranges: CPU events linked to no other; a device event's linked_correlation_id
+    # is one of their ids, while the driver calls' own ids count in another sequence that overlaps)
+    frontend = {e.id: e for e in events if e.device_type.name == "CPU" and not getattr(e, "linked_correlation_id", 0)}
+    ranges = {e.name for e in frontend.values() if getattr(e, "is_user_annotation", False)}
+
     def under(event):
         while event is not None:
             if event.name == within:
@@ -170,12 +209,19 @@ def launched_kernels(events, within: str = ""):
             event = event.cpu_parent
         return False
 
-    return [(kernel.name, kernel.duration) for e in events if e.device_type.name == "CPU" and (not within or under(e))
-            for kernel in e.kernels if kernel.name != e.name]
+    kernels = []
+    for event in events:
+        if event.device_type.name == "CPU" or getattr(event, "is_user_annotation", False) or event.name in ranges:
+            continue
+        if within and not (under(frontend.get(getattr(event, "linked_correlation_id", 0)))
+                           or event.name in named):
+            continue
+        kernels.append((event.name, event.time_range.elapsed_us()))
+    return kernels
 
 
-def _kernel_us(events, within: str = "") -> float:
-    return sum(duration for _, duration in launched_kernels(events, within))
+def _kernel_us(events, within: str = "", named: Collection[str] = ()) -> float:
+    return sum(duration for _, duration in launched_kernels(events, within, named))
 
 
 def compare_gradients(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> float:
@@ -203,14 +249,18 @@ def rows_layout(memory_format) -> str:
 
 COMPILE_MODES = {"no": [], "default": ["default"],
                  "all": ["default", "max-autotune-no-cudagraphs", "reduce-overhead"]}
+CUDA_GRAPH = "CUDA graph"  # (a path's "mode": the eager step captured whole in a CUDA graph and replayed)
 
 
 def model_paths(compile_modes: List[str]) -> List[tuple]:
-    """(path label, model, compile mode or None, DWCONV_NATIVE for the timing or None): stock and
-    converted eager, the converted model's eager calls also through the Python path (the C++
-    replayer off: whether it wins on whole models), and each compile mode for both."""
+    """(path label, model, mode, DWCONV_NATIVE for the timing or None): stock and converted eager,
+    the converted model's eager calls also through the Python path (the C++ replayer off: whether
+    it wins on whole models), both eager steps captured in a CUDA graph (GPU time alone: the host
+    issues nothing), and each torch.compile mode for both."""
     paths = [("stock eager", "stock", None, None), ("dwconv eager", "dwconv", None, None),
-             ("dwconv eager, Python path", "dwconv", None, "0")]
+             ("dwconv eager, Python path", "dwconv", None, "0"),
+             (f"stock eager, {CUDA_GRAPH}", "stock", CUDA_GRAPH, None),
+             (f"dwconv eager, {CUDA_GRAPH}", "dwconv", CUDA_GRAPH, None)]
     for mode in compile_modes:
         label = "compiled" if mode == "default" else f"compiled {mode}"
         paths += [(f"stock {label}", "stock", mode, None), (f"dwconv {label}", "dwconv", mode, None)]
@@ -222,8 +272,29 @@ def stock_path(path: str) -> str:
     return path.replace("dwconv", "stock").replace(", Python path", "")
 
 
+class _native_setting:
+    """DWCONV_NATIVE set to `value` inside the block (None: as it is)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        self.saved = os.environ.get("DWCONV_NATIVE")
+        if self.value is not None:
+            os.environ["DWCONV_NATIVE"] = self.value
+
+    def __exit__(self, *exc):
+        if self.value is not None:
+            os.environ.pop("DWCONV_NATIVE") if self.saved is None else os.environ.update(DWCONV_NATIVE=self.saved)
+
+
 def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_modes: str = "default",
-                precisions: str = "all") -> List[Dict]:
+                precisions: str = "all", rounds: int = 5) -> List[Dict]:
+    """Steady state of every path (model_paths) for each precision, training step and inference.
+    The paths are timed in turn, `rounds` times over (iters steps a path each round), and each
+    path's median taken over all its steps: the GPU machine's host speed drifts between and within
+    runs (a stock MobileNetV2 step measured 13.8-30.8 ms in different processes), and a path timed
+    only after another would take the drift for its own."""
     torch.backends.cudnn.benchmark = True  # (as conv nets are trained: cuDNN's fastest algorithm for the stock layers)
     torch.manual_seed(0)
     stock = build_model(name).cuda()
@@ -241,39 +312,46 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
         dtype, memory_format = PRECISIONS[key]
         precision = "bf16 autocast CL" if dtype is not None else key
         inputs = x.contiguous(memory_format=memory_format)
+        timed = []  # (path, step, native setting, fn): built, warmed and profiled first, then timed in turns
         for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes]):
             model = copy.deepcopy(models[variant]).to(memory_format=memory_format)
-            run = torch.compile(model, mode=mode) if mode else model
+            run = torch.compile(model, mode=mode) if mode and mode != CUDA_GRAPH else model
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-            saved = os.environ.get("DWCONV_NATIVE")
-            if native is not None:
-                os.environ["DWCONV_NATIVE"] = native
             try:  # (a path that fails is reported and skipped: the other rows still come)
-                for step, fn in (("train step", training_step(run, inputs, y, optimizer, dtype)),
-                                 ("inference", inference(run, inputs, dtype))):
-                    run.train(step == "train step")  # (BatchNorm on the batch's statistics when training)
-                    ms = time_ms(fn, warmup, iters)
-                    if not mode:  # (the profiler's view of the same step: the depthwise layers' GPU time)
-                        share = depthwise_share(model, fn)
-                        for what in ("depthwise_ms", "gpu_ms"):
-                            profiles.append(dict(suite="model profile", layer=name, dtype=precision, path=path,
-                                                 layout=rows_layout(memory_format), ms=share[what],
-                                                 **{"pass": f"{step} {what[:-3]} GPU"}))
-                        print(f"  {precision:<17} {step:<10} {path:<26} profiler: depthwise "
-                              f"{share['depthwise_ms']:.3f} of {share['gpu_ms']:.3f} ms GPU", flush=True)
-                    rows.append(dict(model=name, precision=precision, mode=step, path=path, stock_path=stock_path(path),
-                                     ms=statistics.median(ms), std=statistics.pstdev(ms),
-                                     # (the results CSVs' schema: bench.CSV_FIELDS)
-                                     suite="model", layer=name, dtype=precision, **{"pass": step},
-                                     layout=rows_layout(memory_format)))
-                    print(f"  {precision:<17} {step:<10} {path:<26} {rows[-1]['ms']:8.3f} ms", flush=True)
+                with _native_setting(native):
+                    for step, fn in (("train step", training_step(run, inputs, y, optimizer, dtype)),
+                                     ("inference", inference(run, inputs, dtype))):
+                        run.train(step == "train step")  # (BatchNorm on the batch's statistics when training)
+                        time_ms(fn, warmup, 1)
+                        if mode == CUDA_GRAPH:
+                            fn = graphed(fn)
+                        elif not mode:  # (the profiler's view of the same step: the depthwise layers' GPU time)
+                            share = depthwise_share(model, fn)
+                            for what in ("depthwise_ms", "gpu_ms"):
+                                profiles.append(dict(suite="model profile", layer=name, dtype=precision, path=path,
+                                                     layout=rows_layout(memory_format), ms=share[what],
+                                                     **{"pass": f"{step} {what[:-3]} GPU"}))
+                            print(f"  {precision:<17} {step:<10} {path:<26} profiler: depthwise "
+                                  f"{share['depthwise_ms']:.3f} of {share['gpu_ms']:.3f} ms GPU", flush=True)
+                        timed.append((path, step, native, fn, run))
             except Exception as error:
                 print(f"  {precision:<17} {path}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-            finally:
-                if native is not None:
-                    os.environ.pop("DWCONV_NATIVE") if saved is None else os.environ.update(DWCONV_NATIVE=saved)
-            del model, run, optimizer
-            torch.cuda.empty_cache()
+        samples = {(path, step): [] for path, step, *_ in timed}
+        for _ in range(rounds):
+            for path, step, native, fn, run in timed:
+                run.train(step == "train step")
+                with _native_setting(native):
+                    samples[(path, step)] += time_ms(fn, 2, max(1, iters // rounds))
+        for (path, step), ms in samples.items():
+            rows.append(dict(model=name, precision=precision, mode=step, path=path, stock_path=stock_path(path),
+                             ms=statistics.median(ms), std=statistics.pstdev(ms),
+                             # (the results CSVs' schema: bench.CSV_FIELDS)
+                             suite="model", layer=name, dtype=precision, **{"pass": step},
+                             layout=rows_layout(memory_format)))
+            print(f"  {precision:<17} {step:<10} {path:<26} {rows[-1]['ms']:8.3f} ms "
+                  f"(spread {min(ms):.3f}-{max(ms):.3f})", flush=True)
+        del timed, samples
+        torch.cuda.empty_cache()
     for row in rows:  # speedup against the stock model of the same precision, step and compilation
         base_path = row.pop("stock_path")
         base = next((r for r in rows if (r["precision"], r["mode"], r["path"]) == (row["precision"], row["mode"],

@@ -34,10 +34,11 @@ class Tuning:
     max_band_taps: int = 256  # tile kernel: rows x taps unrolled per program on the GPU
     interpreter_band_taps: int = 4096  # the same under the interpreter (cost per operation, not size)
     max_pixel_taps: int = 2048  # outputs x taps an unrolled-pixels program holds
-    # channels_last pixel tiles' output rows a program. Under evaluation: 2 compiles 2.6-4x faster (sm_90,
-    # Triton 3.6: a stride-2 3x3 bfloat16 weight-gradient tile 18.8 -> 4.7 s, a 7x7 forward 29.1 -> 11.0 s),
-    # the slowest compiles of a cold start; its GPU time is to be measured
-    pixel_tile_rows: int = 4
+    # channels_last 3x3 pixel tiles on inputs up to short_pixel_tile_max_bytes: 2 output rows a program, not 4
+    # (MobileNetV2 and EfficientNet-B0 3x3 layers' forward+backward 20% faster in all, their compiles 2.6-4x
+    # shorter; 5x5 and 7x7 tiles 4-24% slower with 2, KernelBench 84 in bfloat16 channels_last 14% slower)
+    short_pixel_tile_rows: int = 2
+    short_pixel_tile_max_bytes: int = 256 << 20
     per_branch_weight_taps: int = 9  # up to 3x3 each tile branch loads its own weights
     nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
     nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks

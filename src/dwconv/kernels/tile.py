@@ -697,15 +697,17 @@ def nhwc_blocks(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
 
 
 def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = True) -> ForwardConfig:
-    """Blocks of "nhwc_pixels", a channel pair a thread: 3x3 takes 4 x 8 outputs by 128 channels on 2
-    warps where the channels come in runs of 128, else 64 or 32 on one warp; larger kernels 4 x 4
+    """Blocks of "nhwc_pixels", a channel pair a thread: 3x3 takes 4 x 8 outputs (2 x 8 on inputs up to
+    short_pixel_tile_max_bytes) by 128 channels on 2 warps where the channels come in runs of 128,
+    else 64 or 32 on one warp; larger kernels 4 x 4
     outputs by 32 channels (16 in float32 where the channels come in runs of 16 only).
     whole_tiles: 7 columns where they divide the output's width and the default's do not (28, 14
     and 7 wide: a last tile partly outside does every masked output's work)."""
     taps = geom.kernel_h * geom.kernel_w
     channels = geom.out_channels
     if taps <= 9:
-        block_h, block_w = 4, 8
+        short = x.numel() * x.element_size() <= tuned().short_pixel_tile_max_bytes
+        block_h, block_w = (tuned().short_pixel_tile_rows if short else 4), 8
         block_c = next(c for c in (128, 64, 32) if channels % c == 0 or c == 32)
     else:
         block_h, block_w = 4, 4
@@ -713,7 +715,7 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
         block_c = 16 if runs_of_16 and x.element_size() >= 4 else 32
     if whole_tiles and geom.out_w % block_w and geom.out_w % 7 == 0:
         block_w = 7
-    block_h = max(1, min(block_h, tuned().pixel_tile_rows, tuned().max_pixel_taps // (block_w * taps)))
+    block_h = max(1, min(block_h, tuned().max_pixel_taps // (block_w * taps)))
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
 
 
