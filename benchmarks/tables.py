@@ -50,7 +50,12 @@ MODEL_PROTOCOL = """\
 Whole models (`python -m dwconv bench --model NAME --model-precision P [--cold-start only|no]`),
 random weights and inputs, batch 64, 224 x 224, cuDNN's benchmark mode on. "model": a training step
 (forward, cross-entropy, backward, SGD step) and an inference forward, median of 20 after warm-up,
-stock and converted timed in the same run; "vs stock" is stock's time over this row's. "model cold
+stock and converted timed in the same run; "vs stock" is stock's time over this row's. From commit
+ad18606 every path's steps are timed in turns with the others' (5 rounds, median over all), and
+"CUDA graph" rows replay the eager step captured whole (the GPU's time alone); before, each path
+was timed after the other, and the host's drift counted in the ratios. "model profile": the
+GPU time of a step's kernels, and of the depthwise layers' (the kernels launched in their
+forward and backward, and dwconv's by name), from torch's profiler. "model cold
 start": one fresh process each, with an empty temporary Triton cache (dwconv warm: the cache the
 dwconv process filled); seconds of the first training step (the converted model's includes its
 warmup, shown apart), the second step's, and the whole process's (imports included). Before
@@ -74,8 +79,9 @@ def model_table(rows):
         return "\n".join(lines)
     lines = ["| model | precision | pass | path | ms | vs stock |", "|---|---|---|---|---|---|"]
     for r in rows:
+        ratio = _float(r["dwconv_speedup"])
         lines.append(f"| {r['layer']} | {r['dtype']} | {r['pass']} | {r['path']} | {_float(r['ms']):.3f} | "
-                     f"{_float(r['dwconv_speedup']):.2f}x |")
+                     f"{'' if ratio is None or math.isnan(ratio) else f'{ratio:.2f}x'} |")
     return "\n".join(lines)
 
 
