@@ -1,10 +1,11 @@
-"""Where a whole model's step goes, stock against dwconv.convert, on the GPU: for each, the step's
-wall time (CUDA events), the host's time to issue one step (steps queued behind a long GPU sleep,
-so that the host never waits for the GPU), the GPU kernels' time per step from the profiler, and
-the kernels and host operations that take the most, per step.
+"""Where a whole model's step goes, stock against dwconv.convert (its C++ and its Python eager
+path), on the GPU: for each, the step's wall time (CUDA events), the host's time to issue one step
+(a step queued behind a GPU sleep, so that the host never waits for the GPU), both timed in turns
+with the other variants' (the host's speed drifts), with their range; the GPU kernels' time per
+step from the profiler, and the kernels and host operations that take the most, per step.
 
     python benchmarks/model_profile.py --model mobilenet_v2 [--precision bf16|float32] [--batch 64]
-        [--mode train|inference] [--out DIR]
+        [--mode train|inference] [--rounds 5] [--out DIR]
 
 A step whose wall time is near its host time and well above its kernels' time is bound by the host;
 near its kernels' time, by the GPU. Tables go to stdout and DIR/profile_MODEL_PRECISION_MODE.txt.
@@ -19,7 +20,8 @@ import time
 import torch
 
 from dwconv import convert, replay
-from dwconv.bench_models import PRECISIONS, build_model, inference, launched_kernels, time_ms, training_step
+from dwconv.bench_models import (PRECISIONS, build_model, inference, launched_kernels, native_setting, time_ms,
+                                 training_step)
 
 
 def host_ms(fn, repeats: int = 10) -> float:
@@ -66,6 +68,7 @@ def main():
     parser.add_argument("--image", type=int, default=224)
     parser.add_argument("--mode", default="train", choices=["train", "inference"])
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--rounds", type=int, default=5, help="turns over the variants, for wall and host times")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
@@ -84,20 +87,30 @@ def main():
     converted = convert(copy.deepcopy(stock), verbose=False)
     variants = [("stock", stock, None), ("dwconv, C++ replayer", converted, "1" if native else None),
                 ("dwconv, Python path", converted, "0")]
-    for variant, model, native_setting in variants:
-        if native_setting is not None:
-            os.environ["DWCONV_NATIVE"] = native_setting
+    steps = []  # (variant, native setting, fn): warmed first, then timed in turns (the host drifts)
+    for variant, model, setting in variants:
         model.train(args.mode == "train")
         if args.mode == "train":
             fn = training_step(model, x, y, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), dtype)
         else:
             fn = inference(model, x, dtype)
-        wall = statistics.median(time_ms(fn, 10, 20))
-        host = host_ms(fn)
-        kernels, host_ops = profile(fn)
+        with native_setting(setting):
+            time_ms(fn, 10, 1)
+        steps.append((variant, setting, fn))
+    walls, hosts = {v: [] for v, _, _ in steps}, {v: [] for v, _, _ in steps}
+    for _ in range(args.rounds):
+        for variant, setting, fn in steps:
+            with native_setting(setting):
+                walls[variant] += time_ms(fn, 2, 4)
+                hosts[variant].append(host_ms(fn, repeats=3))
+    for variant, setting, fn in steps:
+        with native_setting(setting):
+            kernels, host_ops = profile(fn)
         gpu = sum(ms for _, _, ms in kernels)
-        say(f"{args.model} {args.precision} {args.mode} batch {args.batch} {variant}: wall {wall:.3f} ms a step, "
-            f"host {host:.3f} ms, GPU kernels {gpu:.3f} ms ({sum(n for _, n, _ in kernels):.0f} kernels)")
+        say(f"{args.model} {args.precision} {args.mode} batch {args.batch} {variant}: wall "
+            f"{statistics.median(walls[variant]):.3f} ms a step ({min(walls[variant]):.3f}-{max(walls[variant]):.3f}), "
+            f"host {statistics.median(hosts[variant]):.3f} ms ({min(hosts[variant]):.3f}-{max(hosts[variant]):.3f}), "
+            f"GPU kernels {gpu:.3f} ms ({sum(n for _, n, _ in kernels):.0f} kernels)")
         say(f"  {'kernel (per step)':<100} {'count':>6} {'ms':>8}")
         for name, count, ms in kernels[:args.top]:
             say(f"  {name[:100]:<100} {count:6.1f} {ms:8.3f}")
@@ -105,9 +118,6 @@ def main():
         for name, count, ms in host_ops[:args.top]:
             say(f"  {name[:100]:<100} {count:6.1f} {ms:8.3f}")
         say()
-        os.environ.pop("DWCONV_NATIVE", None)
-        del model, fn
-        torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"profile_{args.model}_{args.precision}_{args.mode}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")

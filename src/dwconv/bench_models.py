@@ -272,7 +272,7 @@ def stock_path(path: str) -> str:
     return path.replace("dwconv", "stock").replace(", Python path", "")
 
 
-class _native_setting:
+class native_setting:
     """DWCONV_NATIVE set to `value` inside the block (None: as it is)."""
 
     def __init__(self, value):
@@ -318,7 +318,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
             run = torch.compile(model, mode=mode) if mode and mode != CUDA_GRAPH else model
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
             try:  # (a path that fails is reported and skipped: the other rows still come)
-                with _native_setting(native):
+                with native_setting(native):
                     for step, fn in (("train step", training_step(run, inputs, y, optimizer, dtype)),
                                      ("inference", inference(run, inputs, dtype))):
                         run.train(step == "train step")  # (BatchNorm on the batch's statistics when training)
@@ -340,7 +340,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
         for _ in range(rounds):
             for path, step, native, fn, run in timed:
                 run.train(step == "train step")
-                with _native_setting(native):
+                with native_setting(native):
                     samples[(path, step)] += time_ms(fn, 2, max(1, iters // rounds))
         for (path, step), ms in samples.items():
             rows.append(dict(model=name, precision=precision, mode=step, path=path, stock_path=stock_path(path),
