@@ -81,7 +81,7 @@ def model_table(rows):
     for r in rows:
         ratio = _float(r["dwconv_speedup"])
         lines.append(f"| {r['layer']} | {r['dtype']} | {r['pass']} | {r['path']} | {_float(r['ms']):.3f} | "
-                     f"{'' if ratio is None or math.isnan(ratio) else f'{ratio:.2f}x'} |")
+                     f"{'' if math.isnan(ratio) else f'{ratio:.2f}x'} |")
     return "\n".join(lines)
 
 

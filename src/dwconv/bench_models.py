@@ -312,7 +312,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
         dtype, memory_format = PRECISIONS[key]
         precision = "bf16 autocast CL" if dtype is not None else key
         inputs = x.contiguous(memory_format=memory_format)
-        timed = []  # (path, step, native setting, fn): built, warmed and profiled first, then timed in turns
+        timed = []  # (path, step, native setting, fn, model run): built, warmed and profiled first, then timed in turns
         for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes]):
             model = copy.deepcopy(models[variant]).to(memory_format=memory_format)
             run = torch.compile(model, mode=mode) if mode and mode != CUDA_GRAPH else model
