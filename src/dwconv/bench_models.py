@@ -102,8 +102,15 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    # cuBLAS's workspace for the side stream, made in the warm-up outside the graph's memory pool,
+    # would be baked into the graph and then freed by PyTorch (torch 2.11: an illegal memory access
+    # at a later replay of a ConvNeXt-T step, whose Linear layers run on cuBLAS). Dropped before
+    # the capture, it is made again inside the graph's pool, which the graph holds; dropped after it,
+    # eager calls make their own (as torch.compile's CUDA graphs do: cudagraph_trees.clear_cublas_manager).
+    torch._C._cuda_clearCublasWorkspaces()
     with torch.cuda.graph(graph, stream=side):
         fn()
+    torch._C._cuda_clearCublasWorkspaces()
     return graph.replay
 
 
