@@ -30,21 +30,29 @@ import subprocess
 import sys
 import time
 
+# name: (captures in order, options: "env" set in the variant's process, "cudnn_benchmark",
+# "clear_in_backward": cuBLAS's workspaces also dropped on the autograd engine's thread before
+# each capture (the backward's matrix products run there, with workspaces of that thread's own)
 VARIANTS = {
     # (known: faults) the stock step, then the converted model's inference
-    "stock_then_dwconv": ["stock:train", "dwconv:infer"],
+    "stock_then_dwconv": (["stock:train", "dwconv:infer"], {}),
     # three stock captures: is a third capture enough, dwconv or not?
-    "stock_three": ["stock:train", "stock:infer", "stock:infer"],
+    "stock_three": (["stock:train", "stock:infer", "stock:infer"], {}),
     # a Triton kernel that is not dwconv's, captured after the stock step
-    "stock_then_triton": ["stock:train", "triton:infer"],
+    "stock_then_triton": (["stock:train", "triton:infer"], {}),
     # one dwconv layer's forward alone, captured after the stock step
-    "stock_then_layer": ["stock:train", "layer:infer"],
+    "stock_then_layer": (["stock:train", "layer:infer"], {}),
     # without stochastic depth and dropout (the graph's random-number state)
-    "nodrop_then_dwconv": ["stock_nodrop:train", "dwconv:infer"],
+    "nodrop_then_dwconv": (["stock_nodrop:train", "dwconv:infer"], {}),
     # the other order: the converted model's step first
-    "dwconv_then_stock": ["dwconv:train", "stock:infer"],
-    # cuDNN's benchmark mode off for both
-    "stock_then_dwconv_nobenchmark": ["stock:train", "dwconv:infer"],
+    "dwconv_then_stock": (["dwconv:train", "stock:infer"], {}),
+    # cuDNN's benchmark mode off
+    "stock_then_dwconv_nobenchmark": (["stock:train", "dwconv:infer"], {"cudnn_benchmark": False}),
+    # no cuBLAS workspaces at all (pytorch/pytorch#193402: graphs faulting on a freed workspace)
+    "stock_then_dwconv_noworkspace": (["stock:train", "dwconv:infer"],
+                                      {"env": {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}}),
+    # the workspaces of the autograd thread dropped too before each capture
+    "stock_then_dwconv_clear_in_backward": (["stock:train", "dwconv:infer"], {"clear_in_backward": True}),
 }
 
 
@@ -57,7 +65,8 @@ def run_variant(name: str, model_name: str, batch: int) -> str:
     import dwconv
     from dwconv import bench_models as bm
 
-    torch.backends.cudnn.benchmark = not name.endswith("nobenchmark")
+    captures, options = VARIANTS[name]
+    torch.backends.cudnn.benchmark = options.get("cudnn_benchmark", True)
     torch.manual_seed(0)
     stock = bm.build_model(model_name).cuda().to(memory_format=torch.channels_last)
     converted = dwconv.convert(stock, verbose=False)
@@ -102,13 +111,39 @@ def run_variant(name: str, model_name: str, batch: int) -> str:
             return bm.training_step(model, x, y, optimizer, torch.bfloat16)
         return bm.inference(model, x, torch.bfloat16)
 
+    class ClearInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            torch._C._cuda_clearCublasWorkspaces()  # (on the autograd engine's thread)
+            return grad
+
+    def graphed_clearing(fn):
+        """bm.graphed, with the autograd thread's workspaces dropped before the capture too."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+            ClearInBackward.apply(torch.ones(1, device="cuda", requires_grad=True)).sum().backward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        torch._C._cuda_clearCublasWorkspaces()
+        with torch.cuda.graph(graph, stream=side):
+            fn()
+        torch._C._cuda_clearCublasWorkspaces()
+        return graph.replay
+
     replays = []
-    for what in VARIANTS[name]:
+    for what in captures:
         fn = pass_fn(what)
         for _ in range(3):  # (compiles, cuDNN's benchmark)
             fn()
         torch.cuda.synchronize()
-        replays.append((what, bm.graphed(fn)))
+        replays.append((what, graphed_clearing(fn) if options.get("clear_in_backward") else bm.graphed(fn)))
         torch.cuda.synchronize()
     for what, replay in replays:
         try:
@@ -136,8 +171,9 @@ def main() -> None:
         started = time.perf_counter()
         command = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--one", name,
                    "--model", args.model, "--batch", str(args.batch)]
+        env = dict(os.environ, **VARIANTS[name][1].get("env", {}))
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
             lines = [line for line in done.stdout.splitlines() if line.startswith(f"{name}: ")]
             result = lines[-1] if lines else f"{name}: process ended ({done.returncode}) with no answer: " \
                                              f"{(done.stderr.strip().splitlines() or [''])[-1][:200]}"
