@@ -16,7 +16,7 @@ and prints one line: `variant: ok` or `variant: fault at replay of NAME: ERROR`.
     python benchmarks/graph_isolation.py [--model convnext_tiny] [--batch 64] [VARIANT ...]
     python benchmarks/graph_isolation.py --one VARIANT   # (one variant in this process)
 
-A variant is a list of captures, each `MODEL:PASS`: MODEL stock, dwconv (the converted model),
+A variant is a list of captures (or, with eager_only, of passes run eagerly), each `MODEL:PASS`: MODEL stock, dwconv (the converted model),
 stock_nodrop (stochastic depth and dropout off), layer (one depthwise layer of the model's first
 shape, dwconv's forward alone), triton (a copy kernel of Triton's, no dwconv); PASS train or infer.
 """
@@ -36,6 +36,9 @@ import time
 VARIANTS = {
     # (known: faults) the stock step, then the converted model's inference
     "stock_then_dwconv": (["stock:train", "dwconv:infer"], {}),
+    # no graph: the converted model's passes eagerly (under compute-sanitizer: any access of dwconv's
+    # kernels out of their tensors' bounds at the model's sizes)
+    "dwconv_eager": (["dwconv:train", "dwconv:infer"], {"eager_only": True}),
     # the stock inference first (no backward: none of the autograd thread's matrix products)
     "stock_infer_then_dwconv": (["stock:infer", "dwconv:infer"], {}),
     # three stock captures: is a third capture enough, dwconv or not?
@@ -140,6 +143,8 @@ def run_variant(name: str, model_name: str, batch: int) -> str:
         for _ in range(3):  # (compiles, cuDNN's benchmark)
             fn()
         torch.cuda.synchronize()
+        if options.get("eager_only"):
+            continue
         replays.append((what, bm.graphed(fn)))
         torch.cuda.synchronize()
     for what, replay in replays:
