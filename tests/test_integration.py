@@ -525,6 +525,19 @@ def test_model_cold_start_harness(monkeypatch):
     assert all(r["ms"] > 0 and set(r) <= set(CSV_FIELDS) for r in rows)
 
 
+@GPU
+def test_bench_model_times_every_path():
+    """bench --model's steady state on the small network: a row for every path and step (the CUDA
+    graph paths captured one at a time after the others), each with a time and a ratio to stock."""
+    from dwconv.bench_models import COMPILE_MODES, bench_model, model_paths
+
+    rows = bench_model("tiny", 2, 32, warmup=1, iters=2, compile_modes="no", precisions="bf16", rounds=2)
+    timed = {(r["path"], r["mode"]): r for r in rows if r["suite"] == "model"}
+    assert set(timed) == {(label, step) for label, *_ in model_paths(COMPILE_MODES["no"])
+                          for step in ("train step", "inference")}
+    assert all(r["ms"] > 0 and r["vs_stock"] > 0 for r in timed.values())
+
+
 def test_model_paths_compare_with_stock_of_the_same_compilation():
     from dwconv.bench_models import COMPILE_MODES, model_paths, stock_path
 

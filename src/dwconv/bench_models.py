@@ -301,7 +301,11 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     The paths are timed in turn, `rounds` times over (iters steps a path each round), and each
     path's median taken over all its steps: the GPU machine's host speed drifts between and within
     runs (a stock MobileNetV2 step measured 13.8-30.8 ms in different processes), and a path timed
-    only after another would take the drift for its own."""
+    only after another would take the drift for its own. The CUDA-graph paths (the GPU's time
+    alone: no drift) come last, one graph alive at a time: each is captured, timed over as many
+    steps and released before the next capture (a stock ConvNeXt-T step's graph faulted at its next
+    replay once a converted model's graph had been captured after it: docs/decisions.md, "Whole
+    models")."""
     torch.backends.cudnn.benchmark = True  # (as conv nets are trained: cuDNN's fastest algorithm for the stock layers)
     torch.manual_seed(0)
     stock = build_model(name).cuda()
@@ -320,6 +324,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
         precision = "bf16 autocast CL" if dtype is not None else key
         inputs = x.contiguous(memory_format=memory_format)
         timed = []  # (path, step, native setting, fn, model run): built, warmed and profiled first, then timed in turns
+        captured = []  # the same for the CUDA-graph paths: captured and timed after the others, one at a time
         for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes]):
             model = copy.deepcopy(models[variant]).to(memory_format=memory_format)
             run = torch.compile(model, mode=mode) if mode and mode != CUDA_GRAPH else model
@@ -331,8 +336,9 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                         run.train(step == "train step")  # (BatchNorm on the batch's statistics when training)
                         time_ms(fn, warmup, 1)
                         if mode == CUDA_GRAPH:
-                            fn = graphed(fn)
-                        elif not mode:  # (the profiler's view of the same step: the depthwise layers' GPU time)
+                            captured.append((path, step, native, fn, run))
+                            continue
+                        if not mode:  # (the profiler's view of the same step: the depthwise layers' GPU time)
                             share = depthwise_share(model, fn)
                             for what in ("depthwise_ms", "gpu_ms"):
                                 profiles.append(dict(suite="model profile", layer=name, dtype=precision, path=path,
@@ -349,6 +355,16 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                 run.train(step == "train step")
                 with native_setting(native):
                     samples[(path, step)] += time_ms(fn, 2, max(1, iters // rounds))
+        for path, step, native, fn, run in captured:
+            run.train(step == "train step")
+            try:
+                with native_setting(native):
+                    replay = graphed(fn)
+                    samples[(path, step)] = time_ms(replay, 2, rounds * max(1, iters // rounds))
+                del replay  # (the graph and its memory pool released before the next capture)
+            except Exception as error:
+                print(f"  {precision:<17} {path} {step}: failed: {type(error).__name__}: {str(error)[:300]}",
+                      flush=True)
         for (path, step), ms in samples.items():
             rows.append(dict(model=name, precision=precision, mode=step, path=path, stock_path=stock_path(path),
                              ms=statistics.median(ms), std=statistics.pstdev(ms),
@@ -357,7 +373,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                              layout=rows_layout(memory_format)))
             print(f"  {precision:<17} {step:<10} {path:<26} {rows[-1]['ms']:8.3f} ms "
                   f"(spread {min(ms):.3f}-{max(ms):.3f})", flush=True)
-        del timed, samples
+        del timed, captured, samples
         torch.cuda.empty_cache()
     for row in rows:  # speedup against the stock model of the same precision, step and compilation
         base_path = row.pop("stock_path")
