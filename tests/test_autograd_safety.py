@@ -263,7 +263,7 @@ def test_concurrent_first_calls(monkeypatch):
             assert_close(out, ref, torch.float32, f"thread {i}: output")
             assert_close(grad_input, ref_gi, torch.float32, f"thread {i}: grad_input")
             assert_close(grad_weight, ref_gw, torch.float32, f"thread {i}: grad_weight")
-    assert all(number is not None for number, _ in native._LAYERS.values())
+    assert all(number is not None for number, *_ in native._LAYERS.values())
 
 
 def test_backward_that_cannot_be_recorded_falls_back(monkeypatch):
@@ -308,7 +308,7 @@ def test_layer_registry_is_bounded(retune, monkeypatch):
         dwconv.depthwise_conv2d(randn(1, 2, 4, width), weight, None, 1, 1)
         dwconv.depthwise_conv2d(hot, weight, None, 1, 1)  # (used every time: never evicted)
     assert len(native._LAYERS) == 3 and native.extension().layer_count() == 3
-    live = {number for number, _ in native._LAYERS.values()}
+    live = {number for number, *_ in native._LAYERS.values()}
     assert all(number in live for _, number in native._KNOWN.values()), "a known call names an evicted layer"
     assert any(geom.in_w == 5 for (_, geom) in native._LAYERS)
     grad_out = randn(*kept_out.shape)

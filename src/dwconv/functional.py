@@ -99,5 +99,6 @@ def _pytorch_must_run(*tensors: Optional[torch.Tensor]) -> bool:
 def _autocast(input, weight, bias):
     """As autocast treats F.conv2d: floating tensors other than float64 go to the autocast dtype."""
     dtype = torch.get_autocast_dtype(input.device.type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-                 else t for t in (input, weight, bias))
+    # (a tensor already in the dtype is not cast: a call each saved, the input's usually)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype != dtype and t.is_floating_point()
+                 and t.dtype != torch.float64 else t for t in (input, weight, bias))

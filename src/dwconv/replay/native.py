@@ -18,7 +18,6 @@ import shutil
 import sys
 import threading
 import warnings
-from collections import OrderedDict
 from typing import List, Optional
 
 import torch
@@ -346,16 +345,17 @@ def native_program(program: Program, python_launches: bool = False) -> NativePro
 # C++ whose passes are recorded programs (host time of a small layer's forward+backward on the H200
 # machine about half the Python Function's: docs/decisions.md).
 #
-# The recorded layers, least recently used first: (program_key of the tensors, geometry) ->
-# [the extension's layer number (None: not recordable, the Python path), the `_KNOWN` keys naming it].
+# The recorded layers: (program_key of the tensors, geometry) -> [the extension's layer number (None:
+# not recordable, the Python path), the `_KNOWN` keys naming it, and for a None its last use on the
+# extension's use clock (a recorded layer's is kept in C++, where its calls land)].
 # Bounded: past tuned().replay_layer_capacity the least recently used layer is released here and in C++ (a model
 # fed many input sizes kept every layer it ever saw: +57.6 MB after 4000 sizes). An autograd graph
 # holds its layer, so a backward after the eviction still finds its programs.
-_LAYERS: "OrderedDict[tuple, list]" = OrderedDict()
+_LAYERS: dict = {}
 # (program_key of the tensors, repr of (stride, padding, dilation) as the caller gave them) ->
-# (layer key, layer number): calls that passed the argument checks before and were recorded
-# (`conv_known`). The repr, not the values: 1, True and 1.0 are equal keys, and the checks accept
-# only the first.
+# (layer key, layer number): calls that passed the argument checks before and were recorded, each
+# also remembered in C++ (`conv_known`). The repr, not the values: 1, True and 1.0 are equal keys, and
+# the checks accept only the first.
 _KNOWN: dict = {}
 _SPELLINGS_PER_LAYER = 16  # (more spellings of one layer's arguments take the full path)
 _LAYERS_LOCK = threading.Lock()  # (insertions and evictions; lookups run without it)
@@ -368,19 +368,13 @@ def has_known_layers() -> bool:
 def conv_known(input, weight, bias, stride, padding, dilation) -> Optional[torch.Tensor]:
     """The C++ path for a call whose tensors (shapes, strides, dtypes, devices, alignment) and
     arguments are those of an earlier call that passed the checks and was recorded: no checks or
-    geometry again (about half of the Python host time of a small layer's forward on the CPU
-    machine). None for any other call: the caller takes the full path."""
+    geometry again, and the lookup itself in C++ (the tensors' key in Python cost 5 of a small
+    layer's 14.5 us of host time on the CPU machine). None for any other call, and for tensor
+    subclasses that dispatch in Python: the caller takes the full path."""
     try:
-        known = _KNOWN.get((program_key((input, weight, bias)), repr((stride, padding, dilation))))
-    except (AttributeError, TypeError, RuntimeError):  # (not tensors, no storage: the full path decides)
+        return _DEFAULT_MODULE[0].conv_known(input, weight, bias, repr((stride, padding, dilation)))
+    except TypeError:  # (not tensors: the full path decides)
         return None
-    if known is None:
-        return None
-    try:
-        _LAYERS.move_to_end(known[0])
-    except KeyError:  # (evicted by another thread just now)
-        return None
-    return _DEFAULT_MODULE[0].conv(input, weight, bias, known[1])
 
 
 def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom, passes,
@@ -405,33 +399,35 @@ def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
                           "keeps the Python path", RuntimeWarning)
             number = None
         entry = _remember(key, number)
-    else:
-        try:
-            _LAYERS.move_to_end(key)
-        except KeyError:
-            pass
-    number, spellings = entry
+    number, spellings, _ = entry
     if number is None:
+        entry[2] = extension().tick()
         return None
     if arguments and len(spellings) < _SPELLINGS_PER_LAYER:
         known = (tensors_key, repr(arguments))
         if known not in _KNOWN:
             spellings.append(known)
             _KNOWN[known] = (key, number)
+            extension().remember_call(input, weight, bias, known[1], number)
     return extension().conv(input, weight, bias, number)
+
+
+def _recency(entry: list) -> int:
+    return entry[2] if entry[0] is None else extension().last_used(entry[0])
 
 
 def _remember(key, number: Optional[int]) -> list:
     with _LAYERS_LOCK:
-        entry = _LAYERS.setdefault(key, [number, []])
+        entry = _LAYERS.setdefault(key, [number, [], extension().tick()])
         if entry[0] != number and number is not None:  # (another thread registered it first)
             extension().release_layer(number)
         while len(_LAYERS) > tuned().replay_layer_capacity:
-            _, (old, spellings) = _LAYERS.popitem(last=False)
+            oldest = min((k for k in _LAYERS if k != key), key=lambda k: _recency(_LAYERS[k]))
+            old, spellings, _ = _LAYERS.pop(oldest)
             for known in spellings:
                 _KNOWN.pop(known, None)
             if old is not None:
-                extension().release_layer(old)
+                extension().release_layer(old)  # (and its calls remembered in C++)
     return entry
 
 
@@ -439,7 +435,7 @@ def forget_layers() -> None:
     """Releases every recorded layer (on a change of the tuning table: its programs were recorded
     under the old one; and in tests)."""
     with _LAYERS_LOCK:
-        numbers = [number for number, _ in _LAYERS.values() if number is not None]
+        numbers = [entry[0] for entry in _LAYERS.values() if entry[0] is not None]
         _LAYERS.clear()
         _KNOWN.clear()
         for number in numbers:

@@ -10,11 +10,14 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <atomic>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -286,6 +289,7 @@ struct Layer : torch::CustomClassHolder {
   py::object python_backward;  // (mask, grad_out, input, weight) -> [grad_input, grad_weight, grad_bias]
   std::mutex mutex;
   std::map<std::vector<int64_t>, std::shared_ptr<Program>> backward;
+  std::atomic<int64_t> last_used{0};  // the use clock's value at its last call (native.py evicts the oldest)
 
   ~Layer() override {
     if (!Py_IsInitialized() || _Py_IsFinalizing()) {  // (programs may hold Python launch callbacks)
@@ -332,12 +336,17 @@ struct Layer : torch::CustomClassHolder {
   }
 };
 
-// The layers by number, as native.py registers and evicts them (its bounded LRU).
+// The layers by number, as native.py registers and evicts them (its bounded LRU), and the calls
+// known to run them: a call's tensors' layouts and the spelling of its arguments -> layer number.
 struct Registry {
   std::mutex mutex;
   std::unordered_map<int64_t, c10::intrusive_ptr<Layer>> layers;
   int64_t next = 0;
+  std::shared_mutex calls_mutex;
+  std::unordered_map<std::string, int64_t> calls;
 };
+
+std::atomic<int64_t> use_clock{0};
 
 Registry& registry() {
   // never destroyed: its layers' Python callables must not be released after the interpreter has finalized
@@ -366,6 +375,12 @@ c10::intrusive_ptr<Layer> find_layer(int64_t number) {
 void release_layer(int64_t number) {
   c10::intrusive_ptr<Layer> layer;  // (dropped after the registry's lock: its destructor takes the GIL)
   auto& reg = registry();
+  {
+    std::unique_lock<std::shared_mutex> lock(reg.calls_mutex);
+    for (auto it = reg.calls.begin(); it != reg.calls.end();) {
+      it = it->second == number ? reg.calls.erase(it) : std::next(it);
+    }
+  }
   std::lock_guard<std::mutex> lock(reg.mutex);
   auto found = reg.layers.find(number);
   if (found != reg.layers.end()) {
@@ -373,6 +388,15 @@ void release_layer(int64_t number) {
     reg.layers.erase(found);
   }
 }
+
+// The use clock's value at the layer's last call, -1 for no such layer.
+int64_t last_used(int64_t number) {
+  auto layer = find_layer(number);
+  return layer ? layer->last_used.load() : -1;
+}
+
+// The use clock, advanced (native.py stamps the layers that take the Python path with it).
+int64_t tick() { return ++use_clock; }
 
 int64_t layer_count() {
   auto& reg = registry();
@@ -444,7 +468,55 @@ std::optional<at::Tensor> conv(const at::Tensor& input, const at::Tensor& weight
                                const std::optional<at::Tensor>& bias, int64_t number) {
   auto layer = find_layer(number);
   if (!layer) return std::nullopt;
+  layer->last_used = ++use_clock;
   return bias ? ConvBiasFunction::apply(input, weight, *bias, layer) : ConvFunction::apply(input, weight, layer);
+}
+
+// A known call's key: each tensor's layout (as program_key: append_layout and the negative bit; an
+// absent bias a marker) and the spelling of the arguments. None for tensors the replayer must not
+// take: a tensor subclass that dispatches in Python (its own __torch_dispatch__ must see the call),
+// or one without storage to read.
+std::optional<std::string> call_key(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, const std::string& spelling) {
+  std::vector<int64_t> key;
+  for (const at::Tensor* t : {&input, &weight, bias ? &*bias : nullptr}) {
+    if (t == nullptr) {
+      key.push_back(-1);
+      continue;
+    }
+    if (!t->defined() || t->key_set().has(c10::DispatchKey::Python) || !t->has_storage()) return std::nullopt;
+    append_layout(key, *t);
+    key.push_back(t->is_neg());
+  }
+  std::string out(reinterpret_cast<const char*>(key.data()), key.size() * sizeof(int64_t));
+  return out + spelling;
+}
+
+// The layer a call of these tensors, spelled so, was recorded for (native.py's conv_known): a call
+// known before runs here without Python past the arguments' spelling.
+void remember_call(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                   const std::string& spelling, int64_t number) {
+  auto key = call_key(input, weight, bias, spelling);
+  if (!key) return;
+  auto& reg = registry();
+  std::unique_lock<std::shared_mutex> lock(reg.calls_mutex);
+  reg.calls[*key] = number;
+}
+
+// conv for a call remembered before, None for any other (the caller takes the full path).
+std::optional<at::Tensor> conv_known(const at::Tensor& input, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias, const std::string& spelling) {
+  auto key = call_key(input, weight, bias, spelling);
+  if (!key) return std::nullopt;
+  int64_t number;
+  {
+    auto& reg = registry();
+    std::shared_lock<std::shared_mutex> lock(reg.calls_mutex);
+    auto found = reg.calls.find(*key);
+    if (found == reg.calls.end()) return std::nullopt;
+    number = found->second;
+  }
+  return conv(input, weight, bias, number);
 }
 
 }  // namespace
@@ -454,6 +526,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("release_layer", &release_layer);
   m.def("layer_count", &layer_count);
   m.def("conv", &conv);
+  m.def("conv_known", &conv_known);
+  m.def("remember_call", &remember_call);
+  m.def("last_used", &last_used);
+  m.def("tick", &tick);
   py::class_<Program, std::shared_ptr<Program>>(m, "Program")
       .def(py::init<int64_t>())
       .def("add_op", &Program::add_op)
