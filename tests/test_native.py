@@ -261,3 +261,34 @@ def test_native_known_calls_skip_the_checks_and_only_those(monkeypatch):
             real(x, weight, None, stride, padding, 1)
         with pytest.raises(type(raised.value), match=str(raised.value)[:20]):
             dwconv.depthwise_conv2d(x, weight, None, stride, padding)
+
+
+class _StorageLogging(torch.Tensor):
+    """A subclass over real storage (so its layout is a plain tensor's) that dispatches in Python."""
+    ops: list = []
+
+    @staticmethod
+    def __new__(cls, elem):
+        tensor = torch.Tensor._make_subclass(cls, elem)
+        tensor.elem = elem
+        return tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        cls.ops.append(func)
+        unwrap = lambda t: t.elem if isinstance(t, _StorageLogging) else t  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+def test_known_calls_leave_python_dispatch_subclasses_to_their_dispatch(monkeypatch):
+    """A tensor subclass that dispatches in Python, laid out as a call the C++ path knows, still reaches
+    its __torch_dispatch__ (F.conv2d computes it), never the replayer's raw reads."""
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    x, weight = randn(1, 2, 5, 7), randn(2, 1, 3, 3)
+    for _ in range(2):  # (recorded, then known)
+        dwconv.depthwise_conv2d(x, weight, None, 1, 1)
+    subclass = _StorageLogging(x.clone())
+    _StorageLogging.ops.clear()
+    out = dwconv.depthwise_conv2d(subclass, weight, None, 1, 1)
+    assert torch.ops.aten.convolution.default in _StorageLogging.ops, _StorageLogging.ops
+    assert_close(out, torch.nn.functional.conv2d(x.double(), weight.double(), None, 1, 1, 1, 2), torch.float32)
