@@ -30,6 +30,9 @@ import subprocess
 import sys
 import time
 
+import triton
+import triton.language as tl
+
 # name: (captures in order, options: "env" set in the variant's process, "cudnn_benchmark",
 # "clear_in_backward": cuBLAS's workspaces also dropped on the autograd engine's thread before
 # each capture (the backward's matrix products run there, with workspaces of that thread's own)
@@ -61,11 +64,15 @@ VARIANTS = {
 }
 
 
+@triton.jit
+def copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offsets, tl.load(src + offsets, mask=offsets < n), mask=offsets < n)
+
+
 def run_variant(name: str, model_name: str, batch: int) -> str:
     import torch
     import torch.nn as nn
-    import triton
-    import triton.language as tl
 
     import dwconv
     from dwconv import bench_models as bm
@@ -78,11 +85,6 @@ def run_variant(name: str, model_name: str, batch: int) -> str:
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(batch, 3, 224, 224, device="cuda", generator=gen).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch,), device="cuda", generator=gen)
-
-    @triton.jit
-    def copy_kernel(src, dst, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(dst + offsets, tl.load(src + offsets, mask=offsets < n), mask=offsets < n)
 
     def without_drop(model: nn.Module) -> nn.Module:
         """model with its dropout and stochastic-depth modules replaced by identities (no random numbers)."""
