@@ -128,3 +128,52 @@ def test_fast_launch_on_the_gpu(retune, layout):
         retune(fast_launch=True)
         for got, ref in zip(grads, slow):
             assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("kernel,stride", [(3, 1), (3, 2), (7, 1), (31, 1)])
+def test_plans_from_fake_tensors_with_a_symbolic_batch(retune, monkeypatch, kernel, stride, channels_last, dtype):
+    """What torch.compile would trace through a triton_op: the GPU's launch plans of a forward and a
+    backward built from fake tensors whose batch is symbolic (dynamic=True), without a data pointer
+    (alignment from the storage offset) or a cache (symbolic keys do not hash): every launch's
+    constexprs concrete (a kernel binary cannot depend on the batch), the batch only in its grid and
+    runtime arguments."""
+    import sys
+    import warnings
+
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from dwconv import _library, dispatch
+    from dwconv._geometry import conv_geometry
+
+    retune(plan_as_gpu=True)
+    launches = []
+    for module in [m for name, m in sys.modules.items() if name.startswith("dwconv.kernels.")]:
+        if hasattr(module, "launch"):
+            monkeypatch.setattr(module, "launch", lambda kernel, plan, *tensors: launches.append((kernel, plan)))
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fake(t, dynamic_batch=False):
+        sizes = [DimDynamic.DYNAMIC if dynamic_batch and d == 0 else DimDynamic.STATIC for d in range(t.dim())]
+        return mode.from_tensor(t, source=ConstantSource(f"t{len(sizes)}{dynamic_batch}"),
+                                symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+    x = randn(64, 16, 20, 20, dtype=dtype, device="cpu")  # (a batch past the small-batch blocks)
+    x = fake(x.contiguous(memory_format=torch.channels_last) if channels_last else x, dynamic_batch=True)
+    weight, bias = fake(randn(16, 1, kernel, kernel, dtype=dtype, device="cpu")), fake(randn(16, dtype=dtype, device="cpu"))
+    assert isinstance(x.shape[0], torch.SymInt)
+    with mode, warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a fake tensor's data_ptr() warns: no plan may read it)
+        geom = conv_geometry(x, weight, bias, stride, kernel // 2, 1)
+        out = dispatch.conv_forward(x, weight, bias, geom)
+        forward_launches = len(launches)
+        grads = _library._backward_formula(torch.empty_like(out), x, weight, geom, True, True, True, traced=False)
+    assert forward_launches and len(launches) > forward_launches
+    assert isinstance(out.shape[0], torch.SymInt) and isinstance(grads[0].shape[0], torch.SymInt)
+    assert tuple(grads[1].shape) == (16, 1, kernel, kernel) and tuple(grads[2].shape) == (16,)
+    for launched, plan in launches:
+        symbolic = {name: value for name, value in plan.constants.items() if isinstance(value, torch.SymInt)}
+        assert not symbolic, f"{launched.__name__}: constexprs that follow the batch: {symbolic}"

@@ -232,5 +232,13 @@ def grad_input_as_forward(geom: ConvGeometry) -> ConvGeometry:
     )
 
 
-# (cached: dataclasses.replace costs ~6 us, on every eager backward)
-input_grad_geometry = functools.lru_cache(maxsize=1024)(grad_input_as_forward)
+_cached_grad_input_geometry = functools.lru_cache(maxsize=1024)(grad_input_as_forward)
+
+
+def input_grad_geometry(geom: ConvGeometry) -> ConvGeometry:
+    """grad_input_as_forward, cached (dataclasses.replace costs ~6 us, on every eager backward); a
+    geometry of symbolic sizes (traced with a dynamic batch), which does not hash, is built each time."""
+    try:
+        return _cached_grad_input_geometry(geom)
+    except TypeError:
+        return grad_input_as_forward(geom)

@@ -60,8 +60,23 @@ class LaunchPlan:
     compiled: Dict[Hashable, tuple] = field(default_factory=dict, compare=False, repr=False)
 
 
+def alignment(t: torch.Tensor) -> int:
+    """t's data pointer mod 16. A tensor without data (a fake tensor, traced) has its storage
+    offset's: its storage is taken to start 16-byte aligned, as PyTorch's allocators and
+    torch.compile's buffers do (Inductor copies a graph input that is not)."""
+    if type(t) is not torch.Tensor and _is_fake(t):  # (fake tensors' data_ptr() only warns, then answers)
+        return t.storage_offset() * t.element_size() % 16
+    return t.data_ptr() % 16
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
 def layout_key(t: torch.Tensor) -> Hashable:
-    return (t.shape, t.stride(), t.dtype, t.device.type, t.data_ptr() % 16)
+    return (t.shape, t.stride(), t.dtype, t.device.type, alignment(t))
 
 
 _MISSING = object()
@@ -79,8 +94,13 @@ on_change(lambda: [cache.clear() for cache in _CACHES])
 
 
 def cached_plan(cache: dict, key: Hashable, build: Callable[[], T]) -> T:
-    """cache[key], built on first use (a plan, or any value that depends only on the key)."""
-    plan = cache.get(key, _MISSING)
+    """cache[key], built on first use (a plan, or any value that depends only on the key); built
+    each time for a key of symbolic sizes (fake tensors traced with a dynamic batch), which do not
+    hash."""
+    try:
+        plan = cache.get(key, _MISSING)
+    except TypeError:
+        return build()
     if plan is _MISSING:
         if len(cache) >= _PLAN_LIMIT:
             cache.clear()

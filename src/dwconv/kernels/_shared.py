@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
+from ._launch import alignment
 
 
 @triton.jit
@@ -251,14 +252,14 @@ def odd_rows_alignable(x: torch.Tensor, geom: ConvGeometry) -> bool:
     """Contiguous NCHW rows of 2 mod 4 elements in planes of whole 4-vectors (even height), read by
     the rows kernel with an even ring: odd rows are 2 elements off a vector boundary, statically."""
     return (x.is_contiguous() and geom.in_w % 4 == 2 and geom.in_h % 2 == 0 and ring_size(geom) % 2 == 0
-            and geom.stride_w == 1 and x.data_ptr() % 16 == 0)
+            and geom.stride_w == 1 and alignment(x) == 0)
 
 
 def odd_out_rows_alignable(out: torch.Tensor, geom: ConvGeometry) -> bool:
     """Contiguous NCHW output rows of 2 mod 4 elements in planes of whole 4-vectors (even height):
     odd rows are 2 elements off a vector boundary (the rows kernel also needs an even ring, so that
     a slot's rows have one parity)."""
-    return (out.is_contiguous() and geom.out_w % 4 == 2 and geom.out_h % 2 == 0 and out.data_ptr() % 16 == 0)
+    return (out.is_contiguous() and geom.out_w % 4 == 2 and geom.out_h % 2 == 0 and alignment(out) == 0)
 
 
 def needs_int64(*tensors: torch.Tensor, first_dim: int = 2) -> bool:

@@ -23,7 +23,8 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, input_grad_geometry, next_power_of_2
 from ..tuning import tuned
-from ._launch import ForwardConfig, GradWeightConfig, LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plan_cache
+from ._launch import (ForwardConfig, GradWeightConfig, LaunchPlan, alignment, cached_plan, gpu_plan, launch, layout_key,
+                      new_partial, plan_cache)
 from ._shared import (_load_weights, _tap_weights, acc_dtype, channels_last_kernel_applies, forward_constants,
                       needs_int64, partial_dtype)
 from .weight_sums import sum_partials, weight_grad_sums
@@ -725,7 +726,7 @@ def bf16_pairs_apply(x: torch.Tensor, geom: ConvGeometry, block_c: int, num_warp
     strides, an aligned base) and lies in one input channel pair (multiplier 1)."""
     return (x.dtype == torch.bfloat16 and geom.multiplier == 1 and x.stride(1) == 1 and block_c == 64 * num_warps
             and geom.in_channels % 2 == 0 and all(s % 2 == 0 for s in (x.stride(0), x.stride(2), x.stride(3)))
-            and x.data_ptr() % 4 == 0)
+            and alignment(x) % 4 == 0)
 
 
 def weight_taps_major(kernel: str, x: torch.Tensor) -> bool:
