@@ -592,3 +592,118 @@ def test_model_profile_ranges():
     step = training_step(model.train(), x, y, torch.optim.SGD(model.parameters(), lr=1e-3), None, "cpu")
     assert depthwise_share(model, step)["ranges"] == 4
     assert depthwise_share(model.eval(), inference(model, x, None))["ranges"] == 2
+
+
+# ---- the ops as triton_op (tuned().triton_ops) --------------------------------------------------
+
+# Traces the ops' forward and backward through aot_autograd with compilers that keep the graphs and
+# run nothing (the kernels cannot run on this machine's CPU tensors without the interpreter, under
+# which the ops stay custom ops): a line per case and graph with its kernel launches, the dwconv ops
+# left in it and how many of its inputs have symbolic sizes.
+TRACE_TRITON_OPS = r"""
+import json, torch
+from functorch.compile import aot_function
+from dwconv import _library
+assert _library._TRITON_OPS
+
+def keep(kind, graphs):
+    def compiler(gm, inputs):
+        graphs[kind] = gm
+        def value(node):
+            val = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+            if isinstance(val, torch.Tensor):
+                shape = [s.node.hint if isinstance(s, torch.SymInt) else s for s in val.shape]
+                return torch.zeros(shape, dtype=val.dtype)
+            return val.node.hint if isinstance(val, torch.SymInt) else val
+        run = lambda args: [value(n) for n in gm.graph.find_nodes(op="output")[0].args[0]]
+        run._boxed_call = True
+        return run
+    return compiler
+
+for dtype, channels_last, k, stride, dynamic in %r:
+    dtype = getattr(torch, dtype)
+    x = torch.randn(8, 32, 14, 14, dtype=dtype)
+    x = (x.contiguous(memory_format=torch.channels_last) if channels_last else x).requires_grad_()
+    w = torch.randn(32, 1, k, k, dtype=dtype, requires_grad=True)
+    b = torch.randn(32, dtype=dtype, requires_grad=True)
+    def step(x, w, b):
+        return torch.ops.dwconv.conv2d(x, w, b, [stride, stride], [k // 2] * 4, [1, 1]).float().sum()
+    graphs = {}
+    aot_function(step, fw_compiler=keep("forward", graphs), bw_compiler=keep("backward", graphs),
+                 dynamic=dynamic)(x, w, b).backward()
+    for kind, gm in graphs.items():
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        symbolic = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+                    and any(isinstance(d, torch.SymInt) for d in n.meta["val"].shape)]
+        print(json.dumps(dict(case=[str(dtype), channels_last, k, stride, dynamic], graph=kind,
+                              launches=sum("triton_kernel_wrapper" in t for t in targets),
+                              dwconv_ops=[t for t in targets if "dwconv" in t], symbolic_inputs=len(symbolic))))
+"""
+
+
+def test_triton_ops_trace_into_kernel_launches():
+    """With tuned().triton_ops, torch.compile's tracing turns each op into the launches of its kernels
+    (wrap_triton), forward and backward, so that Inductor makes them itself: no dwconv op is left in
+    either graph, and a dynamic batch stays symbolic. Traced on the CPU with the GPU's plans (the
+    launches are recorded, not run); on the GPU, test_triton_ops_compile runs them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cases = [("bfloat16", True, 3, 1, False), ("bfloat16", True, 3, 2, True), ("float32", False, 7, 1, True),
+             ("float32", False, 31, 1, False)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(DWCONV_TUNING="triton_ops=True,plan_as_gpu=True",
+               PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"), env.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", TRACE_TRITON_OPS % (cases,)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 2 * len(cases), done.stdout
+    for line in lines:
+        assert line["launches"] >= (1 if line["graph"] == "forward" else 2) and not line["dwconv_ops"], line
+        assert (line["symbolic_inputs"] > 0) == line["case"][4], line
+
+
+COMPILE_TRITON_OPS = r"""
+import copy, torch, torch.nn as nn
+import dwconv
+from dwconv import _library
+from torch._inductor.utils import run_and_get_code
+assert _library._TRITON_OPS
+torch.manual_seed(0)
+net = nn.Sequential(nn.Conv2d(8, 8, 3, 1, 1, groups=8), nn.ReLU(), nn.Conv2d(8, 16, 7, 2, 3, groups=8), nn.ReLU(),
+                    nn.Conv2d(16, 16, 31, 1, 15, groups=16, bias=False))
+model = dwconv.convert(net, verbose=False).cuda()
+for dynamic, memory_format in ((False, torch.contiguous_format), (True, torch.channels_last)):
+    eager = copy.deepcopy(model).to(memory_format=memory_format)
+    compiled = torch.compile(copy.deepcopy(eager), fullgraph=True, dynamic=dynamic)
+    for batch in (2, 3, 5):
+        x = torch.randn(batch, 8, 20, 20, device="cuda").contiguous(memory_format=memory_format)
+        eager.zero_grad(), compiled.zero_grad()
+        out, code = run_and_get_code(lambda: compiled(x))
+        want = eager(x)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        out.square().sum().backward(), want.square().sum().backward()
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-3, msg=lambda m: f"{name}: {m}")
+        code = "".join(code)
+        assert "depthwise" in code and "dwconv.conv2d" not in code, "Inductor's code does not launch the kernels itself"
+print("ok")
+"""
+
+
+@GPU
+def test_triton_ops_compile():
+    """With tuned().triton_ops, a converted network under torch.compile (Inductor, fullgraph, static and
+    dynamic batch, both layouts): outputs and gradients as eager dwconv's, and Inductor's generated
+    code launches dwconv's kernels itself (no dwconv op call left in it)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DWCONV_TUNING="triton_ops=True")
+    done = subprocess.run([sys.executable, "-c", COMPILE_TRITON_OPS], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]

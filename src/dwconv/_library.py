@@ -24,10 +24,12 @@ from torch import Tensor
 
 from . import dispatch as _dispatch
 from . import replay
+from ._env import triton_interpreter_enabled
 from ._geometry import ConvGeometry, conv_geometry
 from .dispatch import conv_forward
 from .kernels._shared import output_memory_format
 from .kernels.layout import nchw_copy
+from .tuning import tuned
 
 
 def _geometry(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
@@ -56,7 +58,30 @@ def _like(t: Tensor, shape=None) -> Tensor:
 
 # ---- the registered ops -------------------------------------------------------------------------
 
-@torch.library.custom_op("dwconv::conv2d", mutates_args=())
+# triton_op (tuned().triton_ops, not under the interpreter): torch.compile traces each op's body on fake
+# tensors into the kernels' launches (kernels/_launch.launch), which Inductor then makes itself; the body
+# is its own fake implementation. custom_op: one opaque call a pass, with the fakes registered below.
+_TRITON_OPS = tuned().triton_ops and not triton_interpreter_enabled()
+
+
+def _op(name: str):
+    def register(fn):
+        if _TRITON_OPS:
+            return torch.library.triton_op(name, mutates_args=())(fn)
+        return torch.library.custom_op(name, mutates_args=())(fn)
+    return register
+
+
+def _fake(op):
+    """Registers the decorated function as op's fake implementation where op is a custom op."""
+    def register(fn):
+        if not _TRITON_OPS:
+            op.register_fake(fn)
+        return fn
+    return register
+
+
+@_op("dwconv::conv2d")
 def conv2d(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
            dilation: List[int]) -> Tensor:
     """The depthwise convolution (groups = input channels); output in the input's memory format."""
@@ -64,7 +89,7 @@ def conv2d(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[i
                         _geometry(input, weight, bias, stride, padding, dilation))
 
 
-@conv2d.register_fake
+@_fake(conv2d)
 def _(input, weight, bias, stride, padding, dilation):
     return _like(input, _geometry(input, weight, bias, stride, padding, dilation).output_shape)
 
@@ -73,14 +98,14 @@ def _grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeome
     return _dispatch.conv_grad_input(grad_out, weight, geom, input)
 
 
-@torch.library.custom_op("dwconv::conv2d_grad_input", mutates_args=())
+@_op("dwconv::conv2d_grad_input")
 def conv2d_grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, stride: List[int], padding: List[int],
                       dilation: List[int]) -> Tensor:
     """grad of the input (input gives its shape, dtype and memory format)."""
     return _grad_input(plain(grad_out), input, plain(weight), _geometry(input, weight, None, stride, padding, dilation))
 
 
-@conv2d_grad_input.register_fake
+@_fake(conv2d_grad_input)
 def _(grad_out, input, weight, stride, padding, dilation):
     return _like(input)
 
@@ -90,7 +115,7 @@ def _grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeom
     return [grad_weight, grad_bias] if bias_grad else [grad_weight]
 
 
-@torch.library.custom_op("dwconv::conv2d_grad_weight", mutates_args=())
+@_op("dwconv::conv2d_grad_weight")
 def conv2d_grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, stride: List[int], padding: List[int],
                        dilation: List[int], bias_grad: bool) -> List[Tensor]:
     """[grad_weight] or, with bias_grad, [grad_weight, grad_bias], from one pass over grad_out and input."""
@@ -98,7 +123,7 @@ def conv2d_grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, stride: 
     return _grad_weight(plain(grad_out), plain(input), weight, geom, bias_grad)
 
 
-@conv2d_grad_weight.register_fake
+@_fake(conv2d_grad_weight)
 def _(grad_out, input, weight, stride, padding, dilation, bias_grad):
     grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     return [grad_weight, weight.new_empty(weight.shape[0])] if bias_grad else [grad_weight]
@@ -108,7 +133,7 @@ def _grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: Co
     return _dispatch.conv_grad_input_and_weight(grad_out, input, weight, geom)
 
 
-@torch.library.custom_op("dwconv::conv2d_grad_input_weight", mutates_args=())
+@_op("dwconv::conv2d_grad_input_weight")
 def conv2d_grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, stride: List[int],
                              padding: List[int], dilation: List[int]) -> Tuple[Tensor, Tensor]:
     """grad_input and grad_weight from one read of grad_out and input where
@@ -121,7 +146,7 @@ def conv2d_grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, st
     return _grad_input_weight(grad_out, input, weight, geom)
 
 
-@conv2d_grad_input_weight.register_fake
+@_fake(conv2d_grad_input_weight)
 def _(grad_out, input, weight, stride, padding, dilation):
     return _like(input), torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
