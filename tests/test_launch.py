@@ -177,3 +177,42 @@ def test_plans_from_fake_tensors_with_a_symbolic_batch(retune, monkeypatch, kern
     for launched, plan in launches:
         symbolic = {name: value for name, value in plan.constants.items() if isinstance(value, torch.SymInt)}
         assert not symbolic, f"{launched.__name__}: constexprs that follow the batch: {symbolic}"
+
+
+@pytest.mark.parametrize("kernel,stride,channels_last,dtype,channels", [
+    (3, 1, True, torch.bfloat16, 128),  # (bfloat16 channel pairs: an aligned base)
+    (3, 1, False, torch.float32, 16),  # (rows of 18: 2 mod 4, aligned odd rows)
+    (3, 2, False, torch.float32, 16), (7, 1, True, torch.float32, 16), (31, 1, False, torch.bfloat16, 16)])
+def test_traced_launches_are_the_eager_ones(retune, monkeypatch, kernel, stride, channels_last, dtype, channels):
+    """The launches a trace on fake tensors records (what a triton_op hands Inductor) are the ones the
+    same call makes on real tensors: kernels, grids, runtime arguments and constexprs, forward and
+    backward (the GPU's plans; launches recorded, not run)."""
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dwconv import _library, dispatch
+    from dwconv._geometry import conv_geometry
+
+    retune(plan_as_gpu=True)
+    launches = []
+    for module in [m for name, m in sys.modules.items() if name.startswith("dwconv.kernels.")]:
+        if hasattr(module, "launch"):
+            monkeypatch.setattr(module, "launch", lambda kernel, plan, *tensors: launches.append(
+                (kernel.__name__, tuple(plan.grid), tuple(plan.scalars), tuple(sorted(plan.constants.items())))))
+
+    def passes(x, weight, bias):
+        launches.clear()
+        geom = conv_geometry(x, weight, bias, stride, kernel // 2, 1)
+        out = dispatch.conv_forward(x, weight, bias, geom)
+        _library._backward_formula(torch.empty_like(out), x, weight, geom, True, True, True, traced=False)
+        return list(launches)
+
+    x = randn(4, channels, 18, 18, dtype=dtype, device="cpu")
+    x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    tensors = (x, randn(channels, 1, kernel, kernel, dtype=dtype, device="cpu"),
+               randn(channels, dtype=dtype, device="cpu"))
+    eager = passes(*tensors)
+    with FakeTensorMode() as mode:
+        traced = passes(*(mode.from_tensor(t) for t in tensors))
+    assert eager and traced == eager
