@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import tuning
 from .convert import convert
 
 
@@ -317,7 +318,8 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     rel = compare_outputs(stock, converted, x[:8])
     grad_rel = compare_gradients(stock, converted, x[:8])
     print(f"{name}: {converted.dwconv_converted} depthwise layers converted; eval outputs differ by {rel:.2e}, "
-          f"parameter gradients by {grad_rel:.2e} (relative, float32)", flush=True)
+          f"parameter gradients by {grad_rel:.2e} (relative, float32)"
+          + (f"; tuning changes {tuning.changes()}" if tuning.changes() else ""), flush=True)
     rows, profiles = [], []
     for key in (PRECISIONS if precisions == "all" else [precisions]):
         dtype, memory_format = PRECISIONS[key]
