@@ -104,10 +104,10 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     # cuBLAS's workspace for the side stream, made in the warm-up outside the graph's memory pool,
-    # would be baked into the graph and then freed by PyTorch (torch 2.11: an illegal memory access
-    # at a later replay of a ConvNeXt-T step, whose Linear layers run on cuBLAS). Dropped before
-    # the capture, it is made again inside the graph's pool, which the graph holds; dropped after it,
-    # eager calls make their own (as torch.compile's CUDA graphs do: cudagraph_trees.clear_cublas_manager).
+    # would be baked into the graph, and PyTorch may free it while the graph lives (pytorch/pytorch
+    # #193402). Dropped before the capture, it is made again inside the graph's pool, which the graph
+    # holds; dropped after it, eager calls make their own (as torch.compile's CUDA graphs do:
+    # cudagraph_trees.clear_cublas_manager). (Not the cause of the ConvNeXt-T fault: docs/decisions.md.)
     torch._C._cuda_clearCublasWorkspaces()
     with torch.cuda.graph(graph, stream=side):
         fn()

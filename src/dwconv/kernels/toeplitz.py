@@ -441,6 +441,13 @@ def _band_row(geom: ConvGeometry, block_w: int, block_k: int, unit: int) -> Tupl
     return start, cdiv(start + block_k, 16) * 16
 
 
+def _small_batch_block(block_m: int, rows) -> int:
+    """block_m, or where a small batch gives fewer rows (tiles) than that, their next power of two
+    (at least 16). The test comes before the size: a trace with a dynamic batch then guards on the
+    batch's range and keeps it symbolic past the small batches, where sizing it always specialised it."""
+    return min(block_m, max(16, next_power_of_2(rows))) if rows < block_m else block_m
+
+
 def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
                   block_w: Optional[int], num_warps: int, num_stages: int, out_rows: int) -> LaunchPlan:
     block_w = block_w or toeplitz_block_w(geom, x)
@@ -450,11 +457,7 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
     block_k = window_width(geom, block_w, unit)
     # the input tile of a product at most 32 KB (its pipeline keeps 3 in shared memory: float32 k51
     # at 128 rows asked for 256 KB, over the H200's 227 KB)
-    # (few tiles, a small batch: the block shrinks to them; the test, not the size, on the batch, which
-    # a trace with a dynamic batch then keeps symbolic past it)
-    if total_tiles < block_m:
-        block_m = min(block_m, max(16, next_power_of_2(total_tiles)))
-    block_m = min(block_m, max(16, 32768 // (block_k * x.element_size())))
+    block_m = min(_small_batch_block(block_m, total_tiles), max(16, 32768 // (block_k * x.element_size())))
     # a tile's input rows: ROW_STEP apart (every row its output rows' taps read), STEPS of them
     row_step = math.gcd(geom.stride_h, geom.dilation_h)
     steps = geom.kernel_h if out_rows == 1 else \
@@ -529,8 +532,7 @@ def _grad_weight_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     assert kh_rows == 1 or geom.stride_h == geom.dilation_h == 1, "kernel rows side by side need unit row steps"
     plane_rows = geom.out_h + kh_rows - 1  # (grad_out's rows and the kh_rows - 1 below a plane: kernel_row d
     total_rows = geom.batch * plane_rows   # pairs row b with grad_out's b - d)
-    if total_rows < block_m:  # (as in the forward: the test on the batch, not its size)
-        block_m = min(block_m, max(16, next_power_of_2(total_rows)))
+    block_m = _small_batch_block(block_m, total_rows)
     tiles_w = cdiv(geom.out_w, block_w)
     block_k = window_width(geom, block_w, unit)
     if rows_per_split is None:
