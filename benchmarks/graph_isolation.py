@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import triton
 import triton.language as tl
@@ -165,13 +166,18 @@ def main() -> None:
     parser.add_argument("--model", default="convnext_tiny")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds a variant may take")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="variants run at once (each its own process and CUDA context: a fault stays in its own)")
     args = parser.parse_args()
     if args.one:
         print(run_variant(args.one, args.model, args.batch), flush=True)
         return
-    for name in args.variants or VARIANTS:
-        if name not in VARIANTS:
-            raise SystemExit(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
+    names = args.variants or list(VARIANTS)
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant {unknown[0]!r}: one of {', '.join(VARIANTS)}")
+
+    def run_in_process(name: str) -> None:
         started = time.perf_counter()
         command = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--one", name,
                    "--model", args.model, "--batch", str(args.batch)]
@@ -184,6 +190,9 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             result = f"{name}: no answer within {args.timeout:.0f} s"
         print(f"{result}  ({time.perf_counter() - started:.0f} s)", flush=True)
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        list(pool.map(run_in_process, names))
 
 
 if __name__ == "__main__":
