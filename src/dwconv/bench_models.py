@@ -95,7 +95,11 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     """fn captured in a CUDA graph (after warm-up on a side stream, as torch.cuda.graph asks):
     its replay, which launches the same kernels with no Python in between. Captured on the same
     side stream: a backward runs on its forward's stream, and autograd graphs built in the warm-up
-    (the "backward" pass's) must not tie the capture to another stream."""
+    (the "backward" pass's) must not tie the capture to another stream.
+    The replay holds fn, and so what fn holds: the graph reads and writes memory made outside its
+    pool (parameters, gradients, an optimizer's momentum), and were that freed, the next capture's
+    empty_cache would hand it back to the driver and this replay fault (an illegal memory access:
+    docs/decisions.md, "Whole models")."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -107,12 +111,16 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     # would be baked into the graph, and PyTorch may free it while the graph lives (pytorch/pytorch
     # #193402). Dropped before the capture, it is made again inside the graph's pool, which the graph
     # holds; dropped after it, eager calls make their own (as torch.compile's CUDA graphs do:
-    # cudagraph_trees.clear_cublas_manager). (Not the cause of the ConvNeXt-T fault: docs/decisions.md.)
+    # cudagraph_trees.clear_cublas_manager).
     torch._C._cuda_clearCublasWorkspaces()
     with torch.cuda.graph(graph, stream=side):
         fn()
     torch._C._cuda_clearCublasWorkspaces()
-    return graph.replay
+
+    def replay() -> None:
+        graph.replay()
+    replay.captured = fn
+    return replay
 
 
 def time_ms(fn: Callable[[], None], warmup: int, iters: int) -> List[float]:
