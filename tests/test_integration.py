@@ -698,11 +698,14 @@ def test_triton_ops_trace_into_kernel_launches():
 
 
 COMPILE_TRITON_OPS = r"""
-import copy, torch, torch.nn as nn
+import copy, sys, time, torch, torch.nn as nn
 import dwconv
 from dwconv import _library
 from torch._inductor.utils import run_and_get_code
 assert _library._TRITON_OPS
+started = time.perf_counter()
+def progress(what):  # (to stderr as it goes: a run cut by its time limit still says where it was)
+    print(f"{time.perf_counter() - started:7.1f} s  {what}", file=sys.stderr, flush=True)
 torch.manual_seed(0)
 net = nn.Sequential(nn.Conv2d(8, 8, 3, 1, 1, groups=8), nn.ReLU(), nn.Conv2d(8, 16, 7, 2, 3, groups=8), nn.ReLU(),
                     nn.Conv2d(16, 16, 31, 1, 15, groups=16, bias=False))
@@ -714,9 +717,11 @@ for dynamic, memory_format in ((False, torch.contiguous_format), (True, torch.ch
         x = torch.randn(batch, 8, 20, 20, device="cuda").contiguous(memory_format=memory_format)
         eager.zero_grad(), compiled.zero_grad()
         out, code = run_and_get_code(lambda: compiled(x))
+        progress(f"dynamic={dynamic} {memory_format} batch {batch}: forward compiled and run")
         want = eager(x)
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
         out.square().sum().backward(), want.square().sum().backward()
+        progress(f"dynamic={dynamic} {memory_format} batch {batch}: backward")
         for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-3, msg=lambda m: f"{name}: {m}")
         code = "".join(code)
@@ -735,6 +740,9 @@ def test_triton_ops_compile():
     import sys
 
     env = dict(os.environ, DWCONV_TUNING="triton_ops=True")
-    done = subprocess.run([sys.executable, "-c", COMPILE_TRITON_OPS], env=env, capture_output=True, text=True,
-                          timeout=900)
+    try:
+        done = subprocess.run([sys.executable, "-c", COMPILE_TRITON_OPS], env=env, capture_output=True, text=True,
+                              timeout=900)
+    except subprocess.TimeoutExpired as timeout:
+        pytest.fail(f"no answer in {timeout.timeout} s; its progress:\n{(timeout.stderr or b'').decode()[-4000:]}")
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
