@@ -12,8 +12,6 @@
 #              MODEL_COMPILE no|default|all)
 #   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
 #              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference)
-#   graphs     which captured CUDA graph faults after which other capture (benchmarks/graph_isolation.py;
-#              GRAPH_MODEL, GRAPH_VARIANTS, GRAPH_PARALLEL; SANITIZE=VARIANT also runs that one under compute-sanitizer's memcheck)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
 #   host       host time per eager call, .ab_old/src against src (benchmarks/host_time.py)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
@@ -57,16 +55,6 @@ for step in "$@"; do
                python3 benchmarks/model_profile.py --model "$model" --precision "${PRECISION:-bf16}" \
                  --batch "${MODEL_BATCH:-64}" --mode "${PROFILE_MODE:-train}" --out "$OUT" 2>&1
              done ;;
-    graphs) if [ -n "${SANITIZE:-}" ]; then  # (beside the variants: memcheck runs for minutes)
-              timeout 400 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/graph_isolation.py \
-                --model "${GRAPH_MODEL:-convnext_tiny}" --one "$SANITIZE" >"$OUT/sanitizer.txt" 2>&1 &
-            fi
-            python3 benchmarks/graph_isolation.py --model "${GRAPH_MODEL:-convnext_tiny}" --parallel "${GRAPH_PARALLEL:-1}" \
-              ${GRAPH_VARIANTS:-} 2>&1 | tee "$OUT/graph_isolation.txt"
-            if [ -n "${SANITIZE:-}" ]; then
-              wait
-              grep -m 20 -E "Invalid|at .*0x|by thread|Address|ERROR SUMMARY|: ok|fault" "$OUT/sanitizer.txt"
-            fi ;;
     ab) bash benchmarks/ab_trees.sh ;;
     host) python3 benchmarks/host_time.py .ab_old/src src | tee "$OUT/host_time.txt" ;;
     tuning) python3 benchmarks/ab_tuning.py ${AB_ARGS:-} | tee "$OUT/ab_tuning.txt" ;;

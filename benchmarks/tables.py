@@ -55,7 +55,9 @@ ad18606 every path's steps are timed in turns with the others' (5 rounds, median
 "CUDA graph" rows replay the eager step captured whole (the GPU's time alone); before, each path
 was timed after the other, and the host's drift counted in the ratios. "model profile": the
 GPU time of a step's kernels, and of the depthwise layers' (the kernels launched in their
-forward and backward, and dwconv's by name), from torch's profiler. "model cold
+forward and backward, and dwconv's by name), from torch's profiler; a depthwise row only where
+the profiler linked kernels to the layers (stock cuDNN layers' were not linked in the 931d590 runs:
+docs/decisions.md, "Whole models"). "model cold
 start": one fresh process each, with an empty temporary Triton cache (dwconv warm: the cache the
 dwconv process filled); seconds of the first training step (the converted model's includes its
 warmup, shown apart), the second step's, and the whole process's (imports included). Before
