@@ -40,6 +40,9 @@ class Tuning:
     short_pixel_tile_rows: int = 2
     short_pixel_tile_max_bytes: int = 256 << 20
     per_branch_weight_taps: int = 9  # up to 3x3 each tile branch loads its own weights
+    # the pixel tiles' interior and border as two launches of one branch each (two binaries that compile
+    # in parallel, each in about a third of the time of both branches'); under evaluation: GPU time not measured
+    split_interior_tiles: bool = False
     nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
     nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks
     min_pixel_grad_programs: int = 768  # channels_last backward: at least this many programs

@@ -287,7 +287,7 @@ def _tile_pixels(base, first_row, first_col, c_ok, rows, cols, stride_h, STRIDE_
 # pad_left is not specialised: were it known to be 0 (a multiple of 16), the unshifted load would get
 # a 4-wide register layout while the shifted loads and the row stores (rows of odd length) get 1-wide
 # ones, and Triton would convert between them through shared memory on every row.
-@triton.jit(do_not_specialize=["pad_left"])
+@triton.jit(do_not_specialize=["pad_left", "interior_row0", "interior_rows", "interior_col0", "interior_cols"])
 def depthwise_fwd_tile_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     out_channels, in_h, in_w, out_h, out_w,
@@ -295,12 +295,13 @@ def depthwise_fwd_tile_kernel(
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
     w_stride_c, w_stride_tap, w_first_tap,
     stride_w, pad_top, pad_left, dilation_w,
+    interior_row0, interior_rows, interior_col0, interior_cols,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
     PIXELS: tl.constexpr, PIXEL_STRIDE_W: tl.constexpr, PIXEL_DILATION_W: tl.constexpr,
     PIXEL_X_STRIDE_W: tl.constexpr, PIXEL_Y_STRIDE_W: tl.constexpr, BF16_PAIRS: tl.constexpr,
-    INTERIOR_TILES: tl.constexpr, BRANCH_WEIGHT_TAPS: tl.constexpr,
+    INTERIOR_TILES: tl.constexpr, BRANCH_WEIGHT_TAPS: tl.constexpr, TILE_SET: tl.constexpr,
 ):
     """One program = BLOCK_H output rows (any number, not only powers of 2) of a BLOCK_W x BLOCK_C
     strip (columns, output channels) of one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW
@@ -314,11 +315,20 @@ def depthwise_fwd_tile_kernel(
     offsets from a row's).
     INTERIOR_TILES: whether any tile can be interior (ConvGeometry.has_interior_tile); if not, only
     the masked branch is compiled (Triton's coalescing pass takes time superlinear in the code: a
-    7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine)."""
+    7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine).
+    TILE_SET: 0 every tile; 1 the interior tiles alone (ConvGeometry.interior_tiles: the rectangle
+    interior_row0.. x interior_col0.. of whole channel blocks), unmasked code only; 2 the others
+    (an interior tile's program does nothing), masked code only: two launches, two binaries that
+    compile apart (in parallel, each in about a third of the time of one with both branches)."""
     pid = tl.program_id(0)
-    tiles_w = tl.cdiv(out_w, BLOCK_W)
-    tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
-    channel_blocks = tl.cdiv(out_channels, BLOCK_C)
+    if TILE_SET == 1:
+        tiles_w = interior_cols
+        tiles_per_plane = interior_rows * interior_cols
+        channel_blocks = out_channels // BLOCK_C
+    else:
+        tiles_w = tl.cdiv(out_w, BLOCK_W)
+        tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
+        channel_blocks = tl.cdiv(out_channels, BLOCK_C)
     plane = pid // tiles_per_plane
     tile = pid % tiles_per_plane
     n = plane // channel_blocks
@@ -327,8 +337,12 @@ def depthwise_fwd_tile_kernel(
     in_c = out_c // MULTIPLIER
     x_base = x_ptr + n.to(tl.int64) * x_stride_n + in_c.to(tl.int64) * x_stride_c
     y_base = y_ptr + n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c
-    first_row = (tile // tiles_w) * BLOCK_H
-    first_col = (tile % tiles_w) * BLOCK_W
+    if TILE_SET == 1:
+        first_row = (interior_row0 + tile // tiles_w) * BLOCK_H
+        first_col = (interior_col0 + tile % tiles_w) * BLOCK_W
+    else:
+        first_row = (tile // tiles_w) * BLOCK_H
+        first_col = (tile % tiles_w) * BLOCK_W
     if INDEX_64:
         first_row = first_row.to(tl.int64)
         first_col = first_col.to(tl.int64)
@@ -336,7 +350,9 @@ def depthwise_fwd_tile_kernel(
     w_taps = w_ptr + w_first_tap + out_c * w_stride_c  # (tap t at + t * w_stride_tap: negative when flipped)
     # Most strips of a large image read only inside it: those skip every bounds test (the masked
     # loads' tests and zero fills were half the instructions of a 3x3 tile).
-    if INTERIOR_TILES:
+    if TILE_SET == 1:
+        interior = True
+    elif INTERIOR_TILES:
         interior = ((first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w)
                     & (first_c + BLOCK_C <= out_channels)
                     & (first_row * STRIDE_H - pad_top >= 0) & (first_col * stride_w - pad_left >= 0)
@@ -344,17 +360,19 @@ def depthwise_fwd_tile_kernel(
                     & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
     else:
         interior = False
+    # (with TILE_SET 2 an interior tile's branch is empty: the other launch computes it)
     if PIXELS:
         program_weights = ()
         if KH * KW > BRANCH_WEIGHT_TAPS:
             program_weights = _tap_weights(w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True)
         if interior:
-            weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, False,
-                                      BRANCH_WEIGHT_TAPS)
-            _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
-                         out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
-                         KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
-                         BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
+            if TILE_SET != 2:
+                weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, False,
+                                          BRANCH_WEIGHT_TAPS)
+                _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
+                             out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top,
+                             pad_left, KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS,
+                             ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
         else:
             weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True,
                                       BRANCH_WEIGHT_TAPS)
@@ -365,10 +383,11 @@ def depthwise_fwd_tile_kernel(
     else:  # (BLOCK_W a power of 2 here; "nhwc_pixels" takes any)
         out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
         if interior:
-            _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
-                       in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
-                       pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
-                       BLOCK_W, BLOCK_C, False)
+            if TILE_SET != 2:
+                _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
+                           in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w,
+                           pad_top, pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE,
+                           BLOCK_H, BLOCK_W, BLOCK_C, False)
         else:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
@@ -759,6 +778,8 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
                *_weight_strides(config.kernel, geom, flip_weight, x), geom.stride_w, geom.pad_top, geom.pad_left,
                geom.dilation_w)
+    interior = geom.interior_tiles(config.block_h, config.block_w)
+    has_interior = geom.has_interior_tile(config.block_h, config.block_w, block_c)
     unroll = taps <= tuned().max_band_taps
     assert config.block_h * taps <= _band_limit(x.device) or config.block_h == 1, "band too long to unroll"
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
@@ -770,10 +791,17 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
         PIXEL_STRIDE_W=geom.stride_w if pixels else 1, PIXEL_DILATION_W=geom.dilation_w if pixels else 1,
         PIXEL_X_STRIDE_W=x.stride(3) if pixels else 1, PIXEL_Y_STRIDE_W=out.stride(3) if pixels else 1,
         BF16_PAIRS=pixels and bf16_pairs_apply(x, geom, block_c, config.num_warps),
-        INTERIOR_TILES=geom.has_interior_tile(config.block_h, config.block_w, block_c),
-        BRANCH_WEIGHT_TAPS=tuned().per_branch_weight_taps,
+        INTERIOR_TILES=has_interior, BRANCH_WEIGHT_TAPS=tuned().per_branch_weight_taps, TILE_SET=0,
         num_stages=1)  # (bands are unrolled: no loop loads to software-pipeline)
-    return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
+    grid = (geom.batch * cdiv(geom.out_channels, block_c) * tiles,)
+    if not (pixels and has_interior and tuned().split_interior_tiles):
+        return LaunchPlan(config.kernel, grid, scalars + (0, 0, 0, 0), constants)
+    # the interior tiles, then the others: two binaries of one branch each (each branch its own weights)
+    constants.update(BRANCH_WEIGHT_TAPS=max(taps, tuned().per_branch_weight_taps))
+    border = LaunchPlan(config.kernel, grid, scalars + interior, dict(constants, TILE_SET=2))
+    row0, rows, col0, cols = interior
+    return LaunchPlan(config.kernel, (geom.batch * (geom.out_channels // block_c) * rows * cols,), scalars + interior,
+                      dict(constants, TILE_SET=1), then=border)
 
 
 def forward(plan: LaunchPlan, geom: ConvGeometry, x: torch.Tensor, weight: torch.Tensor,
@@ -781,7 +809,10 @@ def forward(plan: LaunchPlan, geom: ConvGeometry, x: torch.Tensor, weight: torch
     if weight_taps_major(plan.kernel, x):
         weight = weight.reshape(geom.out_channels, -1).t()
     weight = weight.contiguous()
-    launch(depthwise_fwd_tile_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, out)
+    bias = bias.contiguous() if bias is not None else weight
+    while plan is not None:
+        launch(depthwise_fwd_tile_kernel, plan, x, weight, bias, out)
+        plan = plan.then
 
 
 # ---- the channels_last backward ---------------------------------------------------------------------
