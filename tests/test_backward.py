@@ -182,7 +182,40 @@ def test_split_interior_tiles(monkeypatch, retune, kernel, stride, padding, heig
     dispatch.launch_forward(x, weight, bias, geom, out=out)
     assert launched == [1, 2], launched
     assert_close(out, reference_conv(x, weight, bias, stride, padding, 1), dtype)
-    check_grads(x, weight, bias, stride, padding)
+    del launched[:]
+    check_grads(x, weight, bias, stride, padding)  # (the pixel tiles' backward split alike)
+    assert launched.count(1) == launched.count(2) >= 1, launched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_interior_tiles_in_the_pixel_backward(monkeypatch, retune, dtype):
+    """split_interior_tiles in the pixel tiles' backward (the GPU's up to 7x7): the fused pass (grad_input
+    and the weight gradient) and the weight and bias gradients alone, each as two launches whose
+    partial sums fill two halves of the slots; against float64, and deterministic."""
+    from dwconv.kernels import tile
+
+    retune(split_interior_tiles=True)
+    launched = []
+    real_launch = tile.launch
+    monkeypatch.setattr(tile, "launch", lambda kernel, plan, *t: (launched.append((plan.kernel, plan.constants.get(
+        "TILE_SET"))), real_launch(kernel, plan, *t)))
+    x = randn(2, 40, 13, 11, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = randn(40, 1, 5, 5, dtype=dtype)
+    geom = conv_geometry(x, weight, None, 1, 2, 1)
+    grad_out = randn(*geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    ref = reference_grads(x, weight, randn(40), grad_out, 1, 2, 1)
+    config = ForwardConfig("nhwc_pixels", 2, 4, 1, block_c=32)
+    grad_x, grad_w = tile.grad_input_and_weight(geom, grad_out, x, weight, config, 3)
+    assert launched == [("grad_nhwc_pixels", 1), ("grad_nhwc_pixels", 2)], launched
+    assert_close(grad_x, ref[0], dtype, "grad_input")
+    assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight")
+    del launched[:]
+    grad_w, grad_b = tile.grad_weight_pixels(geom, grad_out, x, config, True, dtype)
+    assert launched == [("grad_nhwc_pixels", 1), ("grad_nhwc_pixels", 2)], launched
+    assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight alone")
+    assert_close_sum(grad_b, ref[2], torch.ones_like(x), grad_out, "grad_bias")
+    again = tile.grad_weight_pixels(geom, grad_out, x, config, True, dtype)
+    assert torch.equal(again[0], grad_w) and torch.equal(again[1], grad_b), "not deterministic"
 
 
 def test_channels_last_takes_the_nhwc_kernels():

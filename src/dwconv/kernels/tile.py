@@ -447,6 +447,17 @@ def depthwise_grad_weight_nhwc_kernel(
     tl.store(partial_ptr + offsets, acc, mask=c_ok[None, :])
 
 
+@triton.jit
+def _with_bias_grad(weight_grads, q, TAPS: tl.constexpr, PIXELS: tl.constexpr, BIAS_GRAD: tl.constexpr):
+    """weight_grads with a tile's grad_out pixels q added to the bias's (the last), if BIAS_GRAD."""
+    if BIAS_GRAD:
+        bias_grad = weight_grads[TAPS]
+        for p in tl.static_range(PIXELS):
+            bias_grad += q[p]
+        weight_grads = weight_grads[:TAPS] + (bias_grad,)
+    return weight_grads
+
+
 # (loop counts and the image's size, which bound loops and pixel masks, never the channel vectors: one
 # binary for every batch and image size; the row strides stay specialised, for the vectors' alignment)
 @triton.jit(do_not_specialize=["batch", "runs", "src_h", "src_w", "tile_h", "tile_w"])
@@ -459,7 +470,7 @@ def depthwise_grad_nhwc_pixels_kernel(
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
     BIAS_GRAD: tl.constexpr, SRC_STRIDE_W: tl.constexpr, Q_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr,
     INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
-    BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, INTERIOR_TILES: tl.constexpr,
+    BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, INTERIOR_TILES: tl.constexpr, TILE_SET: tl.constexpr,
 ):
     """The channels_last backward on the unrolled pixels of the "nhwc_pixels" forward (_conv_pixels),
     tiles of BLOCK_H x BLOCK_W positions by BLOCK_C channels:
@@ -476,7 +487,9 @@ def depthwise_grad_nhwc_pixels_kernel(
     where the images are (kernels of many taps on small images). Programs of one run are
     consecutive (all columns of the same rows at once, measured faster on kb84: whole rows of
     the image read together, each tile's halo columns shared with its neighbours through L2).
-    INTERIOR_TILES: as the forward's (depthwise_fwd_tile_kernel): without, only the masked branch."""
+    INTERIOR_TILES: as the forward's (depthwise_fwd_tile_kernel): without, only the masked branch.
+    TILE_SET: as the forward's, 1 the interior tiles, 2 the others (each program skipping the other
+    set's tiles), the second launch's partial sums in a second half of the slots."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
     columns = tl.cdiv(channels, BLOCK_C) * tiles_w
@@ -514,27 +527,28 @@ def depthwise_grad_nhwc_pixels_kernel(
         else:
             interior = False
         if interior:
-            q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
-                             BLOCK_H, BLOCK_W, False)
-            weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
-                                        src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
-                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
-                                        DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False,
-                                        GRAD_INPUT, True, weight_grads, q)
+            if TILE_SET != 2:
+                q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W,
+                                 ACC_DTYPE, BLOCK_H, BLOCK_W, False)
+                weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
+                                            src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
+                                            DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
+                                            DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS,
+                                            False, GRAD_INPUT, True, weight_grads, q)
+                weight_grads = _with_bias_grad(weight_grads, q, KH * KW, BLOCK_H * BLOCK_W, BIAS_GRAD)
         else:
-            q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
-                             BLOCK_H, BLOCK_W, True)
-            weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
-                                        src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
-                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
-                                        DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True,
-                                        GRAD_INPUT, True, weight_grads, q)
-        if BIAS_GRAD:
-            bias_grad = weight_grads[KH * KW]
-            for p in tl.static_range(BLOCK_H * BLOCK_W):
-                bias_grad += q[p]
-            weight_grads = weight_grads[:KH * KW] + (bias_grad,)
+            if TILE_SET != 1:
+                q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W,
+                                 ACC_DTYPE, BLOCK_H, BLOCK_W, True)
+                weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
+                                            src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
+                                            DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
+                                            DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS,
+                                            True, GRAD_INPUT, True, weight_grads, q)
+                weight_grads = _with_bias_grad(weight_grads, q, KH * KW, BLOCK_H * BLOCK_W, BIAS_GRAD)
     slot = (column % tiles_w) * runs + run  # (channel blocks share a slot)
+    if TILE_SET == 2:
+        slot += tiles_w * runs
     partial = partial_ptr + (slot.to(tl.int64) * channels + c) * (KH * KW + BIAS_GRAD)
     for tap in tl.static_range(KH * KW + BIAS_GRAD):
         if GRAD_INPUT:  # (tap of the flipped weight: stored at the weight's own)
@@ -885,12 +899,14 @@ def _pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx
     key = (geom, layout_key(grad_out), layout_key(x), dx is not None and layout_key(dx), config, runs, bias_grad)
     plan = cached_plan(_GRAD_PLANS, key, lambda: _pixels_grad_plan(geom, grad_out, x, dx, config, runs, bias_grad))
     partial = new_partial(plan, x.device)
-    if dx is None:  # the weight gradient: rows of x under the taps, grad_out at the tiles
-        launch(depthwise_grad_nhwc_pixels_kernel, plan, x, x, grad_out, x, partial)
-    elif plan.kernel == "grad_nhwc_rows":
+    if plan.kernel == "grad_nhwc_rows":
         launch(depthwise_grad_nhwc_rows_kernel, plan, grad_out, weight, x, dx, partial)
-    else:
-        launch(depthwise_grad_nhwc_pixels_kernel, plan, grad_out, weight, x, dx, partial)
+    while plan is not None and plan.kernel == "grad_nhwc_pixels":
+        if dx is None:  # the weight gradient: rows of x under the taps, grad_out at the tiles
+            launch(depthwise_grad_nhwc_pixels_kernel, plan, x, x, grad_out, x, partial)
+        else:
+            launch(depthwise_grad_nhwc_pixels_kernel, plan, grad_out, weight, x, dx, partial)
+        plan = plan.then
     # partial[slot, channel, tap]
     return weight_grad_sums(partial, geom, weight_dtype, bias_grad, partial.stride(1),
                             (partial.shape[0], partial.stride(0)))
@@ -930,7 +946,7 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
                      BF16_PAIRS=bf16_pairs_apply(src, tile_geom, config.block_c, config.num_warps),
                      INTERIOR_TILES=tile_geom.has_interior_tile(config.block_h, config.block_w, config.block_c),
-                     num_warps=config.num_warps, num_stages=1)
+                     TILE_SET=0, num_warps=config.num_warps, num_stages=1)
     # a register cap lets 8 programs of 2 warps share an SM (spills past it; dilated layers lost)
     if (grad_input and x.element_size() == 2 and geom.dilation_h == geom.dilation_w == 1
             and tuned().nhwc_fused_half_maxnreg and gpu_plan(x.device)):
@@ -938,8 +954,15 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     tiles_w = cdiv(tile_geom.out_w, config.block_w)
     channel_blocks = cdiv(geom.out_channels, config.block_c)
     slots = tiles_w * runs  # (channel blocks share a slot)
-    return LaunchPlan("grad_nhwc_pixels", (slots * channel_blocks,), scalars, constants,
-                      (slots, geom.out_channels, taps + int(bias_grad)), partial_dtype(x.dtype))
+    grid = (slots * channel_blocks,)
+    if not (constants["INTERIOR_TILES"] and tuned().split_interior_tiles):
+        return LaunchPlan("grad_nhwc_pixels", grid, scalars, constants, (slots, geom.out_channels, taps + int(bias_grad)),
+                          partial_dtype(x.dtype))
+    # the interior tiles, then the others, into two halves of the slots (forward_plan's split)
+    shape = (2 * slots, geom.out_channels, taps + int(bias_grad))
+    border = LaunchPlan("grad_nhwc_pixels", grid, scalars, dict(constants, TILE_SET=2), shape, partial_dtype(x.dtype))
+    return LaunchPlan("grad_nhwc_pixels", grid, scalars, dict(constants, TILE_SET=1), shape, partial_dtype(x.dtype),
+                      then=border)
 
 
 def _rows_grad_plan(geom: ConvGeometry, tile_geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor,
