@@ -448,13 +448,25 @@ def depthwise_grad_weight_nhwc_kernel(
 
 
 @triton.jit
-def _with_bias_grad(weight_grads, q, TAPS: tl.constexpr, PIXELS: tl.constexpr, BIAS_GRAD: tl.constexpr):
-    """weight_grads with a tile's grad_out pixels q added to the bias's (the last), if BIAS_GRAD."""
+def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row, first_col, c_ok, src_h, src_w,
+               tile_h, tile_w, src_stride_h, SRC_STRIDE_W: tl.constexpr, q_stride_h, Q_STRIDE_W: tl.constexpr,
+               dx_stride_h, DX_STRIDE_W: tl.constexpr, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
+               STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr,
+               ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+               BF16_PAIRS: tl.constexpr, GRAD_INPUT: tl.constexpr, BIAS_GRAD: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of depthwise_grad_nhwc_pixels_kernel: its grad_input (GRAD_INPUT) and its terms of the
+    weight gradient (and the bias's: its grad_out pixels) added to weight_grads, which it returns."""
+    q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
+                     BLOCK_H, BLOCK_W, MASKED)
+    weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok, src_h, src_w, tile_h,
+                                tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH,
+                                KW, STRIDE_H, DILATION_H, STRIDE_W, DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W,
+                                BLOCK_C, BF16_PAIRS, MASKED, GRAD_INPUT, True, weight_grads, q)
     if BIAS_GRAD:
-        bias_grad = weight_grads[TAPS]
-        for p in tl.static_range(PIXELS):
+        bias_grad = weight_grads[KH * KW]
+        for p in tl.static_range(BLOCK_H * BLOCK_W):
             bias_grad += q[p]
-        weight_grads = weight_grads[:TAPS] + (bias_grad,)
+        weight_grads = weight_grads[:KH * KW] + (bias_grad,)
     return weight_grads
 
 
@@ -528,24 +540,18 @@ def depthwise_grad_nhwc_pixels_kernel(
             interior = False
         if interior:
             if TILE_SET != 2:
-                q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W,
-                                 ACC_DTYPE, BLOCK_H, BLOCK_W, False)
-                weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
-                                            src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
-                                            DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
-                                            DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS,
-                                            False, GRAD_INPUT, True, weight_grads, q)
-                weight_grads = _with_bias_grad(weight_grads, q, KH * KW, BLOCK_H * BLOCK_W, BIAS_GRAD)
+                weight_grads = _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row,
+                                          first_col, c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W,
+                                          q_stride_h, Q_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW,
+                                          STRIDE_H, DILATION_H, STRIDE_W, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W,
+                                          BLOCK_C, BF16_PAIRS, GRAD_INPUT, BIAS_GRAD, False)
         else:
             if TILE_SET != 1:
-                q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W,
-                                 ACC_DTYPE, BLOCK_H, BLOCK_W, True)
-                weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
-                                            src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
-                                            DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
-                                            DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS,
-                                            True, GRAD_INPUT, True, weight_grads, q)
-                weight_grads = _with_bias_grad(weight_grads, q, KH * KW, BLOCK_H * BLOCK_W, BIAS_GRAD)
+                weight_grads = _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row,
+                                          first_col, c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W,
+                                          q_stride_h, Q_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW,
+                                          STRIDE_H, DILATION_H, STRIDE_W, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W,
+                                          BLOCK_C, BF16_PAIRS, GRAD_INPUT, BIAS_GRAD, True)
     slot = (column % tiles_w) * runs + run  # (channel blocks share a slot)
     if TILE_SET == 2:
         slot += tiles_w * runs
