@@ -218,6 +218,18 @@ def test_split_interior_tiles_in_the_pixel_backward(monkeypatch, retune, dtype):
     assert torch.equal(again[0], grad_w) and torch.equal(again[1], grad_b), "not deterministic"
 
 
+def test_whole_tiles_up_to_their_taps(retune):
+    """7-column pixel tiles where 7 divides the width and 4 does not, for kernels up to
+    whole_tile_max_taps: ConvNeXt-T's 14-wide 7x7 layer takes them by default, 4 columns past it."""
+    from dwconv.kernels import tile
+
+    x = torch.empty(64, 384, 14, 14, dtype=torch.bfloat16, device="meta").contiguous(memory_format=torch.channels_last)
+    geom = conv_geometry(x, torch.empty(384, 1, 7, 7, dtype=torch.bfloat16, device="meta"), None, 1, 3, 1)
+    assert tile.nhwc_pixels_blocks(geom, x).block_w == 7
+    retune(whole_tile_max_taps=9)
+    assert tile.nhwc_pixels_blocks(geom, x).block_w == 4
+
+
 def test_channels_last_takes_the_nhwc_kernels():
     """grad_weight of channels_last x and grad_out on the NHWC kernel, grad_input (stride 1) on the
     forward's NHWC kernel; an NCHW grad_out keeps the strided NCHW kernels."""

@@ -742,7 +742,8 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
     else 64 or 32 on one warp; larger kernels 4 x 4
     outputs by 32 channels (16 in float32 where the channels come in runs of 16 only).
     whole_tiles: 7 columns where they divide the output's width and the default's do not (28, 14
-    and 7 wide: a last tile partly outside does every masked output's work)."""
+    and 7 wide: a last tile partly outside does every masked output's work), up to
+    whole_tile_max_taps."""
     taps = geom.kernel_h * geom.kernel_w
     channels = geom.out_channels
     if taps <= 9:
@@ -753,7 +754,7 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
         block_h, block_w = 4, 4
         runs_of_16 = channels % 32 != 0 and channels % 16 == 0
         block_c = 16 if runs_of_16 and x.element_size() >= 4 else 32
-    if whole_tiles and geom.out_w % block_w and geom.out_w % 7 == 0:
+    if whole_tiles and geom.out_w % block_w and geom.out_w % 7 == 0 and taps <= tuned().whole_tile_max_taps:
         block_w = 7
     block_h = max(1, min(block_h, tuned().max_pixel_taps // (block_w * taps)))
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
