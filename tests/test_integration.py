@@ -631,7 +631,9 @@ def test_depthwise_share_of_stock_layers(memory_format):
     events = []
     share = depthwise_share(model, step, events=events)
     if not share["depthwise_ms"] > 0:
-        frontend = {e.id: e for e in events if e.device_type.name == "CPU" and not e.linked_correlation_id}
+        def linked(event):
+            return getattr(event, "linked_correlation_id", 0)
+        frontend = {e.id: e for e in events if e.device_type.name == "CPU" and not linked(e)}
 
         def chain(event):
             names = []
@@ -639,7 +641,7 @@ def test_depthwise_share_of_stock_layers(memory_format):
                 names.append(event.name)
                 event = event.cpu_parent
             return " < ".join(names)
-        lines = [f"{e.name[:60]}: linked {e.linked_correlation_id} -> {chain(frontend.get(e.linked_correlation_id))}"
+        lines = [f"{e.name[:60]}: linked {linked(e)} -> {chain(frontend.get(linked(e)))}"
                  for e in events if e.device_type.name != "CPU"][:40]
         pytest.fail(f"stock depthwise share {share}; device events:\n" + "\n".join(lines))
     assert share["depthwise_ms"] < share["gpu_ms"]
