@@ -72,7 +72,7 @@ class ConvGeometry:
         """Whether some tile of block_h x block_w outputs by block_c channels, tiles starting at
         multiples of the block, reads its whole window inside the input (the kernels' unmasked
         branch)."""
-        first_row, rows, first_col, cols = self.interior_tiles(block_h, block_w)
+        _, rows, _, cols = self.interior_tiles(block_h, block_w)
         return block_c <= self.out_channels and rows > 0 and cols > 0
 
     def interior_tiles(self, block_h: int, block_w: int) -> Tuple[int, int, int, int]:

@@ -147,7 +147,8 @@ def compare_outputs(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> 
 PRECISIONS = {"float32": (None, torch.contiguous_format), "bf16": (torch.bfloat16, torch.channels_last)}
 
 
-def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3, events: Optional[list] = None) -> Dict[str, float]:
+def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3,
+                    events: Optional[list] = None) -> Dict[str, float]:
     """Per call of fn, from torch's profiler: the GPU time of every kernel (ms) and of the kernels
     launched by the model's depthwise layers, forward and backward (stock nn.Conv2d of groups ==
     in_channels > 1, or dwconv's): each layer's forward and backward is a "depthwise" profiler range
@@ -314,9 +315,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     runs (a stock MobileNetV2 step measured 13.8-30.8 ms in different processes), and a path timed
     only after another would take the drift for its own. The CUDA-graph paths (the GPU's time
     alone: no drift) come last, one graph alive at a time: each is captured, timed over as many
-    steps and released before the next capture (a stock ConvNeXt-T step's graph faulted at its next
-    replay once a converted model's graph had been captured after it: docs/decisions.md, "Whole
-    models")."""
+    steps and released (with its memory pool) before the next capture."""
     torch.backends.cudnn.benchmark = True  # (as conv nets are trained: cuDNN's fastest algorithm for the stock layers)
     torch.manual_seed(0)
     stock = build_model(name).cuda()

@@ -799,7 +799,6 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
                *_weight_strides(config.kernel, geom, flip_weight, x), geom.stride_w, geom.pad_top, geom.pad_left,
                geom.dilation_w)
-    interior = geom.interior_tiles(config.block_h, config.block_w)
     has_interior = geom.has_interior_tile(config.block_h, config.block_w, block_c)
     unroll = taps <= tuned().max_band_taps
     assert config.block_h * taps <= _band_limit(x.device) or config.block_h == 1, "band too long to unroll"
@@ -819,8 +818,9 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
         return LaunchPlan(config.kernel, grid, scalars + (0, 0, 0, 0), constants)
     # the interior tiles, then the others: two binaries of one branch each (each branch its own weights)
     constants.update(BRANCH_WEIGHT_TAPS=max(taps, tuned().per_branch_weight_taps))
+    interior = geom.interior_tiles(config.block_h, config.block_w)
     border = LaunchPlan(config.kernel, grid, scalars + interior, dict(constants, TILE_SET=2))
-    row0, rows, col0, cols = interior
+    _, rows, _, cols = interior
     return LaunchPlan(config.kernel, (geom.batch * (geom.out_channels // block_c) * rows * cols,), scalars + interior,
                       dict(constants, TILE_SET=1), then=border)
 
@@ -908,12 +908,11 @@ def _pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx
     partial = new_partial(plan, x.device)
     if plan.kernel == "grad_nhwc_rows":
         launch(depthwise_grad_nhwc_rows_kernel, plan, grad_out, weight, x, dx, partial)
-    while plan is not None and plan.kernel == "grad_nhwc_pixels":
-        if dx is None:  # the weight gradient: rows of x under the taps, grad_out at the tiles
-            launch(depthwise_grad_nhwc_pixels_kernel, plan, x, x, grad_out, x, partial)
-        else:
-            launch(depthwise_grad_nhwc_pixels_kernel, plan, grad_out, weight, x, dx, partial)
-        plan = plan.then
+    else:  # (the weight gradient alone: rows of x under the taps, grad_out at the tiles)
+        tensors = (x, x, grad_out, x, partial) if dx is None else (grad_out, weight, x, dx, partial)
+        while plan is not None:  # (split_interior_tiles: a second launch, plan.then)
+            launch(depthwise_grad_nhwc_pixels_kernel, plan, *tensors)
+            plan = plan.then
     # partial[slot, channel, tap]
     return weight_grad_sums(partial, geom, weight_dtype, bias_grad, partial.stride(1),
                             (partial.shape[0], partial.stride(0)))
