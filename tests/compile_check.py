@@ -87,14 +87,6 @@ def flipped_forward(shape, kernel, dtype, config, **conv):
     launch_forward(x, weight, None, geom, config, flip_weight=True)
 
 
-def split_tiles(run):
-    """run with the pixel tiles' interior and border as two launches (tuning: split_interior_tiles)."""
-    def split(*args, **conv):
-        with tuning.override(split_interior_tiles=True):
-            run(*args, **conv)
-    return split
-
-
 def grad_input(shape, kernel, dtype, **conv):
     x, weight, geom, grad_out = tensors(shape, kernel, dtype, **conv)
     conv_grad_input(grad_out, weight, geom, x)
@@ -187,10 +179,6 @@ CASES = [
     ("grad_weight nhwc pixels, bfloat16 pairs, bias", grad_weight, ((1, 128, 12, 20), (3, 3), bf16,
                                                                   ForwardConfig("nhwc_pixels", 2, 4, 2, block_c=128)),
      dict(padding=1, layout=CL)),
-    ("nhwc pixels, interior and border launched apart", split_tiles(forward),
-     ((1, 64, 12, 20), (3, 3), bf16, ForwardConfig("nhwc_pixels", 2, 4, 1, block_c=64)), dict(padding=1, layout=CL)),
-    ("fused backward nhwc pixels, interior and border launched apart", split_tiles(fused_backward),
-     ((1, 64, 12, 20), (3, 3), bf16, ForwardConfig("nhwc_pixels", 2, 4, 1, block_c=64)), dict(padding=1, layout=CL)),
     ("grad_weight nhwc pixels, k5, stride 2, multiplier 2", grad_weight, ((1, 16, 16, 20), (5, 5), f32,
                                                                          ForwardConfig("nhwc_pixels", 2, 2, 1, block_c=32)),
      dict(stride=2, padding=2, multiplier=2, layout=CL)),

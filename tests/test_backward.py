@@ -11,12 +11,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dwconv
-from dwconv._geometry import cdiv, conv_geometry
+from dwconv._geometry import conv_geometry
 from dwconv.kernels import _launch
 from dwconv.dispatch import (GradWeightConfig, conv_grad_input, conv_grad_input_and_weight, conv_grad_weight,
                                  fused_backward_applies)
 from dwconv.dispatch import ForwardConfig
-from helpers import CONV_OPTIONS, DEVICE, DTYPES, assert_close, poisoned, randn, reference_conv
+from helpers import CONV_OPTIONS, DEVICE, DTYPES, assert_close, poisoned, randn
 
 KERNELS = [(1, 1), (2, 2), (3, 3), (5, 5), (1, 3), (5, 3)]
 # the forward's (stride, padding, dilation) grid less two cases, plus padding wider than the
@@ -120,114 +120,6 @@ def test_channels_last_pixel_tile_rows(monkeypatch, retune, kernel, stride, padd
     weight = randn(64, 1, kernel, kernel)
     assert dispatch.forward_config(conv_geometry(x, weight, None, stride, padding, 1), x).block_h == rows
     check_grads(x, weight, randn(64), stride, padding)
-
-
-def test_interior_tiles_are_those_that_read_inside():
-    """ConvGeometry.interior_tiles, the rectangle of tiles whose window lies inside the input and whose
-    outputs inside the output, against every tile tested one by one (sizes, strides, paddings,
-    dilations and blocks drawn at random, odd and tiny ones among them)."""
-    import random
-
-    from dwconv._geometry import ConvGeometry
-
-    rng = random.Random(0)
-    for _ in range(2000):
-        kernel, stride, dilation = rng.choice([1, 3, 5, 7]), rng.choice([1, 2, 3]), rng.choice([1, 2])
-        padding = rng.randint(0, kernel)
-        in_size = rng.randint(1, 40)
-        x = torch.empty(1, 1, in_size, in_size + 3, device="meta")
-        try:
-            geom = conv_geometry(x, torch.empty(1, 1, kernel, kernel, device="meta"), None, stride, padding, dilation)
-        except ValueError:  # (an empty output)
-            continue
-        block_h, block_w = rng.randint(1, 5), rng.randint(1, 8)
-
-        def inside(index, block, outputs, inputs, stride, pad, kernel, dilation):
-            first = index * block
-            return (first + block <= outputs and first * stride - pad >= 0
-                    and (first + block - 1) * stride - pad + (kernel - 1) * dilation < inputs)
-        rows = [r for r in range(cdiv(geom.out_h, block_h)) if inside(r, block_h, geom.out_h, geom.in_h, stride,
-                                                                       geom.pad_top, kernel, dilation)]
-        cols = [c for c in range(cdiv(geom.out_w, block_w)) if inside(c, block_w, geom.out_w, geom.in_w, stride,
-                                                                       geom.pad_left, kernel, dilation)]
-        row0, row_count, col0, col_count = geom.interior_tiles(block_h, block_w)
-        assert list(range(row0, row0 + row_count)) == rows and list(range(col0, col0 + col_count)) == cols, \
-            (geom, block_h, block_w, geom.interior_tiles(block_h, block_w), rows, cols)
-        assert geom.has_interior_tile(block_h, block_w) == bool(rows and cols)
-
-
-@pytest.mark.parametrize("kernel,stride,padding,height,width,channels,dtype", [
-    (7, 1, 3, 13, 11, 40, torch.bfloat16), (5, 1, 2, 13, 15, 33, torch.bfloat16), (3, 1, 1, 7, 19, 64, torch.float32),
-    (3, 1, 1, 7, 19, 64, torch.bfloat16), (3, 2, 1, 9, 35, 64, torch.float32), (3, 2, 1, 9, 35, 64, torch.bfloat16)],
-    ids=str)
-def test_split_interior_tiles(monkeypatch, retune, kernel, stride, padding, height, width, channels, dtype):
-    """split_interior_tiles: the pixel tiles' interior and border as two launches (the interior
-    rectangle's tiles of whole channel blocks, then every other tile); the output of both, on a
-    NaN-poisoned buffer, and the gradients (grad_input runs the same kernel, flipped) against float64."""
-    from dwconv import dispatch
-    from dwconv.kernels import tile
-
-    retune(split_interior_tiles=True)
-    monkeypatch.setattr(tile, "nhwc_blocks", lambda geom, x: tile.nhwc_pixels_blocks(geom, x))
-    launched = []
-    real_launch = tile.launch
-    monkeypatch.setattr(tile, "launch", lambda kernel, plan, *t: (launched.append(plan.constants.get("TILE_SET")),
-                                                                   real_launch(kernel, plan, *t)))
-    x = randn(2, channels, height, width, dtype=dtype).contiguous(memory_format=torch.channels_last)
-    weight, bias = randn(channels, 1, kernel, kernel, dtype=dtype), randn(channels, dtype=dtype)
-    geom = conv_geometry(x, weight, bias, stride, padding, 1)
-    config = dispatch.forward_config(geom, x)
-    assert config.kernel == "nhwc_pixels" and geom.has_interior_tile(config.block_h, config.block_w, config.block_c)
-    out = poisoned(geom.output_shape, dtype, memory_format=torch.channels_last)
-    dispatch.launch_forward(x, weight, bias, geom, out=out)
-    assert launched == [1, 2], launched
-    assert_close(out, reference_conv(x, weight, bias, stride, padding, 1), dtype)
-    del launched[:]
-    check_grads(x, weight, bias, stride, padding)  # (the pixel tiles' backward split alike)
-    assert launched.count(1) == launched.count(2) >= 1, launched
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_split_interior_tiles_in_the_pixel_backward(monkeypatch, retune, dtype):
-    """split_interior_tiles in the pixel tiles' backward (the GPU's up to 7x7): the fused pass (grad_input
-    and the weight gradient) and the weight and bias gradients alone, each as two launches whose
-    partial sums fill two halves of the slots; against float64, and deterministic."""
-    from dwconv.kernels import tile
-
-    retune(split_interior_tiles=True)
-    launched = []
-    real_launch = tile.launch
-    monkeypatch.setattr(tile, "launch", lambda kernel, plan, *t: (launched.append((plan.kernel, plan.constants.get(
-        "TILE_SET"))), real_launch(kernel, plan, *t)))
-    x = randn(2, 40, 13, 11, dtype=dtype).contiguous(memory_format=torch.channels_last)
-    weight = randn(40, 1, 5, 5, dtype=dtype)
-    geom = conv_geometry(x, weight, None, 1, 2, 1)
-    grad_out = randn(*geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
-    ref = reference_grads(x, weight, randn(40), grad_out, 1, 2, 1)
-    config = ForwardConfig("nhwc_pixels", 2, 4, 1, block_c=32)
-    grad_x, grad_w = tile.grad_input_and_weight(geom, grad_out, x, weight, config, 3)
-    assert launched == [("grad_nhwc_pixels", 1), ("grad_nhwc_pixels", 2)], launched
-    assert_close(grad_x, ref[0], dtype, "grad_input")
-    assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight")
-    del launched[:]
-    grad_w, grad_b = tile.grad_weight_pixels(geom, grad_out, x, config, True, dtype)
-    assert launched == [("grad_nhwc_pixels", 1), ("grad_nhwc_pixels", 2)], launched
-    assert_close_sum(grad_w, ref[1], x, grad_out, "grad_weight alone")
-    assert_close_sum(grad_b, ref[2], torch.ones_like(x), grad_out, "grad_bias")
-    again = tile.grad_weight_pixels(geom, grad_out, x, config, True, dtype)
-    assert torch.equal(again[0], grad_w) and torch.equal(again[1], grad_b), "not deterministic"
-
-
-def test_whole_tiles_up_to_their_taps(retune):
-    """7-column pixel tiles where 7 divides the width and 4 does not, for kernels up to
-    whole_tile_max_taps: ConvNeXt-T's 14-wide 7x7 layer takes them by default, 4 columns past it."""
-    from dwconv.kernels import tile
-
-    x = torch.empty(64, 384, 14, 14, dtype=torch.bfloat16, device="meta").contiguous(memory_format=torch.channels_last)
-    geom = conv_geometry(x, torch.empty(384, 1, 7, 7, dtype=torch.bfloat16, device="meta"), None, 1, 3, 1)
-    assert tile.nhwc_pixels_blocks(geom, x).block_w == 7
-    retune(whole_tile_max_taps=9)
-    assert tile.nhwc_pixels_blocks(geom, x).block_w == 4
 
 
 def test_channels_last_takes_the_nhwc_kernels():

@@ -71,22 +71,13 @@ class ConvGeometry:
     def has_interior_tile(self, block_h: int, block_w: int, block_c: int = 1) -> bool:
         """Whether some tile of block_h x block_w outputs by block_c channels, tiles starting at
         multiples of the block, reads its whole window inside the input (the kernels' unmasked
-        branch)."""
-        _, rows, _, cols = self.interior_tiles(block_h, block_w)
-        return block_c <= self.out_channels and rows > 0 and cols > 0
-
-    def interior_tiles(self, block_h: int, block_w: int) -> Tuple[int, int, int, int]:
-        """The tiles (in tile units: first row, row count, first column, column count) that read
-        their whole window inside the input and write inside the output: a rectangle, since a tile's
-        window moves with its index. The first is the first past the top (left) padding."""
-        def span(outputs, inputs, block, stride, pad, kernel, dilation):
-            first = cdiv(cdiv(pad, stride), block)
-            # the last: whole inside the outputs, and its window's last input inside the inputs
-            last = min(outputs // block - 1, (inputs - 1 + pad - (kernel - 1) * dilation - (block - 1) * stride)
-                       // (block * stride))
-            return first, max(0, last - first + 1)
-        return (*span(self.out_h, self.in_h, block_h, self.stride_h, self.pad_top, self.kernel_h, self.dilation_h),
-                *span(self.out_w, self.in_w, block_w, self.stride_w, self.pad_left, self.kernel_w, self.dilation_w))
+        branch). The first tile past the top (left) padding is the one to test: later ones end lower."""
+        def fits(outputs, inputs, block, stride, pad, kernel, dilation):
+            first = block * cdiv(cdiv(pad, stride), block)
+            return first + block <= outputs and (first + block - 1) * stride - pad + (kernel - 1) * dilation < inputs
+        return (block_c <= self.out_channels
+                and fits(self.out_h, self.in_h, block_h, self.stride_h, self.pad_top, self.kernel_h, self.dilation_h)
+                and fits(self.out_w, self.in_w, block_w, self.stride_w, self.pad_left, self.kernel_w, self.dilation_w))
 
 
 def _pair(value: IntOrPair, name: str) -> Tuple[int, int]:

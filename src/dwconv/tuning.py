@@ -40,13 +40,6 @@ class Tuning:
     short_pixel_tile_rows: int = 2
     short_pixel_tile_max_bytes: int = 256 << 20
     per_branch_weight_taps: int = 9  # up to 3x3 each tile branch loads its own weights
-    # the pixel tiles' interior and border as two launches of one branch each (two binaries that compile
-    # in parallel, each in about a third of the time of both branches'); under evaluation: GPU time not measured
-    split_interior_tiles: bool = False
-    # 7-column pixel tiles (where 7 divides the width and 4 or 8 do not) for kernels up to this many taps:
-    # 25-30% faster on ConvNeXt-T's 14-wide 7x7 layer, but its tile compiles in 23-26 s against 9-10 s for
-    # 4 columns split (Triton 3.6, sm_90, CPU machine); under evaluation with split_interior_tiles
-    whole_tile_max_taps: int = 49
     nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
     nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks
     min_pixel_grad_programs: int = 768  # channels_last backward: at least this many programs

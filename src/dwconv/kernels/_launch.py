@@ -56,7 +56,6 @@ class LaunchPlan:
     constants: Dict[str, object] = field(default_factory=dict)  # constexpr arguments, num_warps
     partial_shape: Optional[Tuple[int, ...]] = None  # float32 partial sums the launch writes, if any
     partial_dtype: torch.dtype = torch.float32
-    then: Optional["LaunchPlan"] = None  # a second launch of the same kernel on the same tensors, after this one
     # launch(): per (kernel, device), the compiled kernel and the arguments it takes after the tensors
     compiled: Dict[Hashable, tuple] = field(default_factory=dict, compare=False, repr=False)
 

@@ -287,7 +287,7 @@ def _tile_pixels(base, first_row, first_col, c_ok, rows, cols, stride_h, STRIDE_
 # pad_left is not specialised: were it known to be 0 (a multiple of 16), the unshifted load would get
 # a 4-wide register layout while the shifted loads and the row stores (rows of odd length) get 1-wide
 # ones, and Triton would convert between them through shared memory on every row.
-@triton.jit(do_not_specialize=["pad_left", "interior_row0", "interior_rows", "interior_col0", "interior_cols"])
+@triton.jit(do_not_specialize=["pad_left"])
 def depthwise_fwd_tile_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     out_channels, in_h, in_w, out_h, out_w,
@@ -295,13 +295,12 @@ def depthwise_fwd_tile_kernel(
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
     w_stride_c, w_stride_tap, w_first_tap,
     stride_w, pad_top, pad_left, dilation_w,
-    interior_row0, interior_rows, interior_col0, interior_cols,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
     PIXELS: tl.constexpr, PIXEL_STRIDE_W: tl.constexpr, PIXEL_DILATION_W: tl.constexpr,
     PIXEL_X_STRIDE_W: tl.constexpr, PIXEL_Y_STRIDE_W: tl.constexpr, BF16_PAIRS: tl.constexpr,
-    INTERIOR_TILES: tl.constexpr, BRANCH_WEIGHT_TAPS: tl.constexpr, TILE_SET: tl.constexpr,
+    INTERIOR_TILES: tl.constexpr, BRANCH_WEIGHT_TAPS: tl.constexpr,
 ):
     """One program = BLOCK_H output rows (any number, not only powers of 2) of a BLOCK_W x BLOCK_C
     strip (columns, output channels) of one image; any stride/padding/dilation. BLOCK_C = 1 for NCHW
@@ -315,20 +314,11 @@ def depthwise_fwd_tile_kernel(
     offsets from a row's).
     INTERIOR_TILES: whether any tile can be interior (ConvGeometry.has_interior_tile); if not, only
     the masked branch is compiled (Triton's coalescing pass takes time superlinear in the code: a
-    7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine).
-    TILE_SET: 0 every tile; 1 the interior tiles alone (ConvGeometry.interior_tiles: the rectangle
-    interior_row0.. x interior_col0.. of whole channel blocks), unmasked code only; 2 the others
-    (an interior tile's program does nothing), masked code only: two launches, two binaries that
-    compile apart (in parallel, each in about a third of the time of one with both branches)."""
+    7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine)."""
     pid = tl.program_id(0)
-    if TILE_SET == 1:
-        tiles_w = interior_cols
-        tiles_per_plane = interior_rows * interior_cols
-        channel_blocks = out_channels // BLOCK_C
-    else:
-        tiles_w = tl.cdiv(out_w, BLOCK_W)
-        tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
-        channel_blocks = tl.cdiv(out_channels, BLOCK_C)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    tiles_per_plane = tl.cdiv(out_h, BLOCK_H) * tiles_w
+    channel_blocks = tl.cdiv(out_channels, BLOCK_C)
     plane = pid // tiles_per_plane
     tile = pid % tiles_per_plane
     n = plane // channel_blocks
@@ -337,12 +327,8 @@ def depthwise_fwd_tile_kernel(
     in_c = out_c // MULTIPLIER
     x_base = x_ptr + n.to(tl.int64) * x_stride_n + in_c.to(tl.int64) * x_stride_c
     y_base = y_ptr + n.to(tl.int64) * y_stride_n + out_c.to(tl.int64) * y_stride_c
-    if TILE_SET == 1:
-        first_row = (interior_row0 + tile // tiles_w) * BLOCK_H
-        first_col = (interior_col0 + tile % tiles_w) * BLOCK_W
-    else:
-        first_row = (tile // tiles_w) * BLOCK_H
-        first_col = (tile % tiles_w) * BLOCK_W
+    first_row = (tile // tiles_w) * BLOCK_H
+    first_col = (tile % tiles_w) * BLOCK_W
     if INDEX_64:
         first_row = first_row.to(tl.int64)
         first_col = first_col.to(tl.int64)
@@ -350,9 +336,7 @@ def depthwise_fwd_tile_kernel(
     w_taps = w_ptr + w_first_tap + out_c * w_stride_c  # (tap t at + t * w_stride_tap: negative when flipped)
     # Most strips of a large image read only inside it: those skip every bounds test (the masked
     # loads' tests and zero fills were half the instructions of a 3x3 tile).
-    if TILE_SET == 1:
-        interior = True
-    elif INTERIOR_TILES:
+    if INTERIOR_TILES:
         interior = ((first_row + BLOCK_H <= out_h) & (first_col + BLOCK_W <= out_w)
                     & (first_c + BLOCK_C <= out_channels)
                     & (first_row * STRIDE_H - pad_top >= 0) & (first_col * stride_w - pad_left >= 0)
@@ -360,19 +344,17 @@ def depthwise_fwd_tile_kernel(
                     & ((first_col + BLOCK_W - 1) * stride_w - pad_left + (KW - 1) * dilation_w < in_w))
     else:
         interior = False
-    # (with TILE_SET 2 an interior tile's branch is empty: the other launch computes it)
     if PIXELS:
         program_weights = ()
         if KH * KW > BRANCH_WEIGHT_TAPS:
             program_weights = _tap_weights(w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True)
         if interior:
-            if TILE_SET != 2:
-                weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, False,
-                                          BRANCH_WEIGHT_TAPS)
-                _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
-                             out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top,
-                             pad_left, KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS,
-                             ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
+            weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, False,
+                                      BRANCH_WEIGHT_TAPS)
+            _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
+                         out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
+                         KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
+                         BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
         else:
             weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True,
                                       BRANCH_WEIGHT_TAPS)
@@ -383,11 +365,10 @@ def depthwise_fwd_tile_kernel(
     else:  # (BLOCK_W a power of 2 here; "nhwc_pixels" takes any)
         out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
         if interior:
-            if TILE_SET != 2:
-                _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
-                           in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w,
-                           pad_top, pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE,
-                           BLOCK_H, BLOCK_W, BLOCK_C, False)
+            _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
+                       in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
+                       pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
+                       BLOCK_W, BLOCK_C, False)
         else:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
@@ -447,29 +428,6 @@ def depthwise_grad_weight_nhwc_kernel(
     tl.store(partial_ptr + offsets, acc, mask=c_ok[None, :])
 
 
-@triton.jit
-def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row, first_col, c_ok, src_h, src_w,
-               tile_h, tile_w, src_stride_h, SRC_STRIDE_W: tl.constexpr, q_stride_h, Q_STRIDE_W: tl.constexpr,
-               dx_stride_h, DX_STRIDE_W: tl.constexpr, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
-               STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr,
-               ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
-               BF16_PAIRS: tl.constexpr, GRAD_INPUT: tl.constexpr, BIAS_GRAD: tl.constexpr, MASKED: tl.constexpr):
-    """One tile of depthwise_grad_nhwc_pixels_kernel: its grad_input (GRAD_INPUT) and its terms of the
-    weight gradient (and the bias's: its grad_out pixels) added to weight_grads, which it returns."""
-    q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
-                     BLOCK_H, BLOCK_W, MASKED)
-    weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok, src_h, src_w, tile_h,
-                                tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH,
-                                KW, STRIDE_H, DILATION_H, STRIDE_W, DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W,
-                                BLOCK_C, BF16_PAIRS, MASKED, GRAD_INPUT, True, weight_grads, q)
-    if BIAS_GRAD:
-        bias_grad = weight_grads[KH * KW]
-        for p in tl.static_range(BLOCK_H * BLOCK_W):
-            bias_grad += q[p]
-        weight_grads = weight_grads[:KH * KW] + (bias_grad,)
-    return weight_grads
-
-
 # (loop counts and the image's size, which bound loops and pixel masks, never the channel vectors: one
 # binary for every batch and image size; the row strides stay specialised, for the vectors' alignment)
 @triton.jit(do_not_specialize=["batch", "runs", "src_h", "src_w", "tile_h", "tile_w"])
@@ -482,7 +440,7 @@ def depthwise_grad_nhwc_pixels_kernel(
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
     BIAS_GRAD: tl.constexpr, SRC_STRIDE_W: tl.constexpr, Q_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr,
     INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
-    BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, INTERIOR_TILES: tl.constexpr, TILE_SET: tl.constexpr,
+    BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, INTERIOR_TILES: tl.constexpr,
 ):
     """The channels_last backward on the unrolled pixels of the "nhwc_pixels" forward (_conv_pixels),
     tiles of BLOCK_H x BLOCK_W positions by BLOCK_C channels:
@@ -499,9 +457,7 @@ def depthwise_grad_nhwc_pixels_kernel(
     where the images are (kernels of many taps on small images). Programs of one run are
     consecutive (all columns of the same rows at once, measured faster on kb84: whole rows of
     the image read together, each tile's halo columns shared with its neighbours through L2).
-    INTERIOR_TILES: as the forward's (depthwise_fwd_tile_kernel): without, only the masked branch.
-    TILE_SET: as the forward's, 1 the interior tiles, 2 the others (each program skipping the other
-    set's tiles), the second launch's partial sums in a second half of the slots."""
+    INTERIOR_TILES: as the forward's (depthwise_fwd_tile_kernel): without, only the masked branch."""
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
     columns = tl.cdiv(channels, BLOCK_C) * tiles_w
@@ -539,22 +495,27 @@ def depthwise_grad_nhwc_pixels_kernel(
         else:
             interior = False
         if interior:
-            if TILE_SET != 2:
-                weight_grads = _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row,
-                                          first_col, c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W,
-                                          q_stride_h, Q_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW,
-                                          STRIDE_H, DILATION_H, STRIDE_W, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W,
-                                          BLOCK_C, BF16_PAIRS, GRAD_INPUT, BIAS_GRAD, False)
+            q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
+                             BLOCK_H, BLOCK_W, False)
+            weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
+                                        src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
+                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
+                                        DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False,
+                                        GRAD_INPUT, True, weight_grads, q)
         else:
-            if TILE_SET != 1:
-                weight_grads = _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row,
-                                          first_col, c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W,
-                                          q_stride_h, Q_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW,
-                                          STRIDE_H, DILATION_H, STRIDE_W, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W,
-                                          BLOCK_C, BF16_PAIRS, GRAD_INPUT, BIAS_GRAD, True)
+            q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
+                             BLOCK_H, BLOCK_W, True)
+            weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
+                                        src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
+                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
+                                        DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True,
+                                        GRAD_INPUT, True, weight_grads, q)
+        if BIAS_GRAD:
+            bias_grad = weight_grads[KH * KW]
+            for p in tl.static_range(BLOCK_H * BLOCK_W):
+                bias_grad += q[p]
+            weight_grads = weight_grads[:KH * KW] + (bias_grad,)
     slot = (column % tiles_w) * runs + run  # (channel blocks share a slot)
-    if TILE_SET == 2:
-        slot += tiles_w * runs
     partial = partial_ptr + (slot.to(tl.int64) * channels + c) * (KH * KW + BIAS_GRAD)
     for tap in tl.static_range(KH * KW + BIAS_GRAD):
         if GRAD_INPUT:  # (tap of the flipped weight: stored at the weight's own)
@@ -742,8 +703,7 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
     else 64 or 32 on one warp; larger kernels 4 x 4
     outputs by 32 channels (16 in float32 where the channels come in runs of 16 only).
     whole_tiles: 7 columns where they divide the output's width and the default's do not (28, 14
-    and 7 wide: a last tile partly outside does every masked output's work), up to
-    whole_tile_max_taps."""
+    and 7 wide: a last tile partly outside does every masked output's work)."""
     taps = geom.kernel_h * geom.kernel_w
     channels = geom.out_channels
     if taps <= 9:
@@ -754,7 +714,7 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
         block_h, block_w = 4, 4
         runs_of_16 = channels % 32 != 0 and channels % 16 == 0
         block_c = 16 if runs_of_16 and x.element_size() >= 4 else 32
-    if whole_tiles and geom.out_w % block_w and geom.out_w % 7 == 0 and taps <= tuned().whole_tile_max_taps:
+    if whole_tiles and geom.out_w % block_w and geom.out_w % 7 == 0:
         block_w = 7
     block_h = max(1, min(block_h, tuned().max_pixel_taps // (block_w * taps)))
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
@@ -799,7 +759,6 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
                *_weight_strides(config.kernel, geom, flip_weight, x), geom.stride_w, geom.pad_top, geom.pad_left,
                geom.dilation_w)
-    has_interior = geom.has_interior_tile(config.block_h, config.block_w, block_c)
     unroll = taps <= tuned().max_band_taps
     assert config.block_h * taps <= _band_limit(x.device) or config.block_h == 1, "band too long to unroll"
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
@@ -811,18 +770,10 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
         PIXEL_STRIDE_W=geom.stride_w if pixels else 1, PIXEL_DILATION_W=geom.dilation_w if pixels else 1,
         PIXEL_X_STRIDE_W=x.stride(3) if pixels else 1, PIXEL_Y_STRIDE_W=out.stride(3) if pixels else 1,
         BF16_PAIRS=pixels and bf16_pairs_apply(x, geom, block_c, config.num_warps),
-        INTERIOR_TILES=has_interior, BRANCH_WEIGHT_TAPS=tuned().per_branch_weight_taps, TILE_SET=0,
+        INTERIOR_TILES=geom.has_interior_tile(config.block_h, config.block_w, block_c),
+        BRANCH_WEIGHT_TAPS=tuned().per_branch_weight_taps,
         num_stages=1)  # (bands are unrolled: no loop loads to software-pipeline)
-    grid = (geom.batch * cdiv(geom.out_channels, block_c) * tiles,)
-    if not (pixels and has_interior and tuned().split_interior_tiles):
-        return LaunchPlan(config.kernel, grid, scalars + (0, 0, 0, 0), constants)
-    # the interior tiles, then the others: two binaries of one branch each (each branch its own weights)
-    constants.update(BRANCH_WEIGHT_TAPS=max(taps, tuned().per_branch_weight_taps))
-    interior = geom.interior_tiles(config.block_h, config.block_w)
-    border = LaunchPlan(config.kernel, grid, scalars + interior, dict(constants, TILE_SET=2))
-    _, rows, _, cols = interior
-    return LaunchPlan(config.kernel, (geom.batch * (geom.out_channels // block_c) * rows * cols,), scalars + interior,
-                      dict(constants, TILE_SET=1), then=border)
+    return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
 
 
 def forward(plan: LaunchPlan, geom: ConvGeometry, x: torch.Tensor, weight: torch.Tensor,
@@ -830,10 +781,7 @@ def forward(plan: LaunchPlan, geom: ConvGeometry, x: torch.Tensor, weight: torch
     if weight_taps_major(plan.kernel, x):
         weight = weight.reshape(geom.out_channels, -1).t()
     weight = weight.contiguous()
-    bias = bias.contiguous() if bias is not None else weight
-    while plan is not None:
-        launch(depthwise_fwd_tile_kernel, plan, x, weight, bias, out)
-        plan = plan.then
+    launch(depthwise_fwd_tile_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, out)
 
 
 # ---- the channels_last backward ---------------------------------------------------------------------
@@ -906,13 +854,12 @@ def _pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx
     key = (geom, layout_key(grad_out), layout_key(x), dx is not None and layout_key(dx), config, runs, bias_grad)
     plan = cached_plan(_GRAD_PLANS, key, lambda: _pixels_grad_plan(geom, grad_out, x, dx, config, runs, bias_grad))
     partial = new_partial(plan, x.device)
-    if plan.kernel == "grad_nhwc_rows":
+    if dx is None:  # the weight gradient: rows of x under the taps, grad_out at the tiles
+        launch(depthwise_grad_nhwc_pixels_kernel, plan, x, x, grad_out, x, partial)
+    elif plan.kernel == "grad_nhwc_rows":
         launch(depthwise_grad_nhwc_rows_kernel, plan, grad_out, weight, x, dx, partial)
-    else:  # (the weight gradient alone: rows of x under the taps, grad_out at the tiles)
-        tensors = (x, x, grad_out, x, partial) if dx is None else (grad_out, weight, x, dx, partial)
-        while plan is not None:  # (split_interior_tiles: a second launch, plan.then)
-            launch(depthwise_grad_nhwc_pixels_kernel, plan, *tensors)
-            plan = plan.then
+    else:
+        launch(depthwise_grad_nhwc_pixels_kernel, plan, grad_out, weight, x, dx, partial)
     # partial[slot, channel, tap]
     return weight_grad_sums(partial, geom, weight_dtype, bias_grad, partial.stride(1),
                             (partial.shape[0], partial.stride(0)))
@@ -952,7 +899,7 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
                      BF16_PAIRS=bf16_pairs_apply(src, tile_geom, config.block_c, config.num_warps),
                      INTERIOR_TILES=tile_geom.has_interior_tile(config.block_h, config.block_w, config.block_c),
-                     TILE_SET=0, num_warps=config.num_warps, num_stages=1)
+                     num_warps=config.num_warps, num_stages=1)
     # a register cap lets 8 programs of 2 warps share an SM (spills past it; dilated layers lost)
     if (grad_input and x.element_size() == 2 and geom.dilation_h == geom.dilation_w == 1
             and tuned().nhwc_fused_half_maxnreg and gpu_plan(x.device)):
@@ -960,15 +907,8 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     tiles_w = cdiv(tile_geom.out_w, config.block_w)
     channel_blocks = cdiv(geom.out_channels, config.block_c)
     slots = tiles_w * runs  # (channel blocks share a slot)
-    grid = (slots * channel_blocks,)
-    if not (constants["INTERIOR_TILES"] and tuned().split_interior_tiles):
-        return LaunchPlan("grad_nhwc_pixels", grid, scalars, constants, (slots, geom.out_channels, taps + int(bias_grad)),
-                          partial_dtype(x.dtype))
-    # the interior tiles, then the others, into two halves of the slots (forward_plan's split)
-    shape = (2 * slots, geom.out_channels, taps + int(bias_grad))
-    border = LaunchPlan("grad_nhwc_pixels", grid, scalars, dict(constants, TILE_SET=2), shape, partial_dtype(x.dtype))
-    return LaunchPlan("grad_nhwc_pixels", grid, scalars, dict(constants, TILE_SET=1), shape, partial_dtype(x.dtype),
-                      then=border)
+    return LaunchPlan("grad_nhwc_pixels", (slots * channel_blocks,), scalars, constants,
+                      (slots, geom.out_channels, taps + int(bias_grad)), partial_dtype(x.dtype))
 
 
 def _rows_grad_plan(geom: ConvGeometry, tile_geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor,
