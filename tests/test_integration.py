@@ -585,8 +585,9 @@ def test_model_paths_compare_with_stock_of_the_same_compilation():
 
 def test_launched_kernels_from_profiler_events():
     """The profiler's kernels: device events but the GPU spans of record_function ranges; under a
-    range, those its operators launched and dwconv's kernels by name (launched outside any operator,
-    they are linked to no CPU event)."""
+    range, those its operators launched, those whose host launch ran inside it (linked to no
+    operator), and dwconv's kernels by name (launched outside any operator, they are linked to no
+    CPU event)."""
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
@@ -601,15 +602,20 @@ def test_launched_kernels_from_profiler_events():
     conv.set_cpu_parent(depthwise)
     launch = event(2, "cudaLaunchKernel", 2, 3, linked=2)  # (a driver call: its own id may equal an operator's)
     launch.set_cpu_parent(other)
-    events = [depthwise, conv, launch, other,
+    # (kernels linked to no operator, known by their launches' ids: cuDNN's on the H200)
+    unlinked_launches = [event(20, "cuLaunchKernelEx", 40, 41, linked=99), event(21, "cuLaunchKernelEx", 61, 62, linked=98)]
+    events = [depthwise, conv, launch, other, *unlinked_launches,
               event(10, "dgrad_kernel", 100, 104, DeviceType.CUDA, linked=2),
               event(11, "depthwise_fwd_tile_kernel", 104, 110, DeviceType.CUDA),
               event(12, "add_kernel", 110, 111, DeviceType.CUDA, linked=3),
-              event(13, "depthwise", 100, 110, DeviceType.CUDA, annotation=True)]
-    assert launched_kernels(events) == [("dgrad_kernel", 4), ("depthwise_fwd_tile_kernel", 6), ("add_kernel", 1)]
-    assert launched_kernels(events, "depthwise") == [("dgrad_kernel", 4)]
-    assert launched_kernels(events, "depthwise", dwconv_kernel_names()) == [("dgrad_kernel", 4),
-                                                                            ("depthwise_fwd_tile_kernel", 6)]
+              event(13, "depthwise", 100, 110, DeviceType.CUDA, annotation=True),
+              event(20, "cudnn_depthwise_kernel", 111, 113, DeviceType.CUDA),
+              event(21, "cudnn_add_kernel", 113, 116, DeviceType.CUDA)]
+    assert launched_kernels(events) == [("dgrad_kernel", 4), ("depthwise_fwd_tile_kernel", 6), ("add_kernel", 1),
+                                        ("cudnn_depthwise_kernel", 2), ("cudnn_add_kernel", 3)]
+    assert launched_kernels(events, "depthwise") == [("dgrad_kernel", 4), ("cudnn_depthwise_kernel", 2)]
+    assert launched_kernels(events, "depthwise", dwconv_kernel_names()) == [
+        ("dgrad_kernel", 4), ("depthwise_fwd_tile_kernel", 6), ("cudnn_depthwise_kernel", 2)]
 
 
 @GPU
@@ -641,8 +647,15 @@ def test_depthwise_share_of_stock_layers(memory_format):
                 names.append(event.name)
                 event = event.cpu_parent
             return " < ".join(names)
-        lines = [f"{e.name[:60]}: linked {linked(e)} -> {chain(frontend.get(linked(e)))}"
-                 for e in events if e.device_type.name != "CPU"][:40]
+        launches = {e.id: e for e in events if e.device_type.name == "CPU" and linked(e)}
+        spans = [(e.time_range.start, e.time_range.end) for e in frontend.values() if e.name == "depthwise"]
+
+        def launch(event):
+            found = launches.get(event.id)
+            return "no launch" if found is None else f"launch {found.name} at {found.time_range.start:.0f} us"
+        lines = [f"depthwise ranges (us): {spans[:8]}"] + [
+            f"{e.name[:60]}: id {e.id}, linked {linked(e)} -> {chain(frontend.get(linked(e)))}; {launch(e)}"
+            for e in events if e.device_type.name != "CPU"][:40]
         pytest.fail(f"stock depthwise share {share}; device events:\n" + "\n".join(lines))
     assert share["depthwise_ms"] < share["gpu_ms"]
 

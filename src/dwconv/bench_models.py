@@ -213,13 +213,23 @@ def launched_kernels(events, within: str = "", named: Collection[str] = ()):
     """The GPU kernels (name, duration in us) of the profiled events: every device event but the
     GPU spans of record_function ranges (which key_averages adds to the kernels' time:
     pytorch/pytorch#130730, a step's "GPU time" came out above its wall time). within: only those
-    launched under a CPU range of that name, or named in `named`: a kernel launched outside any
-    operator (dwconv's launches from C++, or from Triton's launcher under no_grad) is linked to no
-    CPU event, and is known by its name alone."""
+    launched under a CPU range of that name, or named in `named`. A kernel is under the range when
+    the operator it is linked to is, or else when the host call that launched it (the driver or
+    runtime event of the same correlation id) ran while the range was open; a kernel launched with
+    neither (dwconv's launches from C++, or from Triton's launcher under no_grad, are linked to no
+    CPU event) is known by its name alone."""
     # (the operators and ranges: CPU events linked to no other; a device event's linked_correlation_id
     # is one of their ids, while the driver calls' own ids count in another sequence that overlaps)
-    frontend = {e.id: e for e in events if e.device_type.name == "CPU" and not getattr(e, "linked_correlation_id", 0)}
+    def linked(event):
+        return getattr(event, "linked_correlation_id", 0)
+
+    cpu = [e for e in events if e.device_type.name == "CPU"]
+    frontend = {e.id: e for e in cpu if not linked(e)}
+    launches = {e.id: e for e in cpu if linked(e)}
     ranges = {e.name for e in frontend.values() if getattr(e, "is_user_annotation", False)}
+    # (by time, not thread: a launch's thread is set to its operator's only where the link exists,
+    # and in a training step one thread at a time launches: the caller waits in backward())
+    open_spans = sorted((e.time_range.start, e.time_range.end) for e in frontend.values() if e.name == within)
 
     def under(event):
         while event is not None:
@@ -228,11 +238,14 @@ def launched_kernels(events, within: str = "", named: Collection[str] = ()):
             event = event.cpu_parent
         return False
 
+    def launched_within(launch):
+        return launch is not None and any(start <= launch.time_range.start <= end for start, end in open_spans)
+
     kernels = []
     for event in events:
         if event.device_type.name == "CPU" or getattr(event, "is_user_annotation", False) or event.name in ranges:
             continue
-        if within and not (under(frontend.get(getattr(event, "linked_correlation_id", 0)))
+        if within and not (under(frontend.get(linked(event))) or launched_within(launches.get(event.id))
                            or event.name in named):
             continue
         kernels.append((event.name, event.time_range.elapsed_us()))
