@@ -602,9 +602,10 @@ def test_launched_kernels_from_profiler_events():
     conv.set_cpu_parent(depthwise)
     launch = event(2, "cudaLaunchKernel", 2, 3, linked=2)  # (a driver call: its own id may equal an operator's)
     launch.set_cpu_parent(other)
+    collision = event(2, "cudaStreamIsCapturing", 80, 81)  # (a driver call outside any operator: linked to none)
     # (kernels linked to no operator, known by their launches' ids: cuDNN's on the H200)
     unlinked_launches = [event(20, "cuLaunchKernelEx", 40, 41, linked=99), event(21, "cuLaunchKernelEx", 61, 62, linked=98)]
-    events = [depthwise, conv, launch, other, *unlinked_launches,
+    events = [depthwise, conv, launch, other, collision, *unlinked_launches,
               event(10, "dgrad_kernel", 100, 104, DeviceType.CUDA, linked=2),
               event(11, "depthwise_fwd_tile_kernel", 104, 110, DeviceType.CUDA),
               event(12, "add_kernel", 110, 111, DeviceType.CUDA, linked=3),

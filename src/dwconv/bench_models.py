@@ -219,17 +219,22 @@ def launched_kernels(events, within: str = "", named: Collection[str] = ()):
     neither (dwconv's launches from C++, or from Triton's launcher under no_grad, are linked to no
     CPU event) is known by its name alone."""
     # (the operators and ranges: CPU events linked to no other; a device event's linked_correlation_id
-    # is one of their ids, while the driver calls' own ids count in another sequence that overlaps)
+    # is one of their ids, while the driver calls' own ids count in another sequence that overlaps,
+    # and a driver call made outside any operator is linked to none: an id may name several events,
+    # as the profiler's own kernel lists take it)
     def linked(event):
         return getattr(event, "linked_correlation_id", 0)
 
     cpu = [e for e in events if e.device_type.name == "CPU"]
-    frontend = {e.id: e for e in cpu if not linked(e)}
+    frontend: Dict[int, list] = {}
+    for event in cpu:
+        if not linked(event):
+            frontend.setdefault(event.id, []).append(event)
     launches = {e.id: e for e in cpu if linked(e)}
-    ranges = {e.name for e in frontend.values() if getattr(e, "is_user_annotation", False)}
+    ranges = {e.name for e in cpu if not linked(e) and getattr(e, "is_user_annotation", False)}
     # (by time, not thread: a launch's thread is set to its operator's only where the link exists,
     # and in a training step one thread at a time launches: the caller waits in backward())
-    open_spans = sorted((e.time_range.start, e.time_range.end) for e in frontend.values() if e.name == within)
+    open_spans = sorted((e.time_range.start, e.time_range.end) for e in cpu if not linked(e) and e.name == within)
 
     def under(event):
         while event is not None:
@@ -238,6 +243,9 @@ def launched_kernels(events, within: str = "", named: Collection[str] = ()):
             event = event.cpu_parent
         return False
 
+    def operator_under(event):
+        return any(under(operator) for operator in frontend.get(linked(event), ()))
+
     def launched_within(launch):
         return launch is not None and any(start <= launch.time_range.start <= end for start, end in open_spans)
 
@@ -245,7 +253,7 @@ def launched_kernels(events, within: str = "", named: Collection[str] = ()):
     for event in events:
         if event.device_type.name == "CPU" or getattr(event, "is_user_annotation", False) or event.name in ranges:
             continue
-        if within and not (under(frontend.get(linked(event))) or launched_within(launches.get(event.id))
+        if within and not (operator_under(event) or launched_within(launches.get(event.id))
                            or event.name in named):
             continue
         kernels.append((event.name, event.time_range.elapsed_us()))
