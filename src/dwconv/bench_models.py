@@ -214,27 +214,27 @@ def launched_kernels(events, within: str = "", named: Collection[str] = ()):
     GPU spans of record_function ranges (which key_averages adds to the kernels' time:
     pytorch/pytorch#130730, a step's "GPU time" came out above its wall time). within: only those
     launched under a CPU range of that name, or named in `named`. A kernel is under the range when
-    the operator it is linked to is, or else when the host call that launched it (the driver or
-    runtime event of the same correlation id) ran while the range was open; a kernel launched with
-    neither (dwconv's launches from C++, or from Triton's launcher under no_grad, are linked to no
-    CPU event) is known by its name alone."""
-    # (the operators and ranges: CPU events linked to no other; a device event's linked_correlation_id
-    # is one of their ids, while the driver calls' own ids count in another sequence that overlaps,
-    # and a driver call made outside any operator is linked to none: an id may name several events,
-    # as the profiler's own kernel lists take it)
+    the host call that launched it (the runtime or driver call, cudaLaunchKernel, cuLaunchKernelEx,
+    ..., of the kernel's own correlation id) sits under it or ran while it was open, or when the
+    operator it is linked to (torch >= 2.13 keeps the link) sits under it; one launched with neither
+    is known by its name alone."""
+    # (torch 2.11 keeps no linked_correlation_id on its events: on the H200 every kernel read 0 there,
+    # and only the launches' ids led to the operators. Ids count in two sequences that overlap, the
+    # operators' and the runtime calls': an id may name an operator and a launch, hence the launches
+    # known by their names, "cu...", and the operators by their lack of a link)
     def linked(event):
-        return getattr(event, "linked_correlation_id", 0)
+        return getattr(event, "linked_correlation_id", 0) or 0
 
     cpu = [e for e in events if e.device_type.name == "CPU"]
-    frontend: Dict[int, list] = {}
+    operators: Dict[int, list] = {}
     for event in cpu:
-        if not linked(event):
-            frontend.setdefault(event.id, []).append(event)
-    launches = {e.id: e for e in cpu if linked(e)}
-    ranges = {e.name for e in cpu if not linked(e) and getattr(e, "is_user_annotation", False)}
-    # (by time, not thread: a launch's thread is set to its operator's only where the link exists,
-    # and in a training step one thread at a time launches: the caller waits in backward())
-    open_spans = sorted((e.time_range.start, e.time_range.end) for e in cpu if not linked(e) and e.name == within)
+        if not linked(event) and not event.name.startswith("cu"):
+            operators.setdefault(event.id, []).append(event)
+    launches = {e.id: e for e in cpu if e.name.startswith("cu")}
+    ranges = {e.name for e in cpu if getattr(e, "is_user_annotation", False)}
+    # (a launch the profiler tied to no operator has no parent: then by time, not thread, as in a
+    # training step one thread at a time launches: the caller waits in backward())
+    open_spans = sorted((e.time_range.start, e.time_range.end) for e in cpu if e.name == within)
 
     def under(event):
         while event is not None:
@@ -243,18 +243,18 @@ def launched_kernels(events, within: str = "", named: Collection[str] = ()):
             event = event.cpu_parent
         return False
 
-    def operator_under(event):
-        return any(under(operator) for operator in frontend.get(linked(event), ()))
-
-    def launched_within(launch):
-        return launch is not None and any(start <= launch.time_range.start <= end for start, end in open_spans)
+    def launched_under(kernel):
+        launch = launches.get(kernel.id)
+        if launch is not None and (under(launch) or any(start <= launch.time_range.start <= end
+                                                        for start, end in open_spans)):
+            return True
+        return any(under(operator) for operator in operators.get(linked(kernel), ()))
 
     kernels = []
     for event in events:
         if event.device_type.name == "CPU" or getattr(event, "is_user_annotation", False) or event.name in ranges:
             continue
-        if within and not (operator_under(event) or launched_within(launches.get(event.id))
-                           or event.name in named):
+        if within and not (launched_under(event) or event.name in named):
             continue
         kernels.append((event.name, event.time_range.elapsed_us()))
     return kernels
