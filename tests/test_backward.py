@@ -122,6 +122,37 @@ def test_channels_last_pixel_tile_rows(monkeypatch, retune, kernel, stride, padd
     check_grads(x, weight, randn(64), stride, padding)
 
 
+@pytest.mark.parametrize("width", [16, 14])  # (16: 4 x 4 tiles, some interior; 14: 7-column tiles)
+def test_channels_last_7x7_tiles_without_interior_branch(monkeypatch, retune, width):
+    """7x7 channels_last tiles with the masked branch alone (interior_branch_max_taps,
+    grad_interior_branch_max_taps) and 2-row 7-column tiles (whole_tile_rows): values and gradients
+    right, and the launches are the ones asked for."""
+    from dwconv import dispatch
+    from dwconv.kernels import _launch, tile
+
+    retune(interior_branch_max_taps=25, grad_interior_branch_max_taps=25, whole_tile_rows=2)
+    monkeypatch.setattr(tile, "nhwc_blocks", lambda geom, x: tile.nhwc_pixels_blocks(geom, x))
+    launched = []
+    launch = _launch.launch
+
+    def recorded(kernel, plan, *tensors):
+        launched.append((kernel.__name__, plan.constants))
+        return launch(kernel, plan, *tensors)
+    monkeypatch.setattr(_launch, "launch", recorded)
+    for module in (tile,):
+        monkeypatch.setattr(module, "launch", recorded, raising=False)
+    x = randn(2, 32, 11, width).contiguous(memory_format=torch.channels_last)
+    weight = randn(32, 1, 7, 7)
+    geom = conv_geometry(x, weight, None, 1, 3, 1)
+    assert geom.has_interior_tile(4, 4, 32)  # (the backward's 4 x 4 tiles would have an interior branch)
+    config = dispatch.forward_config(geom, x)
+    assert (config.block_h, config.block_w) == ((2, 7) if width == 14 else (4, 4))
+    check_grads(x, weight, randn(32), 1, 3)
+    tiles = [constants for name, constants in launched if name in ("depthwise_fwd_tile_kernel",
+                                                                   "depthwise_grad_nhwc_pixels_kernel")]
+    assert tiles and not any(constants["INTERIOR_TILES"] for constants in tiles), launched
+
+
 def test_channels_last_takes_the_nhwc_kernels():
     """grad_weight of channels_last x and grad_out on the NHWC kernel, grad_input (stride 1) on the
     forward's NHWC kernel; an NCHW grad_out keeps the strided NCHW kernels."""

@@ -716,6 +716,7 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
         block_c = 16 if runs_of_16 and x.element_size() >= 4 else 32
     if whole_tiles and geom.out_w % block_w and geom.out_w % 7 == 0:
         block_w = 7
+        block_h = block_h if taps <= 9 else tuned().whole_tile_rows
     block_h = max(1, min(block_h, tuned().max_pixel_taps // (block_w * taps)))
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
 
@@ -770,7 +771,8 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
         PIXEL_STRIDE_W=geom.stride_w if pixels else 1, PIXEL_DILATION_W=geom.dilation_w if pixels else 1,
         PIXEL_X_STRIDE_W=x.stride(3) if pixels else 1, PIXEL_Y_STRIDE_W=out.stride(3) if pixels else 1,
         BF16_PAIRS=pixels and bf16_pairs_apply(x, geom, block_c, config.num_warps),
-        INTERIOR_TILES=geom.has_interior_tile(config.block_h, config.block_w, block_c),
+        INTERIOR_TILES=taps <= tuned().interior_branch_max_taps and geom.has_interior_tile(config.block_h, config.block_w,
+                                                                                            block_c),
         BRANCH_WEIGHT_TAPS=tuned().per_branch_weight_taps,
         num_stages=1)  # (bands are unrolled: no loop loads to software-pipeline)
     return LaunchPlan(config.kernel, (geom.batch * cdiv(geom.out_channels, block_c) * tiles,), scalars, constants)
@@ -898,7 +900,8 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
                      ACC_DTYPE=acc_dtype(x.dtype), BLOCK_H=config.block_h,
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
                      BF16_PAIRS=bf16_pairs_apply(src, tile_geom, config.block_c, config.num_warps),
-                     INTERIOR_TILES=tile_geom.has_interior_tile(config.block_h, config.block_w, config.block_c),
+                     INTERIOR_TILES=(taps <= tuned().grad_interior_branch_max_taps
+                                     and tile_geom.has_interior_tile(config.block_h, config.block_w, config.block_c)),
                      num_warps=config.num_warps, num_stages=1)
     # a register cap lets 8 programs of 2 warps share an SM (spills past it; dilated layers lost)
     if (grad_input and x.element_size() == 2 and geom.dilation_h == geom.dilation_w == 1
