@@ -430,6 +430,29 @@ def depthwise_grad_weight_nhwc_kernel(
 
 # (loop counts and the image's size, which bound loops and pixel masks, never the channel vectors: one
 # binary for every batch and image size; the row strides stay specialised, for the vectors' alignment)
+@triton.jit
+def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row, first_col, c_ok, src_h, src_w,
+               tile_h, tile_w, src_stride_h, SRC_STRIDE_W: tl.constexpr, q_stride_h, Q_STRIDE_W: tl.constexpr,
+               dx_stride_h, DX_STRIDE_W: tl.constexpr, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
+               STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr,
+               ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+               BF16_PAIRS: tl.constexpr, GRAD_INPUT: tl.constexpr, BIAS_GRAD: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of depthwise_grad_nhwc_pixels_kernel: its grad_input (GRAD_INPUT) and its terms of the
+    weight gradient (and the bias's: its grad_out pixels) added to weight_grads, which it returns."""
+    q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
+                     BLOCK_H, BLOCK_W, MASKED)
+    weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok, src_h, src_w, tile_h,
+                                tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH,
+                                KW, STRIDE_H, DILATION_H, STRIDE_W, DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W,
+                                BLOCK_C, BF16_PAIRS, MASKED, GRAD_INPUT, True, weight_grads, q)
+    if BIAS_GRAD:
+        bias_grad = weight_grads[KH * KW]
+        for p in tl.static_range(BLOCK_H * BLOCK_W):
+            bias_grad += q[p]
+        weight_grads = weight_grads[:KH * KW] + (bias_grad,)
+    return weight_grads
+
+
 @triton.jit(do_not_specialize=["batch", "runs", "src_h", "src_w", "tile_h", "tile_w"])
 def depthwise_grad_nhwc_pixels_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
@@ -495,26 +518,17 @@ def depthwise_grad_nhwc_pixels_kernel(
         else:
             interior = False
         if interior:
-            q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
-                             BLOCK_H, BLOCK_W, False)
-            weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
-                                        src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
-                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
-                                        DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False,
-                                        GRAD_INPUT, True, weight_grads, q)
+            weight_grads = _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row, first_col,
+                                      c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, q_stride_h,
+                                      Q_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H,
+                                      DILATION_H, STRIDE_W, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C,
+                                      BF16_PAIRS, GRAD_INPUT, BIAS_GRAD, False)
         else:
-            q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
-                             BLOCK_H, BLOCK_W, True)
-            weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok,
-                                        src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h,
-                                        DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H, DILATION_H, STRIDE_W,
-                                        DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True,
-                                        GRAD_INPUT, True, weight_grads, q)
-        if BIAS_GRAD:
-            bias_grad = weight_grads[KH * KW]
-            for p in tl.static_range(BLOCK_H * BLOCK_W):
-                bias_grad += q[p]
-            weight_grads = weight_grads[:KH * KW] + (bias_grad,)
+            weight_grads = _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row, first_col,
+                                      c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, q_stride_h,
+                                      Q_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H,
+                                      DILATION_H, STRIDE_W, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C,
+                                      BF16_PAIRS, GRAD_INPUT, BIAS_GRAD, True)
     slot = (column % tiles_w) * runs + run  # (channel blocks share a slot)
     partial = partial_ptr + (slot.to(tl.int64) * channels + c) * (KH * KW + BIAS_GRAD)
     for tap in tl.static_range(KH * KW + BIAS_GRAD):
