@@ -1,8 +1,9 @@
 """Where a whole model's step goes, stock against dwconv.convert (its C++ and its Python eager
 path), on the GPU: for each, the step's wall time (CUDA events), the host's time to issue one step
 (a step queued behind a GPU sleep, so that the host never waits for the GPU), both timed in turns
-with the other variants' (the host's speed drifts), with their range; the GPU kernels' time per
-step from the profiler, and the kernels and host operations that take the most, per step.
+with the other variants' (the host's speed drifts), with their range; the host's time inside the
+depthwise layers (forward and backward, module hooks); the GPU kernels' time per step from the
+profiler, and the kernels and host operations that take the most, per step.
 
     python benchmarks/model_profile.py --model mobilenet_v2 [--precision bf16|float32] [--batch 64]
         [--mode train|inference] [--rounds 5] [--out DIR]
@@ -18,6 +19,7 @@ import statistics
 import time
 
 import torch
+from torch import nn
 
 from dwconv import convert, replay
 from dwconv.bench_models import (PRECISIONS, build_model, inference, launched_kernels, native_setting, time_ms,
@@ -28,16 +30,59 @@ def host_ms(fn, repeats: int = 10) -> float:
     """Milliseconds the host takes to issue one step while the GPU is busy with a sleep queued first
     (about 0.1 s, longer than any step here): the host never waits on the GPU, so this is its own
     time. One step a sleep, median of repeats: more steps queued would fill the driver's queue of
-    pending launches (about a thousand), and the host would wait on the sleeping GPU."""
+    pending launches (about a thousand), and the host would wait on the sleeping GPU. (Without a GPU:
+    the step's time.)"""
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e8))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(2e8))
         started = time.perf_counter()
         fn()
         times.append((time.perf_counter() - started) * 1e3)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def depthwise_host_ms(model: nn.Module, fn, repeats: int = 5) -> dict:
+    """The host's milliseconds a step inside the model's depthwise layers (stock nn.Conv2d of groups ==
+    in_channels, or dwconv's), from module hooks: their forward calls, and their backward from the
+    gradient reaching a layer's output to its input's gradient; beside the step's host time with
+    the hooks on (host_ms). Medians over repeats. Where the eager gap to stock sits: in the layers, or
+    around them."""
+    spent = dict(forward=0.0, backward=0.0)
+    opened = {}
+
+    def opener(key):
+        def hook(module, *_):
+            opened[(module, key)] = time.perf_counter()
+        return hook
+
+    def closer(key):
+        def hook(module, *_):
+            started = opened.pop((module, key), None)
+            if started is not None:
+                spent[key] += time.perf_counter() - started
+        return hook
+
+    layers = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups == m.in_channels > 1]
+    handles = [h for m in layers for h in (m.register_forward_pre_hook(opener("forward")),
+                                           m.register_forward_hook(closer("forward")),
+                                           m.register_full_backward_pre_hook(opener("backward")),
+                                           m.register_full_backward_hook(closer("backward")))]
+    samples = dict(step=[], forward=[], backward=[])
+    try:
+        fn()  # (the hooks' own first-call costs)
+        for _ in range(repeats):
+            spent.update(forward=0.0, backward=0.0)
+            samples["step"].append(host_ms(fn, repeats=1))
+            samples["forward"].append(spent["forward"] * 1e3)
+            samples["backward"].append(spent["backward"] * 1e3)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return dict(layers=len(layers), **{key: statistics.median(values) for key, values in samples.items()})
 
 
 def profile(fn, steps: int = 5):
@@ -87,6 +132,7 @@ def main():
     converted = convert(copy.deepcopy(stock), verbose=False)
     variants = [("stock", stock, None), ("dwconv, C++ replayer", converted, "1" if native else None),
                 ("dwconv, Python path", converted, "0")]
+    variants_models = [(variant, model) for variant, model, _ in variants]
     steps = []  # (variant, native setting, fn): warmed first, then timed in turns (the host drifts)
     for variant, model, setting in variants:
         model.train(args.mode == "train")
@@ -103,6 +149,10 @@ def main():
             with native_setting(setting):
                 walls[variant] += time_ms(fn, 2, 4)
                 hosts[variant].append(host_ms(fn, repeats=3))
+    inside = {}
+    for variant, setting, fn in steps:
+        with native_setting(setting):
+            inside[variant] = depthwise_host_ms(dict(variants_models)[variant], fn)
     for variant, setting, fn in steps:
         with native_setting(setting):
             kernels, host_ops = profile(fn)
@@ -111,6 +161,9 @@ def main():
             f"{statistics.median(walls[variant]):.3f} ms a step ({min(walls[variant]):.3f}-{max(walls[variant]):.3f}), "
             f"host {statistics.median(hosts[variant]):.3f} ms ({min(hosts[variant]):.3f}-{max(hosts[variant]):.3f}), "
             f"GPU kernels {gpu:.3f} ms ({sum(n for _, n, _ in kernels):.0f} kernels)")
+        layers = inside[variant]
+        say(f"  host inside the {layers['layers']} depthwise layers: forward {layers['forward']:.3f} ms, backward "
+            f"{layers['backward']:.3f} ms a step, of {layers['step']:.3f} ms host with their hooks on")
         say(f"  {'kernel (per step)':<100} {'count':>6} {'ms':>8}")
         for name, count, ms in kernels[:args.top]:
             say(f"  {name[:100]:<100} {count:6.1f} {ms:8.3f}")

@@ -7,6 +7,7 @@ with CUDA the compile tests use the default (Inductor) backend and CUDA graphs.
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -681,6 +682,28 @@ def test_model_profile_ranges():
     step = training_step(model.train(), x, y, torch.optim.SGD(model.parameters(), lr=1e-3), None, "cpu")
     assert depthwise_share(model, step)["ranges"] == 4
     assert depthwise_share(model.eval(), inference(model, x, None))["ranges"] == 2
+
+
+def test_depthwise_host_time_from_hooks():
+    """benchmarks/model_profile.py's host time inside the depthwise layers: both layers' forward and
+    backward seen each step, and inside the step's own time (on the CPU, the step's time)."""
+    import importlib.util
+
+    from dwconv.bench_models import build_model, training_step
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("model_profile", os.path.join(root, "benchmarks", "model_profile.py"))
+    model_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model_profile)
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+    step = training_step(model.train(), x, y, torch.optim.SGD(model.parameters(), lr=1e-3), None, "cpu")
+    inside = model_profile.depthwise_host_ms(model, step, repeats=3)
+    assert inside["layers"] == 2
+    assert 0 < inside["forward"] and 0 < inside["backward"]
+    assert inside["forward"] + inside["backward"] < inside["step"]
+    assert not any(m._forward_hooks or m._backward_hooks for m in model.modules())  # (removed)
 
 
 # ---- the ops as triton_op (tuned().triton_ops) --------------------------------------------------
