@@ -123,14 +123,13 @@ def test_channels_last_pixel_tile_rows(monkeypatch, retune, kernel, stride, padd
 
 
 @pytest.mark.parametrize("width", [16, 14])  # (16: 4 x 4 tiles, some interior; 14: 7-column tiles)
-def test_channels_last_7x7_tiles_without_interior_branch(monkeypatch, retune, width):
-    """7x7 channels_last tiles with the masked branch alone (interior_branch_max_taps,
-    grad_interior_branch_max_taps) and 2-row 7-column tiles (whole_tile_rows): values and gradients
-    right, and the launches are the ones asked for."""
+def test_channels_last_7x7_tiles_without_interior_branch(monkeypatch, width):
+    """7x7 channels_last tiles take the masked branch alone (interior_branch_max_taps,
+    grad_interior_branch_max_taps) and 7-column tiles 2 rows (whole_tile_rows): values and gradients
+    right, and the launches are those."""
     from dwconv import dispatch
     from dwconv.kernels import _launch, tile
 
-    retune(interior_branch_max_taps=25, grad_interior_branch_max_taps=25, whole_tile_rows=2)
     monkeypatch.setattr(tile, "nhwc_blocks", lambda geom, x: tile.nhwc_pixels_blocks(geom, x))
     launched = []
     launch = _launch.launch
@@ -151,6 +150,12 @@ def test_channels_last_7x7_tiles_without_interior_branch(monkeypatch, retune, wi
     tiles = [constants for name, constants in launched if name in ("depthwise_fwd_tile_kernel",
                                                                    "depthwise_grad_nhwc_pixels_kernel")]
     assert tiles and not any(constants["INTERIOR_TILES"] for constants in tiles), launched
+    # (5x5 keeps the interior branch: its layers were slower without it)
+    small = randn(2, 32, 11, 16).contiguous(memory_format=torch.channels_last)
+    small_geom = conv_geometry(small, randn(32, 1, 5, 5), None, 1, 2, 1)
+    plan = tile.forward_plan(small_geom, dispatch.forward_config(small_geom, small), small, torch.empty_like(small),
+                             False)
+    assert plan.constants["INTERIOR_TILES"]
 
 
 def test_channels_last_takes_the_nhwc_kernels():

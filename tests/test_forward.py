@@ -408,7 +408,7 @@ def test_nhwc_pixels(dtype, shape, kernel, multiplier, stride, padding, dilation
         ((1, 128, 6, 11), 3, 1, 0, 1),  # kb84's kind: 128 channels on 2 warps, bfloat16 pairs on both
         ((1, 144, 5, 9), 3, 2, 1, 1),  # 32-channel strips, the last one masked
         ((1, 48, 7, 6), 5, 1, 2, 1),  # as 240 on the GPU: float32 16-channel strips, half 32 (one masked)
-        ((1, 96, 6, 7), 7, 1, 3, 1),  # 7 wide: 4 x 7 outputs (4 x 4 where 7 does not divide the width)
+        ((1, 96, 6, 7), 7, 1, 3, 1),  # 7 wide: 2 x 7 outputs (4 x 4 where 7 does not divide the width)
         ((1, 64, 9, 9), 3, 1, 2, 2),  # dilation 2
         # 7 columns a tile where 7 divides the output's width and the default's width does not
         ((1, 64, 9, 21), 3, 1, 1, 1),  # 3 tiles a row, the middle one of the middle rows interior

@@ -40,12 +40,13 @@ class Tuning:
     short_pixel_tile_rows: int = 2
     short_pixel_tile_max_bytes: int = 256 << 20
     per_branch_weight_taps: int = 9  # up to 3x3 each tile branch loads its own weights
-    # the unmasked interior branch of the forward tiles and of the channels_last backward's pixel tiles for
-    # kernels up to this many taps (larger: the masked branch alone); rows of the 7-column forward tiles of
-    # kernels past 3x3. Under evaluation: shorter compiles of ConvNeXt-T's 7x7 tiles, GPU time not measured
-    interior_branch_max_taps: int = 49
-    grad_interior_branch_max_taps: int = 49
-    whole_tile_rows: int = 4
+    # the unmasked interior branch of the forward tiles and of the channels_last backward's pixel tiles up to
+    # 5x5 (7x7 with the masked branch alone: ConvNeXt-T's layers 0-13% faster, forward and forward+backward,
+    # and their compiles about a third); 2 rows for the 7-column forward tiles past 3x3 (5-17% slower on
+    # ConvNeXt-T's 14- and 7-wide layers, but their compiles 23-26 -> 8-9 s: the model's cold start floor)
+    interior_branch_max_taps: int = 25
+    grad_interior_branch_max_taps: int = 25
+    whole_tile_rows: int = 2
     nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
     nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks
     min_pixel_grad_programs: int = 768  # channels_last backward: at least this many programs

@@ -717,7 +717,8 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
     else 64 or 32 on one warp; larger kernels 4 x 4
     outputs by 32 channels (16 in float32 where the channels come in runs of 16 only).
     whole_tiles: 7 columns where they divide the output's width and the default's do not (28, 14
-    and 7 wide: a last tile partly outside does every masked output's work)."""
+    and 7 wide: a last tile partly outside does every masked output's work), whole_tile_rows rows
+    of them past 3x3 (4 took 23-26 s to compile)."""
     taps = geom.kernel_h * geom.kernel_w
     channels = geom.out_channels
     if taps <= 9:
