@@ -373,7 +373,8 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                         if not mode:  # (the profiler's view of the same step: the depthwise layers' GPU time)
                             share = depthwise_share(model, fn)
                             # (no kernel found under the layers' ranges is no measurement, not 0 ms: stock
-                            # cuDNN layers read 0 on the H200, test_depthwise_share_of_stock_layers)
+                            # cuDNN layers read 0 on the H200 while kernels were found by their operators'
+                            # links alone, test_depthwise_share_of_stock_layers)
                             attributed = share["depthwise_ms"] > 0 or not share["ranges"]
                             for what in ("depthwise_ms", "gpu_ms")[0 if attributed else 1:]:
                                 profiles.append(dict(suite="model profile", layer=name, dtype=precision, path=path,
