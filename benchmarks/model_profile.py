@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from dwconv import convert, replay
-from dwconv.bench_models import (PRECISIONS, build_model, inference, launched_kernels, native_setting, time_ms,
-                                 training_step)
+from dwconv.bench_models import (PRECISIONS, build_model, depthwise_layers, hook_depthwise_layers, inference,
+                                 launched_kernels, native_setting, time_ms, training_step)
 
 
 def host_ms(fn, repeats: int = 10) -> float:
@@ -54,23 +54,15 @@ def depthwise_host_ms(model: nn.Module, fn, repeats: int = 5) -> dict:
     spent = dict(forward=0.0, backward=0.0)
     opened = {}
 
-    def opener(key):
-        def hook(module, *_):
-            opened[(module, key)] = time.perf_counter()
-        return hook
+    def enter(module, pass_):
+        opened[(module, pass_)] = time.perf_counter()
 
-    def closer(key):
-        def hook(module, *_):
-            started = opened.pop((module, key), None)
-            if started is not None:
-                spent[key] += time.perf_counter() - started
-        return hook
+    def leave(module, pass_):
+        started = opened.pop((module, pass_), None)
+        if started is not None:
+            spent[pass_] += time.perf_counter() - started
 
-    layers = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups == m.in_channels > 1]
-    handles = [h for m in layers for h in (m.register_forward_pre_hook(opener("forward")),
-                                           m.register_forward_hook(closer("forward")),
-                                           m.register_full_backward_pre_hook(opener("backward")),
-                                           m.register_full_backward_hook(closer("backward")))]
+    handles = hook_depthwise_layers(model, enter, leave)
     samples = dict(step=[], forward=[], backward=[])
     try:
         fn()  # (the hooks' own first-call costs)
@@ -82,7 +74,7 @@ def depthwise_host_ms(model: nn.Module, fn, repeats: int = 5) -> dict:
     finally:
         for handle in handles:
             handle.remove()
-    return dict(layers=len(layers), **{key: statistics.median(values) for key, values in samples.items()})
+    return dict(layers=len(depthwise_layers(model)), **{key: statistics.median(values) for key, values in samples.items()})
 
 
 def profile(fn, steps: int = 5):

@@ -147,6 +147,23 @@ def compare_outputs(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> 
 PRECISIONS = {"float32": (None, torch.contiguous_format), "bf16": (torch.bfloat16, torch.channels_last)}
 
 
+def depthwise_layers(model: nn.Module) -> List[nn.Module]:
+    """The model's depthwise layers: stock nn.Conv2d of groups == in_channels > 1, or dwconv's."""
+    return [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups == m.in_channels > 1]
+
+
+def hook_depthwise_layers(model: nn.Module, enter: Callable, leave: Callable) -> list:
+    """enter(layer, pass) as each depthwise layer's forward or backward begins, leave(layer, pass) as
+    it ends (pass "forward" or "backward"; the backward from the gradient reaching the layer's
+    output to its input's: full backward hooks). Returns the hooks' handles, to remove."""
+    def at(call, pass_):
+        return lambda module, *_: call(module, pass_)
+    return [h for m in depthwise_layers(model) for h in (m.register_forward_pre_hook(at(enter, "forward")),
+                                                         m.register_forward_hook(at(leave, "forward")),
+                                                         m.register_full_backward_pre_hook(at(enter, "backward")),
+                                                         m.register_full_backward_hook(at(leave, "backward")))]
+
+
 def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3,
                     events: Optional[list] = None) -> Dict[str, float]:
     """Per call of fn, from torch's profiler: the GPU time of every kernel (ms) and of the kernels
@@ -157,24 +174,16 @@ def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3,
     on the CPU too. events: a list that receives the profiler's events."""
     ranges: Dict[tuple, object] = {}
 
-    def opener(key):
-        def open_range(module, *_):
-            ranges[(module, key)] = torch.profiler.record_function("depthwise")
-            ranges[(module, key)].__enter__()
-        return open_range
+    def open_range(module, pass_):
+        ranges[(module, pass_)] = torch.profiler.record_function("depthwise")
+        ranges[(module, pass_)].__enter__()
 
-    def closer(key):
-        def close_range(module, *_):
-            record = ranges.pop((module, key), None)
-            if record is not None:
-                record.__exit__(None, None, None)
-        return close_range
+    def close_range(module, pass_):
+        record = ranges.pop((module, pass_), None)
+        if record is not None:
+            record.__exit__(None, None, None)
 
-    layers = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups == m.in_channels > 1]
-    handles = [h for m in layers for h in (m.register_forward_pre_hook(opener("forward")),
-                                           m.register_forward_hook(closer("forward")),
-                                           m.register_full_backward_pre_hook(opener("backward")),
-                                           m.register_full_backward_hook(closer("backward")))]
+    handles = hook_depthwise_layers(model, open_range, close_range)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
