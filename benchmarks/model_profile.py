@@ -1,8 +1,8 @@
 """Where a whole model's step goes, stock against dwconv.convert (its C++ and its Python eager
 path), on the GPU: for each, the step's wall time (CUDA events), the host's time to issue one step
 (a step queued behind a GPU sleep, so that the host never waits for the GPU), both timed in turns
-with the other variants' (the host's speed drifts), with their range; the host's time inside the
-depthwise layers (forward and backward, module hooks); the GPU kernels' time per step from the
+with the other variants' (the host's speed drifts), with their range; the host's time inside each
+kind of layer (forward and backward, module hooks); the GPU kernels' time per step from the
 profiler, and the kernels and host operations that take the most, per step.
 
     python benchmarks/model_profile.py --model mobilenet_v2 [--precision bf16|float32] [--batch 64]
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from dwconv import convert, replay
-from dwconv.bench_models import (PRECISIONS, build_model, depthwise_layers, hook_depthwise_layers, inference,
+from dwconv.bench_models import (PRECISIONS, build_model, depthwise_layers, hook_layers, inference,
                                  launched_kernels, native_setting, time_ms, training_step)
 
 
@@ -45,13 +45,17 @@ def host_ms(fn, repeats: int = 10) -> float:
     return statistics.median(times)
 
 
-def depthwise_host_ms(model: nn.Module, fn, repeats: int = 5) -> dict:
-    """The host's milliseconds a step inside the model's depthwise layers (stock nn.Conv2d of groups ==
-    in_channels, or dwconv's), from module hooks: their forward calls, and their backward from the
-    gradient reaching a layer's output to its input's gradient; beside the step's host time with
-    the hooks on (host_ms). Medians over repeats. Where the eager gap to stock sits: in the layers, or
+def host_by_layer(model: nn.Module, fn, repeats: int = 5) -> dict:
+    """The host's milliseconds a step inside each kind of layer (every module without children, by
+    class, the depthwise layers, stock or dwconv's, as one kind "depthwise"), forward and backward
+    (module hooks; the backward from the gradient reaching a layer's output to its input's), with
+    the GPU kept busy as in host_ms; beside the step's own host time with the hooks on. Medians over
+    repeats: {"step": ms, (kind, pass): ms}. Where the eager gap to stock sits: in which layers, or
     around them."""
-    spent = dict(forward=0.0, backward=0.0)
+    depthwise = set(depthwise_layers(model))
+    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
+    kinds = {m: "depthwise" if m in depthwise else type(m).__name__ for m in leaves}
+    spent: dict = {}
     opened = {}
 
     def enter(module, pass_):
@@ -60,21 +64,22 @@ def depthwise_host_ms(model: nn.Module, fn, repeats: int = 5) -> dict:
     def leave(module, pass_):
         started = opened.pop((module, pass_), None)
         if started is not None:
-            spent[pass_] += time.perf_counter() - started
+            key = (kinds[module], pass_)
+            spent[key] = spent.get(key, 0.0) + (time.perf_counter() - started) * 1e3
 
-    handles = hook_depthwise_layers(model, enter, leave)
-    samples = dict(step=[], forward=[], backward=[])
+    handles = hook_layers(leaves, enter, leave)
+    samples: dict = {}
     try:
         fn()  # (the hooks' own first-call costs)
         for _ in range(repeats):
-            spent.update(forward=0.0, backward=0.0)
-            samples["step"].append(host_ms(fn, repeats=1))
-            samples["forward"].append(spent["forward"] * 1e3)
-            samples["backward"].append(spent["backward"] * 1e3)
+            spent.clear()
+            step = host_ms(fn, repeats=1)
+            for key, ms in [("step", step), *spent.items()]:
+                samples.setdefault(key, []).append(ms)
     finally:
         for handle in handles:
             handle.remove()
-    return dict(layers=len(depthwise_layers(model)), **{key: statistics.median(values) for key, values in samples.items()})
+    return {key: statistics.median(values + [0.0] * (repeats - len(values))) for key, values in samples.items()}
 
 
 def profile(fn, steps: int = 5):
@@ -144,7 +149,7 @@ def main():
     inside = {}
     for variant, setting, fn in steps:
         with native_setting(setting):
-            inside[variant] = depthwise_host_ms(dict(variants_models)[variant], fn)
+            inside[variant] = host_by_layer(dict(variants_models)[variant], fn)
     for variant, setting, fn in steps:
         with native_setting(setting):
             kernels, host_ops = profile(fn)
@@ -154,8 +159,9 @@ def main():
             f"host {statistics.median(hosts[variant]):.3f} ms ({min(hosts[variant]):.3f}-{max(hosts[variant]):.3f}), "
             f"GPU kernels {gpu:.3f} ms ({sum(n for _, n, _ in kernels):.0f} kernels)")
         layers = inside[variant]
-        say(f"  host inside the {layers['layers']} depthwise layers: forward {layers['forward']:.3f} ms, backward "
-            f"{layers['backward']:.3f} ms a step, of {layers['step']:.3f} ms host with their hooks on")
+        say(f"  host inside each kind of layer, ms a step (of {layers['step']:.3f} ms host with the hooks on):")
+        for (kind, pass_), ms in sorted(((k, v) for k, v in layers.items() if k != "step"), key=lambda kv: -kv[1]):
+            say(f"    {kind + ' ' + pass_:<40} {ms:8.3f}")
         say(f"  {'kernel (per step)':<100} {'count':>6} {'ms':>8}")
         for name, count, ms in kernels[:args.top]:
             say(f"  {name[:100]:<100} {count:6.1f} {ms:8.3f}")

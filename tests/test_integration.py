@@ -684,9 +684,10 @@ def test_model_profile_ranges():
     assert depthwise_share(model.eval(), inference(model, x, None))["ranges"] == 2
 
 
-def test_depthwise_host_time_from_hooks():
-    """benchmarks/model_profile.py's host time inside the depthwise layers: both layers' forward and
-    backward seen each step, and inside the step's own time (on the CPU, the step's time)."""
+def test_host_time_by_layer_from_hooks():
+    """benchmarks/model_profile.py's host time inside each kind of layer: the depthwise layers one
+    kind, forward and backward seen each step, and inside the step's own time (on the CPU, the
+    step's time); the hooks removed after."""
     import importlib.util
 
     from dwconv.bench_models import build_model, training_step
@@ -699,11 +700,11 @@ def test_depthwise_host_time_from_hooks():
     model = build_model("tiny")
     x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
     step = training_step(model.train(), x, y, torch.optim.SGD(model.parameters(), lr=1e-3), None, "cpu")
-    inside = model_profile.depthwise_host_ms(model, step, repeats=3)
-    assert inside["layers"] == 2
-    assert 0 < inside["forward"] and 0 < inside["backward"]
-    assert inside["forward"] + inside["backward"] < inside["step"]
-    assert not any(m._forward_hooks or m._backward_hooks for m in model.modules())  # (removed)
+    inside = model_profile.host_by_layer(model, step, repeats=3)
+    assert inside[("depthwise", "forward")] > 0 and inside[("depthwise", "backward")] > 0, inside
+    assert inside[("Conv2d", "forward")] > 0 and inside[("ReLU", "forward")] > 0  # (the other layers by class)
+    assert sum(ms for key, ms in inside.items() if key != "step" and key[1] == "forward") < inside["step"]
+    assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules())
 
 
 # ---- the ops as triton_op (tuned().triton_ops) --------------------------------------------------

@@ -152,16 +152,16 @@ def depthwise_layers(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups == m.in_channels > 1]
 
 
-def hook_depthwise_layers(model: nn.Module, enter: Callable, leave: Callable) -> list:
-    """enter(layer, pass) as each depthwise layer's forward or backward begins, leave(layer, pass) as
-    it ends (pass "forward" or "backward"; the backward from the gradient reaching the layer's
-    output to its input's: full backward hooks). Returns the hooks' handles, to remove."""
+def hook_layers(layers: List[nn.Module], enter: Callable, leave: Callable) -> list:
+    """enter(layer, pass) as each layer's forward or backward begins, leave(layer, pass) as it ends
+    (pass "forward" or "backward"; the backward from the gradient reaching the layer's output to
+    its input's: full backward hooks). Returns the hooks' handles, to remove."""
     def at(call, pass_):
         return lambda module, *_: call(module, pass_)
-    return [h for m in depthwise_layers(model) for h in (m.register_forward_pre_hook(at(enter, "forward")),
-                                                         m.register_forward_hook(at(leave, "forward")),
-                                                         m.register_full_backward_pre_hook(at(enter, "backward")),
-                                                         m.register_full_backward_hook(at(leave, "backward")))]
+    return [h for m in layers for h in (m.register_forward_pre_hook(at(enter, "forward")),
+                                        m.register_forward_hook(at(leave, "forward")),
+                                        m.register_full_backward_pre_hook(at(enter, "backward")),
+                                        m.register_full_backward_hook(at(leave, "backward")))]
 
 
 def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3,
@@ -183,7 +183,7 @@ def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3,
         if record is not None:
             record.__exit__(None, None, None)
 
-    handles = hook_depthwise_layers(model, open_range, close_range)
+    handles = hook_layers(depthwise_layers(model), open_range, close_range)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
