@@ -150,12 +150,15 @@ def test_channels_last_7x7_tiles_without_interior_branch(monkeypatch, width):
     tiles = [constants for name, constants in launched if name in ("depthwise_fwd_tile_kernel",
                                                                    "depthwise_grad_nhwc_pixels_kernel")]
     assert tiles and not any(constants["INTERIOR_TILES"] for constants in tiles), launched
-    # (5x5 keeps the interior branch: its layers were slower without it)
+    # (5x5 keeps the interior branch, its layers were slower without it, and 4-row 7-column tiles)
     small = randn(2, 32, 11, 16).contiguous(memory_format=torch.channels_last)
     small_geom = conv_geometry(small, randn(32, 1, 5, 5), None, 1, 2, 1)
     plan = tile.forward_plan(small_geom, dispatch.forward_config(small_geom, small), small, torch.empty_like(small),
                              False)
     assert plan.constants["INTERIOR_TILES"]
+    narrow = randn(2, 32, 11, 14).contiguous(memory_format=torch.channels_last)
+    config = dispatch.forward_config(conv_geometry(narrow, randn(32, 1, 5, 5), None, 1, 2, 1), narrow)
+    assert (config.block_h, config.block_w) == (4, 7)
 
 
 def test_channels_last_takes_the_nhwc_kernels():

@@ -42,8 +42,9 @@ class Tuning:
     per_branch_weight_taps: int = 9  # up to 3x3 each tile branch loads its own weights
     # the unmasked interior branch of the forward tiles and of the channels_last backward's pixel tiles up to
     # 5x5 (7x7 with the masked branch alone: ConvNeXt-T's layers 0-13% faster, forward and forward+backward,
-    # and their compiles about a third); 2 rows for the 7-column forward tiles past 3x3 (5-17% slower on
-    # ConvNeXt-T's 14- and 7-wide layers, but their compiles 23-26 -> 8-9 s: the model's cold start floor)
+    # and their compiles about a third); 2 rows for the 7-column forward tiles past interior_branch_max_taps
+    # (5-17% slower on ConvNeXt-T's 14- and 7-wide layers, but their compiles 23-26 -> 8-9 s: the model's
+    # cold start floor; 5x5's keep 4, as timed)
     interior_branch_max_taps: int = 25
     grad_interior_branch_max_taps: int = 25
     whole_tile_rows: int = 2

@@ -718,7 +718,7 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
     outputs by 32 channels (16 in float32 where the channels come in runs of 16 only).
     whole_tiles: 7 columns where they divide the output's width and the default's do not (28, 14
     and 7 wide: a last tile partly outside does every masked output's work), whole_tile_rows rows
-    of them past 3x3 (4 took 23-26 s to compile)."""
+    of them for the kernels without an interior branch (7x7: 4 took 23-26 s to compile)."""
     taps = geom.kernel_h * geom.kernel_w
     channels = geom.out_channels
     if taps <= 9:
@@ -731,7 +731,7 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
         block_c = 16 if runs_of_16 and x.element_size() >= 4 else 32
     if whole_tiles and geom.out_w % block_w and geom.out_w % 7 == 0:
         block_w = 7
-        block_h = block_h if taps <= 9 else tuned().whole_tile_rows
+        block_h = tuned().whole_tile_rows if taps > tuned().interior_branch_max_taps else block_h
     block_h = max(1, min(block_h, tuned().max_pixel_taps // (block_w * taps)))
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
 
