@@ -162,3 +162,17 @@ def test_performance_doc_is_generated_from_the_csvs():
     finally:
         os.chdir(cwd)
     assert open(os.path.join(root, "docs", "performance.md")).read() == expected
+
+
+def test_host_python_tool_runs():
+    """benchmarks/host_python.py (the Python of an eager call around the stubbed C++ lookup) runs
+    against the package as it is: it reaches into the replayer's internals, which may move."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "host_python.py"), "--calls", "20"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len([line for line in done.stdout.splitlines() if line.endswith(" us")]) == 7, done.stdout
