@@ -129,7 +129,7 @@ def main():
     converted = convert(copy.deepcopy(stock), verbose=False)
     variants = [("stock", stock, None), ("dwconv, C++ replayer", converted, "1" if native else None),
                 ("dwconv, Python path", converted, "0")]
-    variants_models = [(variant, model) for variant, model, _ in variants]
+    models = {variant: model for variant, model, _ in variants}
     steps = []  # (variant, native setting, fn): warmed first, then timed in turns (the host drifts)
     for variant, model, setting in variants:
         model.train(args.mode == "train")
@@ -149,7 +149,7 @@ def main():
     inside = {}
     for variant, setting, fn in steps:
         with native_setting(setting):
-            inside[variant] = host_by_layer(dict(variants_models)[variant], fn)
+            inside[variant] = host_by_layer(models[variant], fn)
     for variant, setting, fn in steps:
         with native_setting(setting):
             kernels, host_ops = profile(fn)

@@ -428,8 +428,6 @@ def depthwise_grad_weight_nhwc_kernel(
     tl.store(partial_ptr + offsets, acc, mask=c_ok[None, :])
 
 
-# (loop counts and the image's size, which bound loops and pixel masks, never the channel vectors: one
-# binary for every batch and image size; the row strides stay specialised, for the vectors' alignment)
 @triton.jit
 def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row, first_col, c_ok, src_h, src_w,
                tile_h, tile_w, src_stride_h, SRC_STRIDE_W: tl.constexpr, q_stride_h, Q_STRIDE_W: tl.constexpr,
@@ -453,6 +451,8 @@ def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_ro
     return weight_grads
 
 
+# (loop counts and the image's size, which bound loops and pixel masks, never the channel vectors: one
+# binary for every batch and image size; the row strides stay specialised, for the vectors' alignment)
 @triton.jit(do_not_specialize=["batch", "runs", "src_h", "src_w", "tile_h", "tile_w"])
 def depthwise_grad_nhwc_pixels_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
