@@ -1,12 +1,14 @@
-"""Developer tool (no GPU needed): the host's Python time of one eager call of a converted layer
-around dwconv's C++ known-call lookup, which is stubbed (it returns a preallocated output), so that
-only the Python the call runs is timed: the module call, the autocast casts, the lookup's checks.
-The eager gap to stock on whole models is host time; this times the part of it that is dwconv's
-Python, one piece at a time, without a GPU.
+"""Developer tool: the host's time of one eager call of a converted layer, piece by piece, beside
+stock's. The eager gap to stock on whole models is host time; this says which piece of a call holds it.
 
-    python benchmarks/host_python.py [--calls 20000]
+    python benchmarks/host_python.py [--calls 20000]            # no GPU: the Python alone
+    python benchmarks/host_python.py --cuda [--calls 200]       # on a GPU: the real calls, and stock's
 
-Prints microseconds a call (the best of 7 rounds) for each piece.
+Without --cuda the C++ known-call lookup is stubbed (it returns a preallocated output), so that only
+the Python around it is timed (CPU tensors, nothing launched). With --cuda nothing is stubbed: the C++
+path is built first and every call launches its kernel, timed while the GPU sleeps on a queued wait
+(the host never waits on the GPU: its own time), on a MobileNetV2 layer in bfloat16 channels_last.
+Prints microseconds a call for each piece: the best of 3 rounds in each of 3 turns through the pieces.
 """
 
 import argparse
@@ -14,60 +16,96 @@ import os
 import sys
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # (CPU tensors take dwconv's path; nothing is launched here)
+CUDA = "--cuda" in sys.argv
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (CPU tensors take dwconv's path; nothing is launched here)
 os.environ["DWCONV_NATIVE"] = "1"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import dwconv  # noqa: E402
 from dwconv import functional, replay  # noqa: E402
 
 
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(max(1, calls // 20)):
-        fn()
+def per_call_us(fn, calls: int, rounds: int) -> float:
+    """Best of `rounds` rounds of `calls` calls. On a GPU each round runs behind a queued sleep
+    longer than its calls' kernels, and `calls` stays under the driver's queue of pending launches,
+    so the host never waits."""
     best = float("inf")
-    for _ in range(7):
+    for _ in range(rounds):
+        if CUDA:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(2e8))
         started = time.perf_counter()
         for _ in range(calls):
             fn()
         best = min(best, (time.perf_counter() - started) / calls * 1e6)
+    if CUDA:
+        torch.cuda.synchronize()
     return best
 
 
-def pieces(calls: int) -> list:
-    x = torch.randn(2, 8, 6, 6).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
-    out = torch.empty_like(x)
-    layer = dwconv.DepthwiseConv2d(8, 8, 3, padding=1, bias=False)
+def pieces() -> list:
+    """(name, autocast, fn) for each piece timed."""
+    device = "cuda" if CUDA else "cpu"
+    shape = (64, 144, 56, 56) if CUDA else (2, 8, 6, 6)
+    channels = shape[1]
+    x = torch.randn(shape, device=device).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    stock = torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False, device=device)
+    layer = dwconv.convert(torch.nn.Sequential(torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels,
+                                                               bias=False, device=device)), verbose=False)[0]
     weight = layer.weight
     half_weight = weight.detach().to(torch.bfloat16)
-    # (the lookup answers at once: what is left is the Python around it)
-    replay.native._DEFAULT_MODULE[:] = [type("StubbedLookup", (), {"conv_known": staticmethod(lambda *a: out)})()]
-    replay.native.has_known_layers = lambda: True
-    rows = []
-    with torch.no_grad():
-        identity = torch.nn.Identity()
-        rows.append(("a no-op module's call", per_call_us(lambda: identity(x), calls)))
-        rows.append(("depthwise_conv2d, bfloat16 weight", per_call_us(
-            lambda: dwconv.depthwise_conv2d(x, half_weight, None, 1, 1, 1), calls)))
-        rows.append(("  of which the lookup's checks (_known_layer)", per_call_us(
-            lambda: functional._known_layer(x, half_weight, None, 1, 1, 1), calls)))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            rows.append(("the converted layer's call under bfloat16 autocast", per_call_us(lambda: layer(x), calls)))
-            rows.append(("depthwise_conv2d under autocast, float32 weight", per_call_us(
-                lambda: dwconv.depthwise_conv2d(x, weight, None, 1, 1, 1), calls)))
-            rows.append(("  of which the casts (_autocast)", per_call_us(
-                lambda: functional._autocast(x, weight, None), calls)))
-            rows.append(("    of which the weight's cast", per_call_us(lambda: weight.to(torch.bfloat16), calls)))
+    identity = torch.nn.Identity()
+    rows = [("a no-op module's call", False, lambda: identity(x))]
+    if CUDA:
+        replay.prepare()
+        lookup = replay.native._DEFAULT_MODULE[0].conv_known
+        spelling = repr((1, 1, 1))
+        rows += [("stock: F.conv2d, bfloat16 weight", False, lambda: F.conv2d(x, half_weight, None, 1, 1, 1, channels)),
+                 ("stock: the nn.Conv2d's call under bfloat16 autocast", True, lambda: stock(x))]
+    else:  # (the lookup answers at once: what is left is the Python around it)
+        out = torch.empty_like(x)
+        replay.native._DEFAULT_MODULE[:] = [type("StubbedLookup", (), {"conv_known": staticmethod(lambda *a: out)})()]
+        replay.native.has_known_layers = lambda: True
+    rows += [("depthwise_conv2d, bfloat16 weight", False, lambda: dwconv.depthwise_conv2d(x, half_weight, None, 1, 1, 1)),
+             ("  of which the lookup's checks (_known_layer)", False,
+              lambda: functional._known_layer(x, half_weight, None, 1, 1, 1))]
+    if CUDA:
+        rows.append(("    of which the C++ lookup and call (conv_known)", False,
+                     lambda: lookup(x, half_weight, None, spelling)))
+    rows += [("the converted layer's call under bfloat16 autocast", True, lambda: layer(x)),
+             ("  its forward alone", True, lambda: layer.forward(x)),
+             ("depthwise_conv2d under autocast, float32 weight", True,
+              lambda: dwconv.depthwise_conv2d(x, weight, None, 1, 1, 1)),
+             ("  the same with the layer's (pair) arguments", True,
+              lambda: dwconv.depthwise_conv2d(x, weight, None, layer.stride, layer.padding, layer.dilation)),
+             ("the full path's casts (_autocast)", True, lambda: functional._autocast(x, weight, None)),
+             ("  of which the weight's cast", True, lambda: weight.to(torch.bfloat16))]
     return rows
+
+
+def measure(calls: int, rounds: int = 3, turns: int = 3) -> list:
+    """[(name, us)]: each piece's best over `turns` turns through all pieces (the host drifts)."""
+    rows = pieces()
+    best = {name: float("inf") for name, _, _ in rows}
+    with torch.no_grad():
+        for _ in range(turns):
+            for name, autocast, fn in rows:
+                with torch.autocast("cuda" if CUDA else "cpu", dtype=torch.bfloat16, enabled=autocast):
+                    fn()  # (a first call records the layer; warm-up)
+                    best[name] = min(best[name], per_call_us(fn, calls, rounds))
+    return list(best.items())
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--calls", type=int, default=None, help="calls a round (default 20000, 200 with --cuda)")
+    parser.add_argument("--cuda", action="store_true", help="real calls on the GPU, beside stock's")
     args = parser.parse_args()
-    for name, us in pieces(args.calls):
+    for name, us in measure(args.calls or (200 if CUDA else 20000)):
         print(f"{name:<55} {us:7.2f} us")
 
 

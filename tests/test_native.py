@@ -292,3 +292,59 @@ def test_known_calls_leave_python_dispatch_subclasses_to_their_dispatch(monkeypa
     out = dwconv.depthwise_conv2d(subclass, weight, None, 1, 1)
     assert torch.ops.aten.convolution.default in _StorageLogging.ops, _StorageLogging.ops
     assert_close(out, torch.nn.functional.conv2d(x.double(), weight.double(), None, 1, 1, 1, 2), torch.float32)
+
+
+def test_known_calls_under_autocast_cast_as_conv2d(monkeypatch):
+    """Under autocast a known call's casts are made in C++ by autocast's own function, as F.conv2d's:
+    the same dtype and values, and the same cache (a float32 leaf weight is cast once in an autocast
+    region: two calls share one cast node), with gradients reaching the float32 parameters."""
+    from dwconv import functional
+
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    checks = []
+    real = functional.conv_geometry
+    monkeypatch.setattr(functional, "conv_geometry", lambda *args: checks.append(args) or real(*args))
+    layer = dwconv.DepthwiseConv2d(3, 3, 3, padding=1).to(DEVICE)
+    stock = torch.nn.Conv2d(3, 3, 3, padding=1, groups=3).to(DEVICE)
+    stock.load_state_dict(layer.state_dict())
+    x = randn(2, 3, 7, 8)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        layer(x)  # (recorded)
+        checks.clear()
+        outs, stock_outs = [layer(x) for _ in range(2)], [stock(x) for _ in range(2)]
+    assert not checks, "the calls after the first took the full path"
+    cast = lambda out: out.grad_fn.next_functions[1][0]  # noqa: E731  (the weight's cast)
+    assert cast(stock_outs[0]) is cast(stock_outs[1]), "autocast's cache: one cast of the weight"
+    assert cast(outs[0]) is cast(outs[1]), "dwconv's known calls cast the weight other than autocast does"
+    ref = torch.nn.functional.conv2d(*(t.to(torch.bfloat16).double() for t in (x, stock.weight, stock.bias)),
+                                     1, 1, 1, 3)
+    for out in outs:
+        assert out.dtype == torch.bfloat16 and type(out.grad_fn).__name__ == "CppFunction"
+        assert_close(out, ref, torch.bfloat16)
+    (2 * outs[0].float().sum() + outs[1].float().sum()).backward()
+    (2 * stock_outs[0].float().sum() + stock_outs[1].float().sum()).backward()
+    weight, bias = (t.detach().to(torch.bfloat16).double().requires_grad_() for t in (stock.weight, stock.bias))
+    (3 * torch.nn.functional.conv2d(x.to(torch.bfloat16).double(), weight, bias, 1, 1, 1, 3).sum()).backward()
+    for name, ref_grad in (("weight", weight.grad), ("bias", bias.grad)):
+        grad, stock_grad = getattr(layer, name).grad, getattr(stock, name).grad
+        assert grad.dtype == stock_grad.dtype == torch.float32
+        assert_close(stock_grad, ref_grad, torch.bfloat16, f"stock's {name} gradient")
+        assert_close(grad, ref_grad, torch.bfloat16, f"{name} gradient")
+
+
+def test_known_calls_under_autocast_leave_subclasses_uncast(monkeypatch):
+    """A tensor subclass that dispatches in Python is refused by the C++ lookup before any cast: its
+    __torch_dispatch__ sees autocast's cast once (the full path's), as under F.conv2d."""
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    x, weight = randn(1, 2, 5, 7), randn(2, 1, 3, 3)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        for _ in range(2):  # (recorded, then known)
+            dwconv.depthwise_conv2d(x, weight, None, 1, 1)
+        subclass = _StorageLogging(x.clone())
+        _StorageLogging.ops.clear()
+        out = dwconv.depthwise_conv2d(subclass, weight, None, 1, 1)
+    casts = [op for op in _StorageLogging.ops if op is torch.ops.aten._to_copy.default]
+    assert len(casts) == 1, _StorageLogging.ops
+    assert out.dtype == torch.bfloat16

@@ -37,17 +37,19 @@ def depthwise_conv2d(
     Under torch.func transforms, and for tensor subclasses that dispatch in Python, F.conv2d
     computes it. Under torch.compile it is the custom op torch.ops.dwconv.conv2d (no graph break).
     """
-    if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
-        input, weight, bias = _autocast(input, weight, bias)
-    out = _known_layer(input, weight, bias, stride, padding, dilation)  # (seen before: no checks again)
+    # (seen before: no checks again, and autocast's casts made in C++)
+    out = _known_layer(input, weight, bias, stride, padding, dilation)
     if out is None:
+        if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
+            input, weight, bias = _autocast(input, weight, bias)
         geom = conv_geometry(input, weight, bias, stride, padding, dilation)
         out = _DOORS[_door(input, weight, bias)](input, weight, bias, geom, (stride, padding, dilation))
     return out
 
 
 def _known_layer(input, weight, bias, stride, padding, dilation) -> Optional[torch.Tensor]:
-    """The C++ path's answer for a call whose tensors and arguments were recorded before, or None."""
+    """The C++ path's answer for a call whose tensors (after autocast's casts) and arguments were
+    recorded before, or None."""
     # (is_compiling first: Dynamo must not trace into the registry; torch 2.11's cannot trace bool(dict))
     if not torch.compiler.is_compiling() and replay.native.has_known_layers() and isinstance(input, torch.Tensor) \
             and forward_ad._current_level < 0 and replay.enabled(input):

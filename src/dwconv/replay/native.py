@@ -369,8 +369,9 @@ def conv_known(input, weight, bias, stride, padding, dilation) -> Optional[torch
     """The C++ path for a call whose tensors (shapes, strides, dtypes, devices, alignment) and
     arguments are those of an earlier call that passed the checks and was recorded: no checks or
     geometry again, and the lookup itself in C++ (the tensors' key in Python cost 5 of a small
-    layer's 14.5 us of host time on the CPU machine). None for any other call, and for tensor
-    subclasses that dispatch in Python: the caller takes the full path."""
+    layer's 14.5 us of host time on the CPU machine). Under autocast the tensors are cast first, in
+    C++, as F.conv2d's autocast casts them. None for any other call, and for tensor subclasses that
+    dispatch in Python: the caller takes the full path."""
     try:
         return _DEFAULT_MODULE[0].conv_known(input, weight, bias, repr((stride, padding, dilation)))
     except TypeError:  # (not tensors: the full path decides)
