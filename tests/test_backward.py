@@ -124,9 +124,9 @@ def test_channels_last_pixel_tile_rows(monkeypatch, retune, kernel, stride, padd
 
 @pytest.mark.parametrize("width", [16, 14])  # (16: 4 x 4 tiles, some interior; 14: 7-column tiles)
 def test_channels_last_7x7_tiles_without_interior_branch(monkeypatch, width):
-    """7x7 channels_last tiles take the masked branch alone (interior_branch_max_taps,
+    """7x7 (and 5x5) channels_last tiles take the masked branch alone (interior_branch_max_taps,
     grad_interior_branch_max_taps) and 7-column tiles 2 rows (whole_tile_rows): values and gradients
-    right, and the launches are those."""
+    right, and the launches are those; 3x3 keeps the interior branch and 4 rows."""
     from dwconv import dispatch
     from dwconv.kernels import _launch, tile
 
@@ -149,15 +149,17 @@ def test_channels_last_7x7_tiles_without_interior_branch(monkeypatch, width):
     tiles = [constants for name, constants in launched if name in ("depthwise_fwd_tile_kernel",
                                                                    "depthwise_grad_nhwc_pixels_kernel")]
     assert tiles and not any(constants["INTERIOR_TILES"] for constants in tiles), launched
-    # (5x5 keeps the interior branch, its layers were slower without it, and 4-row 7-column tiles)
-    small = randn(2, 32, 11, 16).contiguous(memory_format=torch.channels_last)
-    small_geom = conv_geometry(small, randn(32, 1, 5, 5), None, 1, 2, 1)
-    plan = tile.forward_plan(small_geom, dispatch.forward_config(small_geom, small), small, torch.empty_like(small),
-                             False)
-    assert plan.constants["INTERIOR_TILES"]
+    # (5x5 too, with 2-row 7-column tiles; 3x3 keeps the interior branch)
+    small = randn(2, 32, 20, 32).contiguous(memory_format=torch.channels_last)
+    for kernel, interior in ((5, False), (3, True)):
+        small_geom = conv_geometry(small, randn(32, 1, kernel, kernel), None, 1, kernel // 2, 1)
+        config = tile.nhwc_pixels_blocks(small_geom, small)
+        assert small_geom.has_interior_tile(config.block_h, config.block_w, config.block_c), kernel
+        plan = tile.forward_plan(small_geom, config, small, torch.empty_like(small), False)
+        assert plan.constants["INTERIOR_TILES"] == interior, kernel
     narrow = randn(2, 32, 11, 14).contiguous(memory_format=torch.channels_last)
     config = dispatch.forward_config(conv_geometry(narrow, randn(32, 1, 5, 5), None, 1, 2, 1), narrow)
-    assert (config.block_h, config.block_w) == (4, 7)
+    assert (config.block_h, config.block_w) == (2, 7)
 
 
 def test_channels_last_takes_the_nhwc_kernels():

@@ -41,12 +41,12 @@ class Tuning:
     short_pixel_tile_max_bytes: int = 256 << 20
     per_branch_weight_taps: int = 9  # up to 3x3 each tile branch loads its own weights
     # the unmasked interior branch of the forward tiles and of the channels_last backward's pixel tiles up to
-    # 5x5 (7x7 with the masked branch alone: ConvNeXt-T's layers 0-13% faster, forward and forward+backward,
-    # and their compiles about a third); 2 rows for the 7-column forward tiles past interior_branch_max_taps
-    # (5-17% slower on ConvNeXt-T's 14- and 7-wide layers, but their compiles 23-26 -> 8-9 s: the model's
-    # cold start floor; 5x5's keep 4, as timed)
-    interior_branch_max_taps: int = 25
-    grad_interior_branch_max_taps: int = 25
+    # 3x3; past it the masked branch alone, and 2 rows for the 7-column forward tiles (7x7: ConvNeXt-T's
+    # layers 0-13% faster without the branch, 5-17% slower with 2 rows on the 14- and 7-wide ones, their
+    # compiles 19-32 -> 7-10 s; 5x5: EfficientNet-B0's layers 0.4% faster to 7.5% slower, 0.034 ms a
+    # training step, its first training step on a fresh machine 49.8 -> 25.3 s)
+    interior_branch_max_taps: int = 9
+    grad_interior_branch_max_taps: int = 9
     whole_tile_rows: int = 2
     nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
     nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks
