@@ -9,7 +9,7 @@
 #   coldstart  first training steps of whole models in fresh processes, empty Triton cache (MODELS, PRECISION:
 #              bench --model --cold-start only): stock, dwconv, dwconv after dwconv.warmup, a warmed second process
 #   models     whole models' steady state, stock against converted (MODELS, PRECISION, MODEL_BATCH,
-#              MODEL_COMPILE no|default|all)
+#              MODEL_COMPILE no|default|all, MODEL_EAGER yes|no: no for the compiled paths alone)
 #   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
 #              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
@@ -49,7 +49,8 @@ for step in "$@"; do
            mode=only; [ "$step" = models ] && mode=no
            for model in ${MODELS:-mobilenet_v2}; do
              python3 -m dwconv bench --model "$model" --model-precision "${PRECISION:-bf16}" --cold-start $mode \
-               --model-batch "${MODEL_BATCH:-64}" --model-compile "${MODEL_COMPILE:-default}" --csv "$OUT/${step}_${model}_$(date +%F)_$commit.csv" 2>&1
+               --model-batch "${MODEL_BATCH:-64}" --model-compile "${MODEL_COMPILE:-default}" \
+               --model-eager "${MODEL_EAGER:-yes}" --csv "$OUT/${step}_${model}_$(date +%F)_$commit.csv" 2>&1
            done ;;
     profile) for model in ${MODELS:-mobilenet_v2}; do
                python3 benchmarks/model_profile.py --model "$model" --precision "${PRECISION:-bf16}" \

@@ -582,6 +582,10 @@ def test_model_paths_compare_with_stock_of_the_same_compilation():
     assert [label for label, *_ in model_paths(COMPILE_MODES["no"])] == [
         "stock eager", "dwconv eager", "dwconv eager, Python path", "stock eager, CUDA graph",
         "dwconv eager, CUDA graph"]
+    assert [label for label, *_ in model_paths(COMPILE_MODES["all"], eager=False)] == [
+        "stock compiled", "dwconv compiled", "stock compiled max-autotune-no-cudagraphs",
+        "dwconv compiled max-autotune-no-cudagraphs", "stock compiled reduce-overhead",
+        "dwconv compiled reduce-overhead"]
 
 
 def test_launched_kernels_from_profiler_events():

@@ -172,6 +172,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--model-compile", choices=["no", "default", "all"], default="default",
                    help="--model: also time both models under torch.compile: its default mode, or also "
                         "max-autotune-no-cudagraphs and reduce-overhead (CUDA graphs)")
+    p.add_argument("--model-eager", choices=["yes", "no"], default="yes",
+                   help="--model: no: the torch.compile paths alone (no eager, CUDA-graph or profiler rows)")
     p.add_argument("--cold-start-unwarmed", action="store_true",
                    help="--cold-start: also the converted model without its first-call warmup (each layer then "
                         "compiles at its first call, one after another)")
@@ -471,7 +473,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             steady = [r for name in args.model for r in bench_model(name, args.model_batch, args.image, args.warmup,
                                                                     min(args.iters, 20),
                                                                     compile_modes=args.model_compile,
-                                                                    precisions=args.model_precision)]
+                                                                    precisions=args.model_precision,
+                                                                    eager=args.model_eager == "yes")]
             print_model_table(steady)
             rows += steady
         write_csv(args.csv, rows)

@@ -301,15 +301,16 @@ COMPILE_MODES = {"no": [], "default": ["default"],
 CUDA_GRAPH = "CUDA graph"  # (a path's "mode": the eager step captured whole in a CUDA graph and replayed)
 
 
-def model_paths(compile_modes: List[str]) -> List[tuple]:
+def model_paths(compile_modes: List[str], eager: bool = True) -> List[tuple]:
     """(path label, model, mode, DWCONV_NATIVE for the timing or None): stock and converted eager,
     the converted model's eager calls also through the Python path (the C++ replayer off: whether
     it wins on whole models), both eager steps captured in a CUDA graph (GPU time alone: the host
-    issues nothing), and each torch.compile mode for both."""
+    issues nothing), and each torch.compile mode for both. Without eager: the compiled paths alone
+    (a device call's time for torch.compile's compiles)."""
     paths = [("stock eager", "stock", None, None), ("dwconv eager", "dwconv", None, None),
              ("dwconv eager, Python path", "dwconv", None, "0"),
              (f"stock eager, {CUDA_GRAPH}", "stock", CUDA_GRAPH, None),
-             (f"dwconv eager, {CUDA_GRAPH}", "dwconv", CUDA_GRAPH, None)]
+             (f"dwconv eager, {CUDA_GRAPH}", "dwconv", CUDA_GRAPH, None)] if eager else []
     for mode in compile_modes:
         label = "compiled" if mode == "default" else f"compiled {mode}"
         paths += [(f"stock {label}", "stock", mode, None), (f"dwconv {label}", "dwconv", mode, None)]
@@ -338,7 +339,7 @@ class native_setting:
 
 
 def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_modes: str = "default",
-                precisions: str = "all", rounds: int = 5) -> List[Dict]:
+                precisions: str = "all", rounds: int = 5, eager: bool = True) -> List[Dict]:
     """Steady state of every path (model_paths) for each precision, training step and inference.
     The paths are timed in turn, `rounds` times over (iters steps a path each round), and each
     path's median taken over all its steps: the GPU machine's host speed drifts between and within
@@ -366,7 +367,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
         inputs = x.contiguous(memory_format=memory_format)
         timed = []  # (path, step, native setting, fn, model run): built, warmed and profiled first, then timed in turns
         captured = []  # the same for the CUDA-graph paths: captured and timed after the others, one at a time
-        for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes]):
+        for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes], eager):
             model = copy.deepcopy(models[variant]).to(memory_format=memory_format)
             run = torch.compile(model, mode=mode) if mode and mode != CUDA_GRAPH else model
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
