@@ -4,6 +4,7 @@ sm_90 into an empty, temporary Triton cache by dwconv.warmup's worker pool, as a
 entries), the pool's wall time, the sum and the longest of the calls' compile times.
 
     python benchmarks/compile_cost.py --match MobileNetV2 --dtype bfloat16 --layout channels_last --workers 2
+    python benchmarks/compile_cost.py --match MobileNetV2 --keys-at 0.857   # what 192 x 192 adds to 224's, and why
 """
 
 import argparse
@@ -34,8 +35,12 @@ def main():
                    help="instead of the pool: each call in this process, one kernel at a time, with its compile time "
                         "and the share of it in the TritonGPU stage (ttgir: its coalescing pass, superlinear in a "
                         "kernel's memory operations, took 87-93%% of a 7x7 pixel tile's: Triton 3.9 and 3.6)")
+    p.add_argument("--keys-at", type=float, metavar="SCALE",
+                   help="instead of compiling: the kernel binaries (Triton's specialisation keys) that image sizes "
+                        "times SCALE add over --scale's, and for each what differs from the same layer's nearest "
+                        "key (a size's divisibility by 16, a block, a branch): what a new image size compiles")
     args = p.parse_args()
-    if args.kernels:
+    if args.kernels or args.keys_at:
         os.environ.pop("TRITON_INTERPRET", None)
 
     import torch
@@ -45,16 +50,23 @@ def main():
 
     tuning.override(**tuning.from_text(",".join(args.tune)))
 
-    calls = []
-    for case in bench.SUITES[args.suite]:
-        if case.dtype != args.dtype or args.match not in case.label:
-            continue
-        n = args.batch or case.n
-        shape = (n, case.c, max(1, round(case.h * args.scale)), max(1, round(case.w * args.scale)))
-        fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
-        grads = (False, False, False) if args.inference else (True, True, case.bias)
-        calls.append(LayerCall.of(*bench.meta_inputs(case, fmt, shape), (case.stride, case.padding, case.dilation),
-                                  grads))
+    def layer_calls(scale):
+        calls = []
+        for case in bench.SUITES[args.suite]:
+            if case.dtype != args.dtype or args.match not in case.label:
+                continue
+            n = args.batch or case.n
+            shape = (n, case.c, max(1, round(case.h * scale)), max(1, round(case.w * scale)))
+            fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
+            grads = (False, False, False) if args.inference else (True, True, case.bias)
+            calls.append((case.label, LayerCall.of(*bench.meta_inputs(case, fmt, shape),
+                                                   (case.stride, case.padding, case.dilation), grads)))
+        return calls
+
+    if args.keys_at:
+        compare_keys(layer_calls(args.scale), layer_calls(args.keys_at), args.arch, args.keys_at)
+        return
+    calls = [call for _, call in layer_calls(args.scale)]
     if args.kernels:
         compile_one_by_one(calls, args.arch)
         return
@@ -101,6 +113,69 @@ def compile_one_by_one(calls, arch):
             print(f"{call.tensors[0][0]} k{call.tensors[1][0][2]} stride {call.arguments[0]}", flush=True)
             for pass_ in call.passes():
                 compile_call(json.loads(call.to_json(pass_)))
+
+
+def launch_keys(labelled_calls, arch):
+    """[(layer label, pass, kernel name, specialisation)]: each launch's key as Triton computes it
+    for a GPU of compute capability `arch` (its binder: constexprs, integers' divisibility by 16 or
+    equality to 1, pointers' alignment), from the GPU's launch plans, nothing compiled."""
+    import json
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from dwconv import tuning
+    from dwconv._compile_worker import compile_call
+
+    class KeysOnlyDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_active_torch_device(self):
+            import torch
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    launched = []
+
+    def key_instead_of_launch(self, grid):
+        def launch(*args, **kwargs):
+            _, specialisation, _ = self.create_binder()[4](*args, **kwargs)
+            launched.append((self.__name__, tuple(zip((p.name for p in self.params), map(str, specialisation)))))
+        return launch
+
+    driver.set_active(KeysOnlyDriver())
+    JITFunction.__getitem__ = key_instead_of_launch
+    tuning.override(plan_as_gpu=True)
+    keys = []
+    for label, call in labelled_calls:
+        for pass_ in call.passes():
+            launched.clear()
+            compile_call(json.loads(call.to_json(pass_)))
+            keys += [(label, pass_, name, spec) for name, spec in launched]
+    return keys
+
+
+def compare_keys(before_calls, after_calls, arch, scale):
+    before, after = launch_keys(before_calls, arch), launch_keys(after_calls, arch)
+    known = {(name, spec) for _, _, name, spec in before}
+    new = [(label, pass_, name, spec) for label, pass_, name, spec in after if (name, spec) not in known]
+    print(f"{len(known)} kernel binaries; image sizes x {scale} add {len({(n, s) for _, _, n, s in new})}:")
+    for label, pass_, name, spec in new:
+        same_layer = [s for l, p, n, s in before if (l, p, n) == (label, pass_, name)]
+        nearest = min(same_layer or [s for n, s in known if n == name] or [spec],
+                      key=lambda old: sum(a != b for a, b in zip(old, spec)))
+        changes = ", ".join(f"{a[0]} {a[1]} -> {b[1]}" for a, b in zip(nearest, spec) if a != b)
+        print(f"  {label} {pass_} {name}: {changes}")
 
 
 def time_backend_stages():

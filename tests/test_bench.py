@@ -176,3 +176,22 @@ def test_host_python_tool_runs():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert len([line for line in done.stdout.splitlines() if line.endswith(" us")]) == 9, done.stdout
+
+
+def test_compile_cost_keys_at_another_image_size():
+    """benchmarks/compile_cost.py --keys-at (no GPU, nothing compiled): the kernel binaries another
+    image size adds, each with what differs from the same layer's key at the suite's size. ConvNeXt-T's
+    7x7 layers at 192 x 192 instead of 224: the 7-column tiles (chosen for widths divisible by 7) give
+    way to 4-column ones, a new binary each."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_cost.py"), "--match", "ConvNeXt",
+                           "--keys-at", "0.857"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    counted = re.search(r"(\d+) kernel binaries; image sizes x 0.857 add (\d+):", done.stdout)
+    assert counted and 0 < int(counted[2]) <= int(counted[1]), done.stdout
+    assert "BLOCK_W ('constexpr', 7) -> ('constexpr', 4)" in done.stdout, done.stdout
