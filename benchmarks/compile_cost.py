@@ -116,45 +116,17 @@ def compile_one_by_one(calls, arch):
 
 
 def launch_keys(labelled_calls, arch):
-    """[(layer label, pass, kernel name, specialisation)]: each launch's key as Triton computes it
-    for a GPU of compute capability `arch` (its binder: constexprs, integers' divisibility by 16 or
-    equality to 1, pointers' alignment), from the GPU's launch plans, nothing compiled."""
+    """[(layer label, pass, kernel name, specialisation)]: each launch's key for a GPU of compute
+    capability `arch`, from the GPU's launch plans, nothing compiled."""
     import json
-
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
 
     from dwconv import tuning
     from dwconv._compile_worker import compile_call
-
-    class KeysOnlyDriver:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", arch, 32)
-
-        def get_active_torch_device(self):
-            import torch
-            return torch.device("cpu")
-
-        def is_active(self):
-            return True
+    from dwconv._triton_compat import intercept_launches, specialisation
 
     launched = []
-
-    def key_instead_of_launch(self, grid):
-        def launch(*args, **kwargs):
-            _, specialisation, _ = self.create_binder()[4](*args, **kwargs)
-            launched.append((self.__name__, tuple(zip((p.name for p in self.params), map(str, specialisation)))))
-        return launch
-
-    driver.set_active(KeysOnlyDriver())
-    JITFunction.__getitem__ = key_instead_of_launch
+    intercept_launches(arch, lambda kernel, grid, args, kwargs: launched.append(
+        (kernel.__name__, specialisation(kernel, args, kwargs))))
     tuning.override(plan_as_gpu=True)
     keys = []
     for label, call in labelled_calls:

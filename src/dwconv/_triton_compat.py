@@ -45,12 +45,10 @@ def libcuda_dirs() -> List[str]:
     return find()
 
 
-def compile_only(arch: int, on_compile: Optional[Callable] = None, select: Optional[Callable] = None) -> None:
-    """Makes this process compile kernels for an NVIDIA GPU of compute capability `arch` (90 for
-    sm_90) whether or not it has one, and launch nothing: every `kernel[grid](...)` compiles into
-    Triton's caches (memory and disk) and returns. on_compile(kernel name, CompiledKernel, seconds)
-    sees each compile (or cache hit); select(kernel name), where given, is asked first at each
-    launch, which is skipped when it answers False. Irreversible: for compile workers and checks,
+def intercept_launches(arch: int, on_launch: Callable) -> None:
+    """Makes this process target an NVIDIA GPU of compute capability `arch` (90 for sm_90) whether
+    or not it has one, and launch nothing: every `kernel[grid](*args, **kwargs)` calls
+    on_launch(kernel, grid, args, kwargs) instead. Irreversible: for compile workers and checks,
     never for a process that runs kernels. TRITON_INTERPRET must be unset before dwconv's kernels
     are imported."""
     import torch
@@ -74,18 +72,32 @@ def compile_only(arch: int, on_compile: Optional[Callable] = None, select: Optio
         def is_active(self):
             return True
 
-    def compile_instead_of_launch(self, grid):
-        def launch(*args, **kwargs):
-            if select is not None and not select(self.__name__):
-                return
-            started = time.perf_counter()
-            compiled = self.warmup(*args, grid=grid, **kwargs)
-            if on_compile is not None:
-                on_compile(self.__name__, compiled, time.perf_counter() - started)
-        return launch
-
     driver.set_active(CompileOnlyDriver())
-    JITFunction.__getitem__ = compile_instead_of_launch
+    JITFunction.__getitem__ = lambda self, grid: lambda *args, **kwargs: on_launch(self, grid, args, kwargs)
+
+
+def compile_only(arch: int, on_compile: Optional[Callable] = None, select: Optional[Callable] = None) -> None:
+    """intercept_launches(arch) with every launch compiled into Triton's caches (memory and disk)
+    instead. on_compile(kernel name, CompiledKernel, seconds) sees each compile (or cache hit);
+    select(kernel name), where given, is asked first at each launch, which is skipped when it
+    answers False."""
+    def compile_launch(kernel, grid, args, kwargs):
+        if select is not None and not select(kernel.__name__):
+            return
+        started = time.perf_counter()
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        if on_compile is not None:
+            on_compile(kernel.__name__, compiled, time.perf_counter() - started)
+
+    intercept_launches(arch, compile_launch)
+
+
+def specialisation(kernel, args, kwargs) -> tuple:
+    """((parameter name, Triton's specialisation of its value), ...) for a launch of `kernel` with
+    these arguments: what its compiled binary is keyed on (constexpr values, integers' divisibility
+    by 16 or equality to 1, pointers' alignment), by Triton's own binder (Triton 3.6 and 3.9)."""
+    _, specialised, _ = kernel.create_binder()[4](*args, **kwargs)
+    return tuple(zip((p.name for p in kernel.params), map(str, specialised)))
 
 
 def build_launcher(compiled) -> bool:
