@@ -453,7 +453,7 @@ def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_ro
 
 # (loop counts and the image's size, which bound loops and pixel masks, never the channel vectors: one
 # binary for every batch and image size; the row strides stay specialised, for the vectors' alignment)
-@triton.jit(do_not_specialize=["batch", "runs", "src_h", "src_w", "tile_h", "tile_w"])
+@triton.jit(do_not_specialize=["batch", "runs", "src_h", "src_w", "tile_h", "tile_w", "row_tiles"])
 def depthwise_grad_nhwc_pixels_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
     channels, batch, src_h, src_w, tile_h, tile_w, row_tiles, runs,
@@ -613,7 +613,7 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
     return weight_grads
 
 
-@triton.jit(do_not_specialize=["batch", "segments", "src_h", "src_w", "tile_h", "tile_w"])  # (as the pixel tiles')
+@triton.jit(do_not_specialize=["batch", "segments", "src_h", "src_w", "tile_h", "tile_w", "segment_rows"])
 def depthwise_grad_nhwc_rows_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
     channels, batch, src_h, src_w, tile_h, tile_w, segments, segment_rows,
