@@ -99,6 +99,20 @@ def test_warmup_needs_arch_without_a_gpu(monkeypatch):
         dwconv.warmup(converted(), randn(1, 6, 8, 8), verbose=False)
 
 
+def test_warmup_workers_a_core_or_as_tuned(retune, monkeypatch):
+    """A warmup starts one compile process a CPU core it may use, or tuned().warmup_workers, shared
+    among a distributed run's local ranks."""
+    from dwconv.precompile import default_workers
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_workers() == cores
+    retune(warmup_workers=cores + 5)
+    assert default_workers() == cores + 5
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_workers() == (cores + 5) // 2
+
+
 def test_workers_get_the_tuning_changes(retune, monkeypatch, tmp_path):
     """The workers make the caller's choices: its tuning changes go to each (as repr()s)."""
     import json

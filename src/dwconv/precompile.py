@@ -253,9 +253,10 @@ def _first_call_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def default_workers() -> int:
-    """One compile process a CPU core this process may use, shared among the local ranks of a
-    distributed run (LOCAL_WORLD_SIZE), which warm up at once."""
+    """One compile process a CPU core this process may use (or tuned().warmup_workers), shared among
+    the local ranks of a distributed run (LOCAL_WORLD_SIZE), which warm up at once."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = tuning.tuned().warmup_workers or cores
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 

@@ -73,6 +73,9 @@ class Tuning:
     plan_as_gpu: bool = False  # compile checks: CPU tensors get the GPU's kernels and blocks
     replay_layer_capacity: int = 512  # layers the C++ path keeps recorded (least recently used go)
     replay_build_timeout_s: float = 600.0  # the C++ replayer's build never waits longer (stale locks too)
+    # a warmup's compile processes; 0: one a CPU core. Under evaluation: 16 compiles at once on the H200's
+    # 16-core host ran each 2-2.5x slower than one alone (docs/decisions.md, "Cold start")
+    warmup_workers: int = 0
     # torch.compile: the ops as torch.library.triton_op, whose kernels Inductor launches from its own code (no
     # per-call Python), instead of opaque custom ops. Read once, when the ops are registered (set it with
     # DWCONV_TUNING=triton_ops=True). Under evaluation, not yet run on the GPU; under Triton's interpreter the
