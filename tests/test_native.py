@@ -237,6 +237,29 @@ def test_native_background_build(monkeypatch, outcome):
     assert native._built_in_background() == (outcome == "built")
 
 
+def test_native_stamped_build_loads_without_the_build_process(monkeypatch, tmp_path):
+    """A finished build leaves a stamp (its sources' bytes and arguments): a later process imports
+    its module without starting torch's build process (1.7 s even when it has nothing to do);
+    another source, or a stamped module that does not import, goes through the build."""
+    import subprocess
+
+    arguments = native._build_arguments(False)
+    native._build(arguments)  # (built and stamped; a no-op build where it was built already)
+    assert native._built_before(arguments) is not None
+    started = []
+    popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *args, **kwargs: started.append(args) or popen(*args, **kwargs))
+    module = native._load(arguments)
+    assert hasattr(module, "conv_known") and started == []
+    edited = tmp_path / "replay.cpp"
+    edited.write_text(open(native.SOURCE).read() + "\n// edited\n")
+    assert native._built_before(dict(arguments, sources=[str(edited)])) is None
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"not a module")
+    monkeypatch.setattr(native, "_built_before", lambda arguments: str(broken))
+    assert hasattr(native._load(arguments), "conv_known") and len(started) == 1
+
+
 def test_native_known_calls_skip_the_checks_and_only_those(monkeypatch):
     """A call whose tensors and arguments repeat an earlier recorded one goes straight to C++ (no
     argument checks: conv_geometry is not called again); any other argument, even one equal to an
