@@ -110,9 +110,12 @@ def _stamp(arguments: dict, key: Optional[str], module: str) -> None:
         return
     path = os.path.join(arguments["build_directory"], _STAMP)
     partial = f"{path}.{os.getpid()}.{threading.get_ident()}"
-    with open(partial, "w") as f:
-        json.dump({"key": key, "module": module}, f)
-    os.replace(partial, path)  # (whole or not at all, for a process reading it now)
+    try:
+        with open(partial, "w") as f:
+            json.dump({"key": key, "module": module}, f)
+        os.replace(partial, path)  # (whole or not at all, for a process reading it now)
+    except OSError:  # (no stamp: the next process asks torch's build again, as before stamps)
+        pass
 
 
 def _build(arguments: dict) -> str:
