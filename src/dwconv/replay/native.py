@@ -78,7 +78,9 @@ _STAMP = "dwconv-built.json"  # (in the build directory: the key and module of i
 
 def _stamp_key(arguments: dict) -> Optional[str]:
     """A build's key: its sources' bytes and its arguments (the build directory already names the
-    Python and torch versions). None where a source cannot be read."""
+    Python and torch versions). None without sources, or where one cannot be read."""
+    if not arguments.get("sources"):
+        return None
     digest = hashlib.sha256(json.dumps(arguments, sort_keys=True).encode())
     try:
         for source in arguments["sources"]:
