@@ -124,8 +124,8 @@ def test_channels_last_pixel_tile_rows(monkeypatch, retune, kernel, stride, padd
 
 @pytest.mark.parametrize("width", [16, 14])  # (16: 4 x 4 tiles, some interior; 14: 7-column tiles)
 def test_channels_last_7x7_tiles_without_interior_branch(monkeypatch, width):
-    """7x7 (and 5x5) channels_last tiles take the masked branch alone (interior_branch_max_taps,
-    grad_interior_branch_max_taps) and 7-column tiles 2 rows (whole_tile_rows): values and gradients
+    """7x7 (and 5x5) channels_last tiles, forward and backward, take the masked branch alone
+    (interior_branch_max_taps) and 7-column tiles 2 rows (whole_tile_rows): values and gradients
     right, and the launches are those; 3x3 keeps the interior branch and 4 rows."""
     from dwconv import dispatch
     from dwconv.kernels import _launch, tile

@@ -46,7 +46,6 @@ class Tuning:
     # compiles 19-32 -> 7-10 s; 5x5: EfficientNet-B0's layers 0.4% faster to 7.5% slower, 0.034 ms a
     # training step, its first training step on a fresh machine 49.8 -> 25.3 s)
     interior_branch_max_taps: int = 9
-    grad_interior_branch_max_taps: int = 9
     whole_tile_rows: int = 2
     nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
     nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks

@@ -915,7 +915,7 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
                      ACC_DTYPE=acc_dtype(x.dtype), BLOCK_H=config.block_h,
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
                      BF16_PAIRS=bf16_pairs_apply(src, tile_geom, config.block_c, config.num_warps),
-                     INTERIOR_TILES=(taps <= tuned().grad_interior_branch_max_taps
+                     INTERIOR_TILES=(taps <= tuned().interior_branch_max_taps
                                      and tile_geom.has_interior_tile(config.block_h, config.block_w, config.block_c)),
                      num_warps=config.num_warps, num_stages=1)
     # a register cap lets 8 programs of 2 warps share an SM (spills past it; dilated layers lost)

@@ -517,11 +517,12 @@ void remember_call(const at::Tensor& input, const at::Tensor& weight, const std:
 // the key was never remembered: the lookup misses, and the full path decides.
 std::optional<at::Tensor> conv_known(const at::Tensor& input_, const at::Tensor& weight_,
                                      const std::optional<at::Tensor>& bias_, const std::string& spelling) {
+  if (!replayable(input_) || !replayable(weight_) || (bias_ && !replayable(*bias_))) {
+    return std::nullopt;  // (before any cast: a subclass would see it)
+  }
   const auto device_type = input_.device().type();
   at::Tensor input = input_, weight = weight_;
   std::optional<at::Tensor> bias = bias_;
-  const bool takes = replayable(input) && replayable(weight) && (!bias || replayable(*bias));
-  if (!takes) return std::nullopt;  // (before any cast: a subclass would see it)
   if (at::autocast::is_autocast_enabled(device_type)) {
     const auto dtype = at::autocast::get_autocast_dtype(device_type);
     input = at::autocast::cached_cast(dtype, input, device_type);
