@@ -76,7 +76,10 @@ def test_warmup_fills_the_disk_cache(tmp_path, monkeypatch):
     x = randn(3, 6, 17, 19)  # (sizes no other test uses: the GPU process compiled nothing for them yet)
     report = dwconv.warmup(model, x, workers=2, arch=None if DEVICE == "cuda" else 90, verbose=False)
     assert report.errors == [] and report.layers == 4
-    assert report.passes_warm == 0 and report.launches >= 8  # (4 calls, each a forward and a backward)
+    assert report.passes_warm == 0 and report.launches >= 4
+    # launches of one kernel binary (here the weight gradient's summing pass) compile once: every compile
+    # made a binary of its own
+    assert report.launches_shared > 0 and report.launches == len(_kernel_binaries(tmp_path))
     entries = set(os.listdir(tmp_path))
     assert len(entries) >= 3 and len(os.listdir(tmp_path / "dwconv-warmup")) == 2 * 8  # (with the batch-free ones)
     again = dwconv.warmup(model, x, workers=1, arch=None if DEVICE == "cuda" else 90, verbose=False)
@@ -154,7 +157,7 @@ def test_workers_that_exit_are_reported_not_waited_for(monkeypatch, tmp_path, ca
         report = dwconv.warmup(converted(), randn(1, 6, 8, 8), workers=2, arch=90)
     assert report.layers == 4 and len(report.errors) == 8 and report.launches == 0  # (each pass once)
     assert capsys.readouterr().err.splitlines() == [
-        "dwconv.warmup: 0/? kernel launches of 4 depthwise calls compiled on 2 processes, 0 s"]
+        "dwconv.warmup: 0/? kernels of 4 depthwise calls compiled on 2 processes, 0 s"]
     assert not os.path.exists(tmp_path / "dwconv-warmup")  # (nothing marked compiled)
 
 
@@ -296,6 +299,29 @@ def test_batch_and_image_sizes_share_kernel_binaries(tmp_path, monkeypatch):
         new.append(sorted(name for entry, name in _kernel_binaries(tmp_path).items() if entry not in before))
     kernels = ["depthwise_fwd_tile_kernel", "depthwise_grad_nhwc_pixels_kernel", "depthwise_weight_grad_sums_kernel"]
     assert new == [kernels, [], [], ["depthwise_fwd_tile_kernel"], kernels, ["depthwise_fwd_tile_kernel"]], new
+
+
+@pytest.mark.parametrize("constant_strides", [True, False])
+def test_channel_counts_share_kernel_binaries_without_constant_pixel_strides(tmp_path, monkeypatch, constant_strides):
+    """pixel_strides_as_constants (tuning): the channels_last pixel tiles compile the pixel stride (the
+    channel count) in, a binary per count; without, layers whose channel counts differ (of the same
+    divisibility by 16 and channel block) launch the same binaries, and a warmup compiles them once.
+    The summing pass of the weight gradient is shared either way. Compiled for sm_90."""
+    from dwconv import tuning
+    from dwconv.precompile import LayerCall, compile_calls
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
+    def call(c):
+        x = torch.empty(2, c, 9, 11, device="meta", dtype=torch.bfloat16, memory_format=torch.channels_last)
+        weight = torch.empty(c, 1, 3, 3, device="meta", dtype=torch.bfloat16)
+        return LayerCall.of(x, weight, None, (1, 1, 1), (True, True, False))
+
+    with tuning.override(pixel_strides_as_constants=constant_strides):
+        report = compile_calls([call(32), call(48)], 90, workers=2, verbose=False)
+    assert report.errors == []
+    assert (report.launches, report.launches_shared) == ((5, 1) if constant_strides else (3, 3)), report
+    assert report.launches == len(_kernel_binaries(tmp_path))
 
 
 def test_the_fake_run_calls_no_user_hook_but_torch_weight_hooks():

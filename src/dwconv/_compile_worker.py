@@ -6,8 +6,8 @@ call, a pass, a launch number) and runs dwconv's eager forward or backward for i
 that are never written, with the GPU's launch plans, in a process that compiles a launch for
 compute capability ARCH instead of running it (`_triton_compat.compile_only`). The kernels (and,
 under Triton 3.6, their C launchers) land in Triton's disk cache, where the process that trains
-finds them. It answers one line a task on OUT_FD: `ok SECONDS LAUNCHES` (the pass's launches,
-counted) or `error MESSAGE`. One process imports torch, Triton and dwconv once and forks a worker
+finds them. It answers one line a task on OUT_FD: `ok SECONDS LAUNCHES KEYS` (the pass's launches,
+counted; where the task was to count them (launch -1), KEYS lists their binaries' keys, comma-separated) or `error MESSAGE`. One process imports torch, Triton and dwconv once and forks a worker
 for each further pair of descriptors (16 processes importing torch at once took ~4.6 s to a first
 answer on the GPU machine's host). A process of its own (not multiprocessing), so that a user's
 script without a __main__ guard is never imported again.
@@ -53,17 +53,20 @@ def compile_call(call: dict) -> None:
 
 
 class LaunchSelector:
-    """Which launch of the running pass compiles: the one numbered `wanted` (None: all); counts them."""
+    """Which launch of the running pass compiles: the one numbered `wanted` (None: all; -1: none, the
+    launches' binary keys are only listed); counts them."""
 
     def __init__(self):
-        self.wanted, self.seen = None, 0
+        self.wanted, self.keys = None, []
 
     def start(self, wanted):
-        self.wanted, self.seen = wanted, 0
+        self.wanted, self.keys = wanted, []
 
-    def __call__(self, kernel_name: str) -> bool:
-        self.seen += 1
-        return self.wanted is None or self.seen - 1 == self.wanted
+    def __call__(self, kernel, args, kwargs) -> bool:
+        from ._triton_compat import binary_key
+
+        self.keys.append(binary_key(kernel, args, kwargs) if self.wanted == -1 else "")
+        return self.wanted is None or len(self.keys) - 1 == self.wanted
 
 
 def main(arch: int, tuning_changes: str, channels: list) -> None:
@@ -114,7 +117,7 @@ def serve(arch: int, tuning_changes: str, tasks_fd: int, answers_fd: int) -> Non
         selector.start(call.get("launch"))
         try:
             compile_call(call)
-            answer = f"ok {time.perf_counter() - started:.3f} {selector.seen}"
+            answer = f"ok {time.perf_counter() - started:.3f} {len(selector.keys)} {','.join(selector.keys)}"
         except Exception as e:  # (reported; the layer then compiles at its first call)
             answer = "error " + " | ".join(traceback.format_exception_only(type(e), e)).replace("\n", " ")
         print(answer, file=answers, flush=True)

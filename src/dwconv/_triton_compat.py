@@ -79,10 +79,10 @@ def intercept_launches(arch: int, on_launch: Callable) -> None:
 def compile_only(arch: int, on_compile: Optional[Callable] = None, select: Optional[Callable] = None) -> None:
     """intercept_launches(arch) with every launch compiled into Triton's caches (memory and disk)
     instead. on_compile(kernel name, CompiledKernel, seconds) sees each compile (or cache hit);
-    select(kernel name), where given, is asked first at each launch, which is skipped when it
-    answers False."""
+    select(kernel, args, kwargs), where given, is asked first at each launch, which is skipped when
+    it answers False."""
     def compile_launch(kernel, grid, args, kwargs):
-        if select is not None and not select(kernel.__name__):
+        if select is not None and not select(kernel, args, kwargs):
             return
         started = time.perf_counter()
         compiled = kernel.warmup(*args, grid=grid, **kwargs)
@@ -90,6 +90,17 @@ def compile_only(arch: int, on_compile: Optional[Callable] = None, select: Optio
             on_compile(kernel.__name__, compiled, time.perf_counter() - started)
 
     intercept_launches(arch, compile_launch)
+
+
+def binary_key(kernel, args, kwargs) -> str:
+    """A short digest of what selects a launch's compiled binary: the kernel, its specialisation
+    and its compile options (num_warps, num_stages, maxnreg): two launches of one key compile once."""
+    import hashlib
+
+    names = {p.name for p in kernel.params}
+    options = sorted((name, repr(value)) for name, value in kwargs.items() if name not in names)
+    text = repr((kernel.__module__, kernel.__name__, specialisation(kernel, args, kwargs), options))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def specialisation(kernel, args, kwargs) -> tuple:

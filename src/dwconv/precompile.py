@@ -175,7 +175,8 @@ class WarmupReport:
     errors: List[str] = field(default_factory=list)  # calls whose kernels then compile at first use
     call_seconds: List[float] = field(default_factory=list)  # each call's passes' time in workers, in call order
     longest_launch: float = 0.0  # the longest compile of one launch (the wall time's floor, however many workers)
-    launches: int = 0  # kernel launches compiled (or found in Triton's cache by a worker)
+    launches: int = 0  # kernel launches compiled (or found in Triton's cache by a worker), one a binary key
+    launches_shared: int = 0  # launches whose binary another launch of the warmup compiles (not compiled again)
     passes_warm: int = 0  # (call, pass) pairs whose marker said their kernels were on disk already
     trace_seconds: float = 0.0  # finding the calls on fake tensors
     first_answer_seconds: float = 0.0  # from the pool's start to a worker's first answer (its imports)
@@ -297,9 +298,10 @@ def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] 
                   verbose: bool = True) -> WarmupReport:
     """Compiles the kernels of these calls for compute capability arch in a pool of worker
     processes (default: `default_workers()`) into Triton's disk cache. Each call's passes (forward;
-    backward when a gradient is wanted) are counted first (how many launches each makes), then
-    every launch is a task of its own, the costliest passes' first: the slowest single kernel, not
-    the slowest layer, bounds the wall time. Passes a marker says are compiled already are skipped."""
+    backward when a gradient is wanted) are counted first (the launches each makes and their binary
+    keys), then every launch of a new key is a task of its own, the costliest passes' first: the
+    slowest single kernel, not the slowest layer, bounds the wall time, and a binary two layers
+    share compiles once. Passes a marker says are compiled already are skipped."""
     started = time.perf_counter()
     changes = json.dumps({name: repr(value) for name, value in tuning.changes().items()})
     # (the call's own marker, and its batch-free one: the kernels take the batch as a runtime value, so a
@@ -342,13 +344,18 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
     state = dict(outstanding=len(passes), done=0, total=0)
     left = [None] * len(passes)  # each pass's launches not compiled yet (None: not counted yet)
     failed = [False] * len(passes)
+    # launches of one binary key (the same kernel binary, in this pass or another) compile once: the first
+    # counted is the task, the others' passes wait on it. {key: ranks of the passes waiting on it} while it
+    # compiles, then {key: "ok" or "error"}; {(rank, launch): key}
+    waiting: dict = {}
+    key_of: dict = {}
     lock = threading.Lock()
 
     live = verbose and sys.stderr.isatty()  # (a log gets one line, at the end)
 
     def show(end: str = ""):
         if live or (verbose and end):
-            line = (f"dwconv.warmup: {state['done']}/{state['total'] or '?'} kernel launches of {len(calls)} "
+            line = (f"dwconv.warmup: {state['done']}/{state['total'] or '?'} kernels of {len(calls)} "
                     f"depthwise calls compiled on {count} processes, {time.perf_counter() - started:.0f} s")
             print(("\r" if live else "") + line, end=end, file=sys.stderr, flush=True)
 
@@ -377,12 +384,21 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
             with lock:
                 report.first_answer_seconds = report.first_answer_seconds or time.perf_counter() - started
                 if answer.startswith("ok ") and launch == -1:
-                    launches = int(answer.split()[2])
-                    for number in range(launches):
-                        tasks.put((1, rank, number))
-                    left[rank] = launches
-                    state["outstanding"] += launches
-                    state["total"] += launches
+                    keys = answer.split()[3].split(",") if len(answer.split()) > 3 else []
+                    left[rank] = 0
+                    for number, key in enumerate(keys):
+                        if key not in waiting:
+                            tasks.put((1, rank, number))
+                            state["outstanding"] += 1
+                            state["total"] += 1
+                            waiting[key], key_of[rank, number] = [], key
+                        else:
+                            report.launches_shared += 1
+                        if waiting[key] == "error":
+                            failed[rank] = True
+                        elif waiting[key] != "ok":
+                            waiting[key].append(rank)
+                            left[rank] += 1
                     finished(rank)
                 elif answer.startswith("ok "):
                     seconds = float(answer.split()[1])
@@ -390,10 +406,18 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
                     report.longest_launch = max(report.longest_launch, seconds)
                     report.launches += 1
                     state["done"] += 1
-                    left[rank] -= 1
-                    finished(rank)
+                    key = key_of[rank, launch]
+                    for waiter in waiting[key]:
+                        left[waiter] -= 1
+                        finished(waiter)
+                    waiting[key] = "ok"
                 else:
                     failed[rank] = True
+                    if launch != -1:
+                        key = key_of[rank, launch]
+                        for waiter in waiting[key]:
+                            failed[waiter] = True
+                        waiting[key] = "error"
                     report.errors.append(f"{calls[index]} {pass_}: {answer[len('error '):]}")
                 state["outstanding"] -= 1
                 show()

@@ -125,10 +125,10 @@ def _pairs_ok(c_ok, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok, COUNT: tl.constexpr, X_STRIDE_W: tl.constexpr,
+def _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok, COUNT: tl.constexpr, x_stride_w,
                 ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr,
                 ROW_MASKED: tl.constexpr, WIDEN: tl.constexpr = True):
-    """COUNT pixels of an input row from row_ptr (pixel p at p * X_STRIDE_W; [1, BLOCK_C] channel
+    """COUNT pixels of an input row from row_ptr (pixel p at p * x_stride_w; [1, BLOCK_C] channel
     vectors in ACC_DTYPE) as a tuple. MASKED: zero outside the row's columns, the channels or the
     image's rows (row_ok); ROW_MASKED: only the row and channel tests (columns inside).
     BF16_PAIRS: bfloat16 channel pairs load as one 32-bit word (the launcher checks alignment).
@@ -141,18 +141,18 @@ def _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok, COUNT: tl.c
             pixel_ok = row_ok & (first_in_col + p >= 0) & (first_in_col + p < in_w)
         if BF16_PAIRS:
             if MASKED:
-                x = tl.load(row_pairs + p * (X_STRIDE_W // 2), mask=tl.where(pixel_ok, pairs_ok, False), other=0)
+                x = tl.load(row_pairs + p * (x_stride_w // 2), mask=tl.where(pixel_ok, pairs_ok, False), other=0)
             elif ROW_MASKED:
-                x = tl.load(row_pairs + p * (X_STRIDE_W // 2), mask=tl.where(row_ok, pairs_ok, False), other=0)
+                x = tl.load(row_pairs + p * (x_stride_w // 2), mask=tl.where(row_ok, pairs_ok, False), other=0)
             else:
-                x = tl.load(row_pairs + p * (X_STRIDE_W // 2))
+                x = tl.load(row_pairs + p * (x_stride_w // 2))
         else:
             if MASKED:
-                x = tl.load(row_ptr + p * X_STRIDE_W, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
+                x = tl.load(row_ptr + p * x_stride_w, mask=tl.where(pixel_ok, c_ok, False), other=0.0)
             elif ROW_MASKED:
-                x = tl.load(row_ptr + p * X_STRIDE_W, mask=tl.where(row_ok, c_ok, False), other=0.0)
+                x = tl.load(row_ptr + p * x_stride_w, mask=tl.where(row_ok, c_ok, False), other=0.0)
             else:
-                x = tl.load(row_ptr + p * X_STRIDE_W)
+                x = tl.load(row_ptr + p * x_stride_w)
         pixels = pixels + (x,)
     if WIDEN:
         pixels = _widen_pixels(pixels, ACC_DTYPE, BLOCK_C, BF16_PAIRS)
@@ -202,13 +202,13 @@ def _row_taps(pixels, r: tl.constexpr, weights, accs, weight_grads, inputs_at_ou
 
 
 @triton.jit
-def _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_stride_h, Y_STRIDE_W: tl.constexpr,
+def _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_stride_h, y_stride_w,
                   BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, MASKED: tl.constexpr):
     """Stores a tile's outputs (accs, row-major) from y_strip, its first column's pointer."""
     for j in tl.static_range(BLOCK_H):
         for i in tl.static_range(BLOCK_W):
             value = accs[j * BLOCK_W + i]
-            ptrs = y_strip + (first_row + j) * y_stride_h + i * Y_STRIDE_W
+            ptrs = y_strip + (first_row + j) * y_stride_h + i * y_stride_w
             if MASKED:
                 out_ok = (first_row + j < out_h) & (first_col + i < out_w)
                 tl.store(ptrs, value.to(y_strip.dtype.element_ty), mask=tl.where(out_ok, c_ok, False))
@@ -218,7 +218,7 @@ def _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_str
 
 @triton.jit
 def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
-                 in_h, in_w, out_h, out_w, x_stride_h, X_STRIDE_W: tl.constexpr, y_stride_h, Y_STRIDE_W: tl.constexpr,
+                 in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w,
                  pad_top, pad_left,
                  KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr,
                  STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -246,35 +246,35 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
     accs = ()
     for i in tl.static_range(BLOCK_H * BLOCK_W):
         accs = accs + (start,)
-    # pointers to the strip's first pixel, and pixels at constant offsets from them (immediate
-    # offsets of the loads and stores on the GPU)
-    x_strip = x_base + first_in_col * X_STRIDE_W
-    y_strip = y_base + first_col * Y_STRIDE_W
+    # pointers to the strip's first pixel, and pixels at fixed offsets from them (immediate offsets of
+    # the loads and stores on the GPU where the pixel strides are constants)
+    x_strip = x_base + first_in_col * x_stride_w
+    y_strip = y_base + first_col * y_stride_w
     pairs_ok = _pairs_ok(c_ok, BLOCK_C, BF16_PAIRS)
     for r in tl.static_range((BLOCK_H - 1) * STRIDE_H + (KH - 1) * DILATION_H + 1):
         in_row = first_in_row + r
         row_ptr = x_strip + in_row * x_stride_h
         row_ok = (in_row >= 0) & (in_row < in_h)
         pixels = _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok,
-                             (BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1, X_STRIDE_W, ACC_DTYPE, BLOCK_C,
+                             (BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1, x_stride_w, ACC_DTYPE, BLOCK_C,
                              BF16_PAIRS, MASKED, False)
         accs, weight_grads = _row_taps(pixels, r, weights, accs, weight_grads, inputs_at_outputs, KH, KW, STRIDE_H,
                                        DILATION_H, STRIDE_W, DILATION_W, BLOCK_H, BLOCK_W, OUTPUTS, WEIGHT_GRAD)
     if OUTPUTS:
-        _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_stride_h, Y_STRIDE_W, BLOCK_H,
+        _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_stride_h, y_stride_w, BLOCK_H,
                       BLOCK_W, MASKED)
     return weight_grads
 
 
 @triton.jit
-def _tile_pixels(base, first_row, first_col, c_ok, rows, cols, stride_h, STRIDE_W: tl.constexpr,
+def _tile_pixels(base, first_row, first_col, c_ok, rows, cols, stride_h, stride_w,
                  ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, MASKED: tl.constexpr):
     """A tile's BLOCK_H x BLOCK_W pixels ([1, channels] each, zero outside rows x cols or the
     channels), as a tuple in row-major order."""
     pixels = ()
     for j in tl.static_range(BLOCK_H):
         for i in tl.static_range(BLOCK_W):
-            ptrs = base + (first_row + j) * stride_h + (first_col + i) * STRIDE_W
+            ptrs = base + (first_row + j) * stride_h + (first_col + i) * stride_w
             if MASKED:
                 inside = (first_row + j < rows) & (first_col + i < cols)
                 pixel = tl.load(ptrs, mask=tl.where(inside, c_ok, False), other=0.0)
@@ -311,7 +311,8 @@ def depthwise_fwd_tile_kernel(
     PIXELS (channels_last, "nhwc_pixels"): the strip's columns unrolled (_conv_pixels), with the
     column stride and dilation PIXEL_STRIDE_W / PIXEL_DILATION_W and the pixel strides of x and y
     PIXEL_X_STRIDE_W / PIXEL_Y_STRIDE_W known to the compiler (pixel addresses become immediate
-    offsets from a row's).
+    offsets from a row's), or 0: x_stride_w and y_stride_w at run time (one binary for every channel
+    count; pixel_strides_as_constants).
     INTERIOR_TILES: whether any tile can be interior (ConvGeometry.has_interior_tile); if not, only
     the masked branch is compiled (Triton's coalescing pass takes time superlinear in the code: a
     7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine)."""
@@ -345,6 +346,8 @@ def depthwise_fwd_tile_kernel(
     else:
         interior = False
     if PIXELS:
+        if PIXEL_X_STRIDE_W:
+            x_stride_w, y_stride_w = PIXEL_X_STRIDE_W, PIXEL_Y_STRIDE_W
         program_weights = ()
         if KH * KW > BRANCH_WEIGHT_TAPS:
             program_weights = _tap_weights(w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True)
@@ -352,14 +355,14 @@ def depthwise_fwd_tile_kernel(
             weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, False,
                                       BRANCH_WEIGHT_TAPS)
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
-                         out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
+                         out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
                          BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
         else:
             weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True,
                                       BRANCH_WEIGHT_TAPS)
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
-                         out_h, out_w, x_stride_h, PIXEL_X_STRIDE_W, y_stride_h, PIXEL_Y_STRIDE_W, pad_top, pad_left,
+                         out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
                          BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), ())
     else:  # (BLOCK_W a power of 2 here; "nhwc_pixels" takes any)
@@ -430,17 +433,16 @@ def depthwise_grad_weight_nhwc_kernel(
 
 @triton.jit
 def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row, first_col, c_ok, src_h, src_w,
-               tile_h, tile_w, src_stride_h, SRC_STRIDE_W: tl.constexpr, q_stride_h, Q_STRIDE_W: tl.constexpr,
-               dx_stride_h, DX_STRIDE_W: tl.constexpr, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
+               tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, dx_stride_h, dx_stride_w, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
                STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr,
                ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
                BF16_PAIRS: tl.constexpr, GRAD_INPUT: tl.constexpr, BIAS_GRAD: tl.constexpr, MASKED: tl.constexpr):
     """One tile of depthwise_grad_nhwc_pixels_kernel: its grad_input (GRAD_INPUT) and its terms of the
     weight gradient (and the bias's: its grad_out pixels) added to weight_grads, which it returns."""
-    q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, ACC_DTYPE,
+    q = _tile_pixels(q_base, first_row, first_col, c_ok, tile_h, tile_w, q_stride_h, q_stride_w, ACC_DTYPE,
                      BLOCK_H, BLOCK_W, MASKED)
     weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok, src_h, src_w, tile_h,
-                                tile_w, src_stride_h, SRC_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH,
+                                tile_w, src_stride_h, src_stride_w, dx_stride_h, dx_stride_w, pad_top, pad_left, KH,
                                 KW, STRIDE_H, DILATION_H, STRIDE_W, DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W,
                                 BLOCK_C, BF16_PAIRS, MASKED, GRAD_INPUT, True, weight_grads, q)
     if BIAS_GRAD:
@@ -457,8 +459,8 @@ def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_ro
 def depthwise_grad_nhwc_pixels_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
     channels, batch, src_h, src_w, tile_h, tile_w, row_tiles, runs,
-    src_stride_n, src_stride_h, q_stride_n, q_stride_h, dx_stride_n, dx_stride_h,
-    pad_top, pad_left,
+    src_stride_n, src_stride_h, src_stride_w, q_stride_n, q_stride_h, q_stride_w, dx_stride_n, dx_stride_h,
+    dx_stride_w, pad_top, pad_left,
     GRAD_INPUT: tl.constexpr, MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
     BIAS_GRAD: tl.constexpr, SRC_STRIDE_W: tl.constexpr, Q_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr,
@@ -480,7 +482,10 @@ def depthwise_grad_nhwc_pixels_kernel(
     where the images are (kernels of many taps on small images). Programs of one run are
     consecutive (all columns of the same rows at once, measured faster on kb84: whole rows of
     the image read together, each tile's halo columns shared with its neighbours through L2).
-    INTERIOR_TILES: as the forward's (depthwise_fwd_tile_kernel): without, only the masked branch."""
+    INTERIOR_TILES: as the forward's (depthwise_fwd_tile_kernel): without, only the masked branch.
+    SRC_STRIDE_W, Q_STRIDE_W, DX_STRIDE_W: the pixel strides as constants, or 0: the runtime ones."""
+    if SRC_STRIDE_W:
+        src_stride_w, q_stride_w, dx_stride_w = SRC_STRIDE_W, Q_STRIDE_W, DX_STRIDE_W
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
     columns = tl.cdiv(channels, BLOCK_C) * tiles_w
@@ -519,14 +524,14 @@ def depthwise_grad_nhwc_pixels_kernel(
             interior = False
         if interior:
             weight_grads = _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row, first_col,
-                                      c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, q_stride_h,
-                                      Q_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H,
+                                      c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h,
+                                      q_stride_w, dx_stride_h, dx_stride_w, pad_top, pad_left, KH, KW, STRIDE_H,
                                       DILATION_H, STRIDE_W, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C,
                                       BF16_PAIRS, GRAD_INPUT, BIAS_GRAD, False)
         else:
             weight_grads = _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row, first_col,
-                                      c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, q_stride_h,
-                                      Q_STRIDE_W, dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW, STRIDE_H,
+                                      c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h,
+                                      q_stride_w, dx_stride_h, dx_stride_w, pad_top, pad_left, KH, KW, STRIDE_H,
                                       DILATION_H, STRIDE_W, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C,
                                       BF16_PAIRS, GRAD_INPUT, BIAS_GRAD, True)
     slot = (column % tiles_w) * runs + run  # (channel blocks share a slot)
@@ -540,23 +545,22 @@ def depthwise_grad_nhwc_pixels_kernel(
 
 @triton.jit
 def _strip_row_loads(src_strip, q_base, row, first_in_col, first_col, c_ok, pairs_ok, src_h, src_w, tile_h, tile_w,
-                     src_stride_h, SRC_STRIDE_W: tl.constexpr, q_stride_h, Q_STRIDE_W: tl.constexpr, pad_top,
+                     src_stride_h, src_stride_w, q_stride_h, q_stride_w, pad_top,
                      RING: tl.constexpr, PIXELS: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr,
                      BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr):
     """What _slide_rows' step for grad_input row `row` loads, as loaded (widened where used): the
     newest grad_out row of the strip (zero outside grad_out's rows) and x's row."""
     in_row = row - pad_top + RING
     src = _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h), first_in_col, src_w,
-                      c_ok, pairs_ok, PIXELS, SRC_STRIDE_W, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED, not MASKED, False)
-    q = _tile_pixels(q_base, row, first_col, c_ok, tile_h, tile_w, q_stride_h, Q_STRIDE_W, q_base.dtype.element_ty,
+                      c_ok, pairs_ok, PIXELS, src_stride_w, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED, not MASKED, False)
+    q = _tile_pixels(q_base, row, first_col, c_ok, tile_h, tile_w, q_stride_h, q_stride_w, q_base.dtype.element_ty,
                      1, BLOCK_W, MASKED)
     return src, q
 
 
 @triton.jit
 def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h, src_w, tile_h,
-                tile_w, src_stride_h, SRC_STRIDE_W: tl.constexpr, q_stride_h, Q_STRIDE_W: tl.constexpr, dx_stride_h,
-                DX_STRIDE_W: tl.constexpr, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
+                tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, dx_stride_h, dx_stride_w, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
                 DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr,
                 BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, MASKED: tl.constexpr):
     """The fused pass down grad_input rows first_row..last_row-1 of one BLOCK_W x BLOCK_C strip:
@@ -569,34 +573,34 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
     RING: tl.constexpr = (KH - 1) * DILATION_H
     PIXELS: tl.constexpr = BLOCK_W + (KW - 1) * DILATION_W
     first_in_col = first_col - pad_left
-    src_strip = src_base + first_in_col * SRC_STRIDE_W
-    dx_strip = dx_base + first_col * DX_STRIDE_W
+    src_strip = src_base + first_in_col * src_stride_w
+    dx_strip = dx_base + first_col * dx_stride_w
     pairs_ok = _pairs_ok(c_ok, BLOCK_C, BF16_PAIRS)
     ring = ()
     for k in tl.static_range(RING):
         in_row = first_row - pad_top + k
         ring = ring + _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h), first_in_col,
-                                  src_w, c_ok, pairs_ok, PIXELS, SRC_STRIDE_W, ACC_DTYPE, BLOCK_C, BF16_PAIRS,
+                                  src_w, c_ok, pairs_ok, PIXELS, src_stride_w, ACC_DTYPE, BLOCK_C, BF16_PAIRS,
                                   MASKED, not MASKED)
     weight_grads = ()
     for tap in tl.static_range(KH * KW):
         weight_grads = weight_grads + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
     if PREFETCH:
         src_next, q_next = _strip_row_loads(src_strip, q_base, first_row, first_in_col, first_col, c_ok, pairs_ok,
-                                            src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, q_stride_h,
-                                            Q_STRIDE_W, pad_top, RING, PIXELS, ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS,
+                                            src_h, src_w, tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h,
+                                            q_stride_w, pad_top, RING, PIXELS, ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS,
                                             MASKED)
     for row in range(first_row, last_row):
         if PREFETCH:  # the next row's loads in flight while this row's products run
             src_loaded, q_loaded = src_next, q_next
             src_next, q_next = _strip_row_loads(src_strip, q_base, tl.minimum(row + 1, last_row - 1), first_in_col,
                                                 first_col, c_ok, pairs_ok, src_h, src_w, tile_h, tile_w, src_stride_h,
-                                                SRC_STRIDE_W, q_stride_h, Q_STRIDE_W, pad_top, RING, PIXELS, ACC_DTYPE,
+                                                src_stride_w, q_stride_h, q_stride_w, pad_top, RING, PIXELS, ACC_DTYPE,
                                                 BLOCK_W, BLOCK_C, BF16_PAIRS, MASKED)
         else:
             src_loaded, q_loaded = _strip_row_loads(src_strip, q_base, row, first_in_col, first_col, c_ok, pairs_ok,
-                                                    src_h, src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W,
-                                                    q_stride_h, Q_STRIDE_W, pad_top, RING, PIXELS, ACC_DTYPE, BLOCK_W,
+                                                    src_h, src_w, tile_h, tile_w, src_stride_h, src_stride_w,
+                                                    q_stride_h, q_stride_w, pad_top, RING, PIXELS, ACC_DTYPE, BLOCK_W,
                                                     BLOCK_C, BF16_PAIRS, MASKED)
         window = ring + _widen_pixels(src_loaded, ACC_DTYPE, BLOCK_C, BF16_PAIRS)
         q = _widen_pixels(q_loaded, ACC_DTYPE, BLOCK_C, False)
@@ -607,7 +611,7 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
             accs, weight_grads = _row_taps(window[kh * DILATION_H * PIXELS:(kh * DILATION_H + 1) * PIXELS],
                                            kh * DILATION_H, weights, accs, weight_grads, q, KH, KW, 1, DILATION_H,
                                            1, DILATION_W, 1, BLOCK_W, True, True)
-        _store_pixels(dx_strip, accs, row, first_col, c_ok, tile_h, tile_w, dx_stride_h, DX_STRIDE_W, 1, BLOCK_W,
+        _store_pixels(dx_strip, accs, row, first_col, c_ok, tile_h, tile_w, dx_stride_h, dx_stride_w, 1, BLOCK_W,
                       MASKED)
         ring = window[PIXELS:]
     return weight_grads
@@ -617,8 +621,8 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
 def depthwise_grad_nhwc_rows_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
     channels, batch, src_h, src_w, tile_h, tile_w, segments, segment_rows,
-    src_stride_n, src_stride_h, q_stride_n, q_stride_h, dx_stride_n, dx_stride_h,
-    pad_top, pad_left,
+    src_stride_n, src_stride_h, src_stride_w, q_stride_n, q_stride_h, q_stride_w, dx_stride_n, dx_stride_h,
+    dx_stride_w, pad_top, pad_left,
     KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
     SRC_STRIDE_W: tl.constexpr, Q_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
@@ -629,7 +633,10 @@ def depthwise_grad_nhwc_rows_kernel(
     writing grad_input (dx) as the forward of grad_out (src) with the flipped weight, and one
     partial weight gradient per tap and channel: partial[slot, channel, tap], slot = (strip
     column, image, segment), in the weight's tap order. Programs of the same rows are consecutive
-    (neighbouring strips share their halo columns through L2)."""
+    (neighbouring strips share their halo columns through L2). SRC_STRIDE_W, Q_STRIDE_W,
+    DX_STRIDE_W: as depthwise_grad_nhwc_pixels_kernel's."""
+    if SRC_STRIDE_W:
+        src_stride_w, q_stride_w, dx_stride_w = SRC_STRIDE_W, Q_STRIDE_W, DX_STRIDE_W
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
     columns = tl.cdiv(channels, BLOCK_C) * tiles_w
@@ -653,13 +660,13 @@ def depthwise_grad_nhwc_rows_kernel(
                    & (first_col + BLOCK_W - 1 - pad_left + (KW - 1) * DILATION_W < src_w))
     if cols_inside:
         weight_grads = _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h,
-                                   src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, q_stride_h, Q_STRIDE_W,
-                                   dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW, DILATION_H, DILATION_W,
+                                   src_w, tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w,
+                                   dx_stride_h, dx_stride_w, pad_top, pad_left, KH, KW, DILATION_H, DILATION_W,
                                    ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS, PREFETCH, False)
     else:
         weight_grads = _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h,
-                                   src_w, tile_h, tile_w, src_stride_h, SRC_STRIDE_W, q_stride_h, Q_STRIDE_W,
-                                   dx_stride_h, DX_STRIDE_W, pad_top, pad_left, KH, KW, DILATION_H, DILATION_W,
+                                   src_w, tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w,
+                                   dx_stride_h, dx_stride_w, pad_top, pad_left, KH, KW, DILATION_H, DILATION_W,
                                    ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS, PREFETCH, True)
     slot = (column % tiles_w) * (batch * segments) + rows_block  # (channel blocks share a slot)
     partial = partial_ptr + (slot.to(tl.int64) * channels + c) * (KH * KW)
@@ -736,6 +743,13 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
 
 
+def constant_pixel_strides(*strides: int) -> Tuple[int, ...]:
+    """The pixel strides the channels_last pixel tiles compile in as constants (immediate load and
+    store offsets; a binary per channel count), or zeros: read at run time, one binary for every
+    channel count (tuning's pixel_strides_as_constants)."""
+    return strides if tuned().pixel_strides_as_constants else (0,) * len(strides)
+
+
 def bf16_pairs_apply(x: torch.Tensor, geom: ConvGeometry, block_c: int, num_warps: int) -> bool:
     """Whether "nhwc_pixels" loads bfloat16 channel pairs as 32-bit words: where a thread holds one
     pair (other spreads cost shuffles), every pair starts on 4 bytes (even channel counts and
@@ -784,7 +798,8 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
         INDEX_64=needs_int64(x, out, first_dim=1 if nhwc else 2), STRIDE_H=geom.stride_h,
         DILATION_H=geom.dilation_h, UNROLL=unroll, BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,
         PIXEL_STRIDE_W=geom.stride_w if pixels else 1, PIXEL_DILATION_W=geom.dilation_w if pixels else 1,
-        PIXEL_X_STRIDE_W=x.stride(3) if pixels else 1, PIXEL_Y_STRIDE_W=out.stride(3) if pixels else 1,
+        **dict(zip(("PIXEL_X_STRIDE_W", "PIXEL_Y_STRIDE_W"),
+                   constant_pixel_strides(x.stride(3), out.stride(3)) if pixels else (1, 1))),
         BF16_PAIRS=pixels and bf16_pairs_apply(x, geom, block_c, config.num_warps),
         INTERIOR_TILES=taps <= tuned().interior_branch_max_taps and geom.has_interior_tile(config.block_h, config.block_w,
                                                                                             block_c),
@@ -885,6 +900,10 @@ def _pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx
 _GRAD_PLANS = plan_cache()
 
 
+def _image_row_pixel_strides(t: torch.Tensor) -> Tuple[int, int, int]:
+    return t.stride(0), t.stride(2), t.stride(3)
+
+
 def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx: Optional[torch.Tensor],
                       config: ForwardConfig, runs: Optional[int], bias_grad: bool) -> LaunchPlan:
     grad_input = dx is not None
@@ -903,14 +922,15 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     # the swept tensor (src: grad_out for the fused pass, x for the weight gradient) and the one
     # read at the tiles' positions (q)
     src, q = (grad_out, x) if grad_input else (x, grad_out)
-    dx_strides = (dx.stride(0), dx.stride(2), dx.stride(3)) if grad_input else (0, 0, 1)
+    dx_strides = _image_row_pixel_strides(dx) if grad_input else (0, 0, 1)
     scalars = (geom.out_channels, geom.batch, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w,
-               row_tiles, runs, src.stride(0), src.stride(2), q.stride(0), q.stride(2), dx_strides[0],
-               dx_strides[1], tile_geom.pad_top, tile_geom.pad_left)
+               row_tiles, runs, *_image_row_pixel_strides(src), *_image_row_pixel_strides(q), *dx_strides,
+               tile_geom.pad_top, tile_geom.pad_left)
+    src_pixel, q_pixel, dx_pixel = constant_pixel_strides(src.stride(3), q.stride(3), dx_strides[2])
     constants = dict(GRAD_INPUT=grad_input, MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w,
                      STRIDE_H=tile_geom.stride_h, STRIDE_W=tile_geom.stride_w, DILATION_H=geom.dilation_h,
-                     DILATION_W=geom.dilation_w, BIAS_GRAD=bias_grad, SRC_STRIDE_W=src.stride(3),
-                     Q_STRIDE_W=q.stride(3), DX_STRIDE_W=dx_strides[2],
+                     DILATION_W=geom.dilation_w, BIAS_GRAD=bias_grad, SRC_STRIDE_W=src_pixel, Q_STRIDE_W=q_pixel,
+                     DX_STRIDE_W=dx_pixel,
                      INDEX_64=needs_int64(grad_out, x, *([dx] if grad_input else []), first_dim=1),
                      ACC_DTYPE=acc_dtype(x.dtype), BLOCK_H=config.block_h,
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
@@ -937,10 +957,11 @@ def _rows_grad_plan(geom: ConvGeometry, tile_geom: ConvGeometry, grad_out: torch
         "too many outputs x taps to unroll"
     segments = cdiv(tile_geom.out_h, config.block_h)
     scalars = (geom.out_channels, geom.batch, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w,
-               segments, config.block_h, grad_out.stride(0), grad_out.stride(2), x.stride(0), x.stride(2),
-               dx.stride(0), dx.stride(2), tile_geom.pad_top, tile_geom.pad_left)
+               segments, config.block_h, *_image_row_pixel_strides(grad_out), *_image_row_pixel_strides(x),
+               *_image_row_pixel_strides(dx), tile_geom.pad_top, tile_geom.pad_left)
+    src_pixel, q_pixel, dx_pixel = constant_pixel_strides(grad_out.stride(3), x.stride(3), dx.stride(3))
     constants = dict(KH=geom.kernel_h, KW=geom.kernel_w, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w,
-                     SRC_STRIDE_W=grad_out.stride(3), Q_STRIDE_W=x.stride(3), DX_STRIDE_W=dx.stride(3),
+                     SRC_STRIDE_W=src_pixel, Q_STRIDE_W=q_pixel, DX_STRIDE_W=dx_pixel,
                      INDEX_64=needs_int64(grad_out, x, dx, first_dim=1), ACC_DTYPE=acc_dtype(x.dtype),
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
                      BF16_PAIRS=bf16_pairs_apply(grad_out, tile_geom, config.block_c, config.num_warps),
