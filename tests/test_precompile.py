@@ -56,6 +56,9 @@ def test_layer_calls_on_fake_tensors():
     inference = layer_calls(model, x, train=False)  # (dw1's two calls are one)
     assert len(inference) == 3 and all(c.grads == (False, False, False) for c in inference)
     assert model.training
+    model.bn.eval()  # (each module's own mode comes back, not the model's)
+    layer_calls(model, x)
+    assert model.training and not model.bn.training
 
 
 def test_layer_calls_see_autocast_and_channels_last():
@@ -81,7 +84,8 @@ def test_warmup_fills_the_disk_cache(tmp_path, monkeypatch):
     # made a binary of its own
     assert report.launches_shared > 0 and report.launches == len(_kernel_binaries(tmp_path))
     entries = set(os.listdir(tmp_path))
-    assert len(entries) >= 3 and len(os.listdir(tmp_path / "dwconv-warmup")) == 2 * 8  # (with the batch-free ones)
+    # (a marker a pass, a batch-free one beside it, and the model's for this call)
+    assert len(entries) >= 3 and len(os.listdir(tmp_path / "dwconv-warmup")) == 2 * 8 + 1
     again = dwconv.warmup(model, x, workers=1, arch=None if DEVICE == "cuda" else 90, verbose=False)
     # the markers say every pass is compiled: no worker starts
     assert again.errors == [] and again.workers == 0 and again.passes_warm == 8
@@ -94,6 +98,44 @@ def test_warmup_fills_the_disk_cache(tmp_path, monkeypatch):
         model(x[:2]).backward()
         torch.cuda.synchronize()
         assert set(os.listdir(tmp_path)) == entries, "the real steps compiled kernels that warmup did not"
+
+
+def test_a_warm_model_skips_the_fake_run(tmp_path, monkeypatch):
+    """Once a warmup of a model for a call found or compiled every kernel, a warmup of the same model
+    for the same call (in this process or another) reads one marker and neither runs the model on
+    fake tensors nor starts a worker; any change to the model's structure, attributes, training
+    flag, forward code, parameters or the call's inputs and autocast runs the fake run again."""
+    from dwconv import precompile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    arch = None if DEVICE == "cuda" else 90
+    torch.manual_seed(0)
+    model = dwconv.convert(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False), nn.ReLU()),
+                           verbose=False).to(DEVICE)
+    x = randn(2, 4, 9, 10)
+    first = dwconv.warmup(model, x, workers=2, arch=arch, verbose=False)
+    assert first.errors == [] and first.workers > 0 and (first.layers, first.passes_warm) == (1, 0)
+    traced = []
+    real_layer_calls = precompile.layer_calls
+    monkeypatch.setattr(precompile, "layer_calls", lambda *a, **k: traced.append(1) or real_layer_calls(*a, **k))
+    again = dwconv.warmup(model, x, workers=2, arch=arch, verbose=False)
+    assert traced == [] and again.workers == 0 and (again.layers, again.passes_warm) == (1, 2)
+    changes = [lambda: model[0].__setattr__("padding", (2, 2)),  # (an attribute)
+               lambda: model.eval(),  # (training flags)
+               lambda: model[0].weight.requires_grad_(False),
+               lambda: model.append(nn.Identity()),  # (the structure)
+               lambda: monkeypatch.setattr(nn.ReLU, "forward", lambda self, y: y.clamp(min=0))]  # (forward code)
+    for number, change in enumerate(changes):
+        change()
+        dwconv.warmup(model, x, workers=2, arch=arch, verbose=False)
+        assert len(traced) == number + 1, number
+        dwconv.warmup(model, x, workers=2, arch=arch, verbose=False)
+        assert len(traced) == number + 1, number  # (now marked)
+    for other in (randn(2, 4, 9, 11), x.to(torch.float64), x.requires_grad_()):
+        dwconv.warmup(model, other, workers=2, arch=arch, verbose=False)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        dwconv.warmup(model, x, workers=2, arch=arch, verbose=False)
+    assert len(traced) == len(changes) + 4
 
 
 def test_warmup_needs_arch_without_a_gpu(monkeypatch):
@@ -236,9 +278,10 @@ def test_converted_model_warms_up_at_its_first_call_with_each_signature(monkeypa
     assert not dwconv.convert(Block(), verbose=False, precompile=False)._forward_pre_hooks
 
 
-def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call(monkeypatch):
+def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call(monkeypatch, tmp_path):
     from dwconv import precompile
 
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # (no model marker of another run)
     monkeypatch.setattr(precompile, "_WARM_UP_ON", ("cpu", "cuda"))
     found = []
     monkeypatch.setattr(precompile, "compile_calls", lambda calls, *args: found.append(calls) or

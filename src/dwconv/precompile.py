@@ -117,7 +117,7 @@ def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict
             calls.setdefault(LayerCall.of(input, weight, bias, arguments, grads), None)
         return pytorch_door(input, weight, bias, geom, arguments)
 
-    was_training = model.training
+    flags = {module: module.training for module in model.modules()}  # (each its own: put back as found)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     functional._DOORS["pytorch"] = recording_door
     _TRACING.active = True
@@ -141,7 +141,8 @@ def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict
         _TRACING.active = False
         for module, (forward_hooks, pre_hooks) in hooks.items():
             module._forward_hooks, module._forward_pre_hooks = forward_hooks, pre_hooks
-        model.train(was_training)
+        for module, training in flags.items():
+            module.training = training
     return list(calls)
 
 
@@ -198,22 +199,32 @@ def warmup(model: nn.Module, *example_inputs, example_kwargs: Optional[dict] = N
     the calls made before that point are compiled. example_kwargs: the model's keyword arguments."""
     global last_report
     started = time.perf_counter()
-    try:
-        calls = layer_calls(model, *example_inputs, example_kwargs=example_kwargs, train=train)
-    except ModelNotTraceable as e:  # (what was found still compiles; the rest at first use)
-        warnings.warn(f"dwconv.warmup: {e}; compiling the calls found before it", stacklevel=2)
-        calls = e.calls
-    traced = time.perf_counter() - started
     if arch is None:
         if not torch.cuda.is_available():
             raise ValueError("arch must be given without a GPU (e.g. arch=90 for sm_90)")
         device = next((p.device for p in model.parameters() if p.is_cuda), torch.device("cuda"))
         major, minor = torch.cuda.get_device_capability(device)
         arch = 10 * major + minor
+    train = getattr(model, "_orig_mod", model).training if train is None else train
+    # (a warm process skips the fake run, whose first use also imports torch._dynamo: ~2 s on the CPU machine)
+    model_marker = _model_marker(model, example_inputs, example_kwargs, train, arch)
+    found = _read_marker(model_marker)
+    if found:
+        last_report = WarmupReport(found["layers"], time.perf_counter() - started, 0, passes_warm=found["passes"])
+        return last_report
+    try:
+        calls = layer_calls(model, *example_inputs, example_kwargs=example_kwargs, train=train)
+        traceable = True
+    except ModelNotTraceable as e:  # (what was found still compiles; the rest at first use)
+        warnings.warn(f"dwconv.warmup: {e}; compiling the calls found before it", stacklevel=2)
+        calls, traceable = e.calls, False
+    traced = time.perf_counter() - started
     report = compile_calls(calls, arch, workers, verbose)
     report.seconds, report.trace_seconds = time.perf_counter() - started, traced
     for error in report.errors:
         warnings.warn(f"dwconv.warmup: {error}", stacklevel=2)
+    if traceable and not report.errors:
+        _mark(model_marker, json.dumps({"layers": len(calls), "passes": sum(len(c.passes()) for c in calls)}))
     last_report = report
     return report
 
@@ -289,9 +300,71 @@ def _marker(call: LayerCall, pass_: str, arch: int, changes: str) -> str:
     return os.path.join(cache_dir(), "dwconv-warmup", key[:32])
 
 
-def _mark(path: str) -> None:
+def _mark(path: str, content: str = "") -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    open(path, "w").close()
+    partial = f"{path}.{os.getpid()}.{threading.get_ident()}"  # (written whole, then renamed: readers see all or none)
+    with open(partial, "w") as marker:
+        marker.write(content)
+    os.replace(partial, path)
+
+
+def _read_marker(path: str) -> Optional[dict]:
+    try:
+        with open(path) as marker:
+            found = json.load(marker)
+        return found if isinstance(found, dict) and {"layers", "passes"} <= found.keys() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _model_marker(model: nn.Module, example_inputs: tuple, example_kwargs: Optional[dict], train: bool,
+                  arch: int) -> str:
+    """The file that says a warmup of this model for this call found every kernel compiled: keyed by
+    what its depthwise calls follow from (each module's class, its forward's code, its plain
+    attributes and training flag; the parameters' and buffers' shapes, strides, dtypes and
+    requires_grad; the arguments, tensors by the same, others by repr; train and autocast), dwconv's
+    fingerprint, arch and the tuning changes. What it misses (a forward that reads state it does
+    not cover) costs compiles at first use, never a value."""
+    from ._triton_compat import cache_dir
+
+    def spec(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", value.device.type, _spec(value), value.requires_grad)
+        if isinstance(value, (list, tuple)):
+            return type(value).__name__, tuple(map(spec, value))
+        if isinstance(value, dict):
+            return "dict", tuple((k, spec(v)) for k, v in value.items())
+        try:
+            return repr(value)
+        except Exception:  # (then never the same: no marker found)
+            return object()
+
+    def plain(value) -> bool:
+        return value is None or isinstance(value, (bool, int, float, str)) or (
+            isinstance(value, (tuple, list)) and all(map(plain, value)))
+
+    model = getattr(model, "_orig_mod", model)
+    digest = hashlib.sha256(f"{_fingerprint()} {arch} {_tuning_changes()} {train}".encode())
+    for device in ("cuda", "cpu"):
+        digest.update(repr((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))).encode())
+    codes: dict = {}
+    for name, module in model.named_modules():
+        kind = type(module)
+        if kind not in codes:
+            code = getattr(kind.forward, "__code__", None)
+            codes[kind] = code and (code.co_code, repr(code.co_consts), code.co_names)
+        attributes = sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and plain(v))
+        digest.update(repr((name, kind.__module__, kind.__qualname__, codes[kind], module.training,
+                            attributes)).encode())
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        digest.update(repr((name, spec(tensor))).encode())
+    digest.update(repr((spec(tuple(example_inputs)), spec(example_kwargs or {}))).encode())
+    return os.path.join(cache_dir(), "dwconv-warmup", "model-" + digest.hexdigest()[:32])
+
+
+def _tuning_changes() -> str:
+    """The tuning table's changes in force, as the compile workers get them."""
+    return json.dumps({name: repr(value) for name, value in tuning.changes().items()})
 
 
 def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] = None,
@@ -303,7 +376,7 @@ def compile_calls(calls: Sequence[LayerCall], arch: int, workers: Optional[int] 
     slowest single kernel, not the slowest layer, bounds the wall time, and a binary two layers
     share compiles once. Passes a marker says are compiled already are skipped."""
     started = time.perf_counter()
-    changes = json.dumps({name: repr(value) for name, value in tuning.changes().items()})
+    changes = _tuning_changes()
     # (the call's own marker, and its batch-free one: the kernels take the batch as a runtime value, so a
     # layer compiled for one batch size has them all; tests/test_precompile.py counts what another compiles)
     markers = {(i, pass_): (_marker(call, pass_, arch, changes), _marker(call.without_batch(), pass_, arch, changes))
