@@ -302,6 +302,25 @@ def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call
     assert torch.equal(model(x), expected)
 
 
+def test_first_call_warmup_leaves_each_module_in_its_own_mode(monkeypatch, tmp_path):
+    """A model trained with a frozen BatchNorm (the model in training, the BatchNorm in eval) keeps it
+    frozen through the warmup at its first call: its running statistics do not move."""
+    from dwconv import precompile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(precompile, "_WARM_UP_ON", ("cpu", "cuda"))
+    monkeypatch.setattr(precompile, "compile_calls", lambda calls, *args: precompile.WarmupReport(len(calls), 0.0, 1))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = converted()
+    model.bn.eval()
+    statistics = model.bn.running_mean.clone()
+    model(randn(2, 6, 9, 9))
+    model(randn(2, 6, 9, 9))
+    assert model.training and not model.bn.training
+    assert torch.equal(model.bn.running_mean, statistics)
+
+
 def _kernel_binaries(cache) -> dict:
     """Triton's cache entries that hold a compiled kernel: {entry: kernel name}."""
     import glob
