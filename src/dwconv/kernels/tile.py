@@ -5,7 +5,8 @@ built on the same unrolled pixel code.
   (columns x channels) of one image. NCHW ("tile"): one channel a program, rows as [cols] vectors.
   channels_last ("nhwc"): a run of channels along the contiguous axis, a band of rows. "nhwc_pixels":
   the strip's columns unrolled too, each input pixel (a channel vector) loaded and converted once
-  and fed to every output that reads it, with the pixel strides known to the compiler.
+  and fed to every output that reads it, with the pixel strides known to the compiler; compiled a
+  second way for these, `depthwise_fwd_pixels_kernel`, with the image's sizes as runtime values.
 - The channels_last backward: `depthwise_grad_nhwc_pixels_kernel` (the fused grad_input + weight
   gradient, or the weight gradient alone, on the same pixel tiles), `depthwise_grad_nhwc_rows_kernel`
   (the fused pass sliding down rows), `depthwise_grad_weight_nhwc_kernel` (any kernel size).
@@ -284,10 +285,6 @@ def _tile_pixels(base, first_row, first_col, c_ok, rows, cols, stride_h, stride_
     return pixels
 
 
-# pad_left is not specialised: were it known to be 0 (a multiple of 16), the unshifted load would get
-# a 4-wide register layout while the shifted loads and the row stores (rows of odd length) get 1-wide
-# ones, and Triton would convert between them through shared memory on every row.
-@triton.jit(do_not_specialize=["pad_left"])
 def depthwise_fwd_tile_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     out_channels, in_h, in_w, out_h, out_w,
@@ -377,6 +374,19 @@ def depthwise_fwd_tile_kernel(
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
                        pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
                        BLOCK_W, BLOCK_C, True)
+
+
+
+# Two compilations of one kernel. pad_left is never specialised: were it known to be 0 (a multiple of
+# 16), the unshifted load would get a 4-wide register layout while the shifted loads and the row stores
+# (rows of odd length) get 1-wide ones, and Triton would convert between them through shared memory on
+# every row. The image's sizes are, for the strips whose columns are the vector axis (NCHW, "nhwc"):
+# their divisibility by 16 keeps the column masks whole over vectors. The pixel tiles ("nhwc_pixels")
+# test sizes in scalar masks only, so there they are runtime values: one binary for every image size.
+_fwd_tile_source = depthwise_fwd_tile_kernel
+depthwise_fwd_tile_kernel = triton.jit(do_not_specialize=["pad_left"])(_fwd_tile_source)
+depthwise_fwd_pixels_kernel = triton.jit(do_not_specialize=["pad_left", "in_h", "in_w", "out_h", "out_w"])(
+    _fwd_tile_source)
 
 
 @triton.jit
@@ -813,7 +823,8 @@ def forward(plan: LaunchPlan, geom: ConvGeometry, x: torch.Tensor, weight: torch
     if weight_taps_major(plan.kernel, x):
         weight = weight.reshape(geom.out_channels, -1).t()
     weight = weight.contiguous()
-    launch(depthwise_fwd_tile_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, out)
+    kernel = depthwise_fwd_pixels_kernel if plan.constants["PIXELS"] else depthwise_fwd_tile_kernel
+    launch(kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, out)
 
 
 # ---- the channels_last backward ---------------------------------------------------------------------
