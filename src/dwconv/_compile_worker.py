@@ -7,7 +7,8 @@ that are never written, with the GPU's launch plans, in a process that compiles 
 compute capability ARCH instead of running it (`_triton_compat.compile_only`). The kernels (and,
 under Triton 3.6, their C launchers) land in Triton's disk cache, where the process that trains
 finds them. It answers one line a task on OUT_FD: `ok SECONDS LAUNCHES KEYS` (the pass's launches,
-counted; where the task was to count them (launch -1), KEYS lists their binaries' keys, comma-separated) or `error MESSAGE`. One process imports torch, Triton and dwconv once and forks a worker
+counted; where the task was to count them (launch -1), KEYS lists their binaries' keys, comma-
+separated) or `error MESSAGE`. One process imports torch, Triton and dwconv once and forks a worker
 for each further pair of descriptors (16 processes importing torch at once took ~4.6 s to a first
 answer on the GPU machine's host). A process of its own (not multiprocessing), so that a user's
 script without a __main__ guard is never imported again.

@@ -380,9 +380,9 @@ def depthwise_fwd_tile_kernel(
 # Two compilations of one kernel. pad_left is never specialised: were it known to be 0 (a multiple of
 # 16), the unshifted load would get a 4-wide register layout while the shifted loads and the row stores
 # (rows of odd length) get 1-wide ones, and Triton would convert between them through shared memory on
-# every row. The image's sizes are, for the strips whose columns are the vector axis (NCHW, "nhwc"):
-# their divisibility by 16 keeps the column masks whole over vectors. The pixel tiles ("nhwc_pixels")
-# test sizes in scalar masks only, so there they are runtime values: one binary for every image size.
+# every row. The sizes stay specialised for NCHW strips (columns the vector axis: masks whole over vectors)
+# and the "nhwc" band (not examined); the pixel tiles ("nhwc_pixels") test them in scalar masks only (the
+# same PTX either way, sm_90), so there they are runtime values: one binary for every image size.
 _fwd_tile_source = depthwise_fwd_tile_kernel
 depthwise_fwd_tile_kernel = triton.jit(do_not_specialize=["pad_left"])(_fwd_tile_source)
 depthwise_fwd_pixels_kernel = triton.jit(do_not_specialize=["pad_left", "in_h", "in_w", "out_h", "out_w"])(
@@ -443,7 +443,8 @@ def depthwise_grad_weight_nhwc_kernel(
 
 @triton.jit
 def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_row, first_col, c_ok, src_h, src_w,
-               tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, dx_stride_h, dx_stride_w, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
+               tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, dx_stride_h, dx_stride_w,
+               pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
                STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr,
                ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
                BF16_PAIRS: tl.constexpr, GRAD_INPUT: tl.constexpr, BIAS_GRAD: tl.constexpr, MASKED: tl.constexpr):
@@ -570,15 +571,17 @@ def _strip_row_loads(src_strip, q_base, row, first_in_col, first_col, c_ok, pair
 
 @triton.jit
 def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h, src_w, tile_h,
-                tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, dx_stride_h, dx_stride_w, pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
+                tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, dx_stride_h, dx_stride_w, pad_top,
+                pad_left, KH: tl.constexpr, KW: tl.constexpr,
                 DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr,
                 BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, MASKED: tl.constexpr):
     """The fused pass down grad_input rows first_row..last_row-1 of one BLOCK_W x BLOCK_C strip:
     each step loads one grad_out row of the strip (with its KW-1 halo columns) and keeps the last
     (KH-1) * DILATION_H in registers (a ring, rotated by renaming), so a grad_out pixel is loaded
     (BLOCK_W + KW - 1) / BLOCK_W times, where 4 x 4 tiles load it 2.25 times at 3x3 (faster on
-    56-wide small layers, slower on kb84, whose tiles issue 52 loads before their products). MASKED: column and channel tests (strips at the image's sides); else only the row
-    test of grad_out. PREFETCH: each step issues the next row's loads before its products (the
+    56-wide small layers, slower on kb84, whose tiles issue 52 loads before their products).
+    MASKED: column and channel tests (strips at the image's sides); else only the row test of
+    grad_out. PREFETCH: each step issues the next row's loads before its products (the
     last step reloads its own row). Returns the taps' weight gradients (flipped taps, as weights)."""
     RING: tl.constexpr = (KH - 1) * DILATION_H
     PIXELS: tl.constexpr = BLOCK_W + (KW - 1) * DILATION_W
