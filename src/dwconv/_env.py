@@ -1,8 +1,10 @@
-"""dwconv's environment switches, parsed the one way everywhere."""
+"""dwconv's environment switches, parsed the one way everywhere; and files it shares with other
+processes, written whole."""
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Optional
 
 _ON = ("1", "true", "on", "yes")
@@ -40,3 +42,12 @@ def triton_interpreter_enabled() -> bool:
     if _INTERPRET is None:
         _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     return _INTERPRET
+
+
+def write_whole(path: str, text: str) -> None:
+    """Writes path as one step for its readers (another process may read it now): all of text or
+    the file as it was. Raises OSError as open does."""
+    partial = f"{path}.{os.getpid()}.{threading.get_ident()}"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)

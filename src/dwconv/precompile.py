@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from . import functional, tuning
-from ._env import switch
+from ._env import switch, write_whole
 
 
 @dataclass(frozen=True)
@@ -302,10 +302,7 @@ def _marker(call: LayerCall, pass_: str, arch: int, changes: str) -> str:
 
 def _mark(path: str, content: str = "") -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.{os.getpid()}.{threading.get_ident()}"  # (written whole, then renamed: readers see all or none)
-    with open(partial, "w") as marker:
-        marker.write(content)
-    os.replace(partial, path)
+    write_whole(path, content)
 
 
 def _read_marker(path: str) -> Optional[dict]:
@@ -418,10 +415,10 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
     left = [None] * len(passes)  # each pass's launches not compiled yet (None: not counted yet)
     failed = [False] * len(passes)
     # launches of one binary key (the same kernel binary, in this pass or another) compile once: the first
-    # counted is the task, the others' passes wait on it. {key: ranks of the passes waiting on it} while it
-    # compiles, then {key: "ok" or "error"}; {(rank, launch): key}
-    waiting: dict = {}
-    key_of: dict = {}
+    # counted is the task, the others' passes wait on it
+    waiting: dict = {}  # {key: ranks of the passes waiting on it}, while it compiles
+    compiled: dict = {}  # {key: whether its compile succeeded}, once done
+    key_of: dict = {}  # {(rank, launch number): key} of the tasks
     lock = threading.Lock()
 
     live = verbose and sys.stderr.isatty()  # (a log gets one line, at the end)
@@ -457,19 +454,19 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
             with lock:
                 report.first_answer_seconds = report.first_answer_seconds or time.perf_counter() - started
                 if answer.startswith("ok ") and launch == -1:
-                    keys = answer.split()[3].split(",") if len(answer.split()) > 3 else []
+                    _, _, _, *keys = answer.split()
                     left[rank] = 0
-                    for number, key in enumerate(keys):
-                        if key not in waiting:
+                    for number, key in enumerate(keys[0].split(",") if keys else []):
+                        if key in compiled or key in waiting:
+                            report.launches_shared += 1
+                        else:
                             tasks.put((1, rank, number))
                             state["outstanding"] += 1
                             state["total"] += 1
                             waiting[key], key_of[rank, number] = [], key
+                        if key in compiled:
+                            failed[rank] |= not compiled[key]
                         else:
-                            report.launches_shared += 1
-                        if waiting[key] == "error":
-                            failed[rank] = True
-                        elif waiting[key] != "ok":
                             waiting[key].append(rank)
                             left[rank] += 1
                     finished(rank)
@@ -480,17 +477,17 @@ def _compile_in_pool(calls: Sequence[LayerCall], passes: List[tuple], markers: L
                     report.launches += 1
                     state["done"] += 1
                     key = key_of[rank, launch]
-                    for waiter in waiting[key]:
+                    compiled[key] = True
+                    for waiter in waiting.pop(key):
                         left[waiter] -= 1
                         finished(waiter)
-                    waiting[key] = "ok"
                 else:
                     failed[rank] = True
                     if launch != -1:
                         key = key_of[rank, launch]
-                        for waiter in waiting[key]:
+                        compiled[key] = False
+                        for waiter in waiting.pop(key):
                             failed[waiter] = True
-                        waiting[key] = "error"
                     report.errors.append(f"{calls[index]} {pass_}: {answer[len('error '):]}")
                 state["outstanding"] -= 1
                 show()

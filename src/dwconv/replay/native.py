@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._env import switch
+from .._env import switch, write_whole
 from .._triton_compat import arg_names, launch_parameters, libcuda_dirs
 from ..kernels import _launch
 from ..tuning import on_change, tuned
@@ -110,12 +110,8 @@ def _stamp(arguments: dict, key: Optional[str], module: str) -> None:
     build: a source edited meanwhile then mismatches)."""
     if key is None:
         return
-    path = os.path.join(arguments["build_directory"], _STAMP)
-    partial = f"{path}.{os.getpid()}.{threading.get_ident()}"
     try:
-        with open(partial, "w") as f:
-            json.dump({"key": key, "module": module}, f)
-        os.replace(partial, path)  # (whole or not at all, for a process reading it now)
+        write_whole(os.path.join(arguments["build_directory"], _STAMP), json.dumps({"key": key, "module": module}))
     except OSError:  # (no stamp: the next process asks torch's build again, as before stamps)
         pass
 
