@@ -144,6 +144,28 @@ def test_warmup_needs_arch_without_a_gpu(monkeypatch):
         dwconv.warmup(converted(), randn(1, 6, 8, 8), verbose=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_warmup_casts_as_the_autocast_it_is_told(monkeypatch, tmp_path, dtype):
+    """warmup(..., autocast=dtype) finds the calls a run under torch.autocast("cuda", dtype) makes,
+    on any device (a container image's build without a GPU, where torch turns CUDA autocast off):
+    each depthwise layer gets its tensors in dtype, as the model cast to dtype would give them."""
+    from dwconv import precompile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    found = []
+    monkeypatch.setattr(precompile, "compile_calls", lambda calls, *args: found.append(calls) or
+                        precompile.WarmupReport(len(calls), 0.0, 0))
+    model = converted(torch.channels_last)
+    x = randn(2, 6, 11, 13).contiguous(memory_format=torch.channels_last)
+    dwconv.warmup(model, x, arch=90, autocast=dtype, verbose=False)
+    assert not torch.is_autocast_enabled(DEVICE)
+    cast = copy.deepcopy(model).to(dtype)
+    assert found[0] == layer_calls(cast, x.to(dtype))
+    assert {c.tensors[0][2] for c in found[0]} == {str(dtype).split(".")[1]}
+    with pytest.raises(ValueError, match="autocast must be"):
+        dwconv.warmup(model, x, arch=90, autocast=torch.float32, verbose=False)
+
+
 def test_warmup_workers_a_core_or_as_tuned(retune, monkeypatch):
     """A warmup starts one compile process a CPU core it may use, or tuned().warmup_workers, shared
     among a distributed run's local ranks."""

@@ -187,7 +187,8 @@ last_report: Optional[WarmupReport] = None  # (the latest warmup's, for benchmar
 
 
 def warmup(model: nn.Module, *example_inputs, example_kwargs: Optional[dict] = None, train: Optional[bool] = None,
-           workers: Optional[int] = None, arch: Optional[int] = None, verbose: bool = True) -> WarmupReport:
+           workers: Optional[int] = None, arch: Optional[int] = None, autocast: Optional[torch.dtype] = None,
+           verbose: bool = True) -> WarmupReport:
     """Compiles, ahead of use and in parallel, every dwconv kernel that model(*example_inputs) and,
     when training (train, default model.training), its backward will launch, into Triton's disk
     cache (TRITON_CACHE_DIR, default ~/.triton/cache). Call it as the model will be called (same
@@ -196,9 +197,21 @@ def warmup(model: nn.Module, *example_inputs, example_kwargs: Optional[dict] = N
     GPU's compute capability as 90 for sm_90 (default: the model's GPU). Prints progress to
     stderr when verbose. A call whose compile fails is reported and compiles at its first use; a
     model whose forward cannot run on fake tensors (it reads a value on the host) is reported and
-    the calls made before that point are compiled. example_kwargs: the model's keyword arguments."""
+    the calls made before that point are compiled. example_kwargs: the model's keyword arguments.
+    autocast: the dtype of the torch.autocast("cuda", dtype=...) the model will run under, for a
+    warmup where there is no GPU (a container image's build: torch turns CUDA autocast off there),
+    with the model and inputs on the CPU; the depthwise layers' casts are the same on either device."""
     global last_report
     started = time.perf_counter()
+    if autocast is not None:
+        if autocast not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"autocast must be torch.float16 or torch.bfloat16 (the dtype of the torch.autocast "
+                             f"the model will run under), got {autocast!r}")
+        device = next((t.device.type for t in (*example_inputs, *(example_kwargs or {}).values())
+                       if isinstance(t, torch.Tensor)), "cpu")
+        with torch.autocast(device, dtype=autocast):
+            return warmup(model, *example_inputs, example_kwargs=example_kwargs, train=train, workers=workers,
+                          arch=arch, verbose=verbose)
     if arch is None:
         if not torch.cuda.is_available():
             raise ValueError("arch must be given without a GPU (e.g. arch=90 for sm_90)")
