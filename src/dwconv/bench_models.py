@@ -339,14 +339,15 @@ class native_setting:
 
 
 def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_modes: str = "default",
-                precisions: str = "all", rounds: int = 5, eager: bool = True) -> List[Dict]:
+                precisions: str = "all", rounds: int = 10, eager: bool = True) -> List[Dict]:
     """Steady state of every path (model_paths) for each precision, training step and inference.
-    The paths are timed in turn, `rounds` times over (iters steps a path each round), and each
-    path's median taken over all its steps: the GPU machine's host speed drifts between and within
-    runs (a stock MobileNetV2 step measured 13.8-30.8 ms in different processes), and a path timed
-    only after another would take the drift for its own. The CUDA-graph paths (the GPU's time
-    alone: no drift) come last, one graph alive at a time: each is captured, timed over as many
-    steps and released (with its memory pool) before the next capture."""
+    The paths are timed in turn, `rounds` times over (iters / rounds steps a path each round, after
+    one untimed), and each path's median taken over all its steps: the GPU machine's host speed
+    drifts between and within runs (a stock MobileNetV2 step measured 13.8-30.8 ms in different
+    processes), and a path timed only after another would take the drift for its own. Each round's
+    ratio to stock is printed too (its range: how far the drift moves a ratio). The CUDA-graph
+    paths (the GPU's time alone: no drift) come last, one graph alive at a time: each is captured,
+    timed over as many steps and released (with its memory pool) before the next capture."""
     torch.backends.cudnn.benchmark = True  # (as conv nets are trained: cuDNN's fastest algorithm for the stock layers)
     torch.manual_seed(0)
     stock = build_model(name).cuda()
@@ -397,11 +398,14 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
             except Exception as error:
                 print(f"  {precision:<17} {path}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
         samples = {(path, step): [] for path, step, *_ in timed}
+        round_ms = {(path, step): [] for path, step, *_ in timed}  # (each round's median)
         for _ in range(rounds):
             for path, step, native, fn, run in timed:
                 run.train(step == "train step")
                 with native_setting(native):
-                    samples[(path, step)] += time_ms(fn, 2, max(1, iters // rounds))
+                    ms = time_ms(fn, 1, max(1, iters // rounds))
+                samples[(path, step)] += ms
+                round_ms[(path, step)].append(statistics.median(ms))
         for path, step, native, fn, run in captured:
             run.train(step == "train step")
             try:
@@ -418,8 +422,13 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                              # (the results CSVs' schema: bench.CSV_FIELDS)
                              suite="model", layer=name, dtype=precision, **{"pass": step},
                              layout=rows_layout(memory_format)))
+            base = round_ms.get((stock_path(path), step))
+            ratios = ([a / b for a, b in zip(base, round_ms[(path, step)])]
+                      if base and path != stock_path(path) else [])
             print(f"  {precision:<17} {step:<10} {path:<26} {rows[-1]['ms']:8.3f} ms "
-                  f"(spread {min(ms):.3f}-{max(ms):.3f})", flush=True)
+                  f"(spread {min(ms):.3f}-{max(ms):.3f})"
+                  + (f"; vs stock by round {min(ratios):.2f}-{max(ratios):.2f}x, "
+                     f"{sum(r >= 1 for r in ratios)} of {len(ratios)} rounds >= 1" if ratios else ""), flush=True)
         del timed, captured, samples
         torch.cuda.empty_cache()
     for row in rows:  # speedup against the stock model of the same precision, step and compilation
