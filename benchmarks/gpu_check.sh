@@ -7,7 +7,8 @@
 #              rest of a run that the time limit cut)
 #   bench      the models and large suites (SUITES, DTYPES) into fixed-schema CSVs (docs/data, docs/performance.md)
 #   coldstart  first training steps of whole models in fresh processes, empty Triton cache (MODELS, PRECISION:
-#              bench --model --cold-start only): stock, dwconv, dwconv after dwconv.warmup, a warmed second process
+#              bench --model --cold-start only): stock, dwconv, dwconv after dwconv.warmup, a warmed second process;
+#              COLDSTART_IMAGE=1: also a container image's build without the GPU and a first step from its cache
 #   models     whole models' steady state, stock against converted (MODELS, PRECISION, MODEL_BATCH,
 #              MODEL_COMPILE no|default|all, MODEL_EAGER yes|no: no for the compiled paths alone)
 #   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
@@ -47,10 +48,11 @@ for step in "$@"; do
            done ;;
     coldstart|models)
            mode=only; [ "$step" = models ] && mode=no
+           image=(); [ "$step" = coldstart ] && [ -n "${COLDSTART_IMAGE:-}" ] && image=(--cold-start-image)
            for model in ${MODELS:-mobilenet_v2}; do
              python3 -m dwconv bench --model "$model" --model-precision "${PRECISION:-bf16}" --cold-start $mode \
                --model-batch "${MODEL_BATCH:-64}" --model-compile "${MODEL_COMPILE:-default}" \
-               --model-eager "${MODEL_EAGER:-yes}" --csv "$OUT/${step}_${model}_$(date +%F)_$commit.csv" 2>&1
+               --model-eager "${MODEL_EAGER:-yes}" ${image[@]+"${image[@]}"} --csv "$OUT/${step}_${model}_$(date +%F)_$commit.csv" 2>&1
            done ;;
     profile) for model in ${MODELS:-mobilenet_v2}; do
                python3 benchmarks/model_profile.py --model "$model" --precision "${PRECISION:-bf16}" \

@@ -51,7 +51,8 @@ Whole models (`python -m dwconv bench --model NAME --model-precision P [--cold-s
 random weights and inputs, batch 64, 224 x 224, cuDNN's benchmark mode on. "model": a training step
 (forward, cross-entropy, backward, SGD step) and an inference forward, median of 20 after warm-up,
 stock and converted timed in the same run; "vs stock" is stock's time over this row's. From commit
-ad18606 every path's steps are timed in turns with the others' (5 rounds, median over all), and
+ad18606 every path's steps are timed in turns with the others' (5 rounds, median over all; 10
+rounds of 2 steps from commit 2331893), and
 "CUDA graph" rows replay the eager step captured whole (the GPU's time alone); before, each path
 was timed after the other, and the host's drift counted in the ratios. "model profile": the
 GPU time of a step's kernels, and of the depthwise layers' (the kernels launched in their
@@ -59,7 +60,9 @@ forward and backward, and dwconv's by name), from torch's profiler; a depthwise 
 the profiler linked kernels to the layers (stock cuDNN layers' were not linked in the 931d590 runs:
 docs/decisions.md, "Whole models"). "model cold
 start": one fresh process each, with an empty temporary Triton cache (dwconv warm: the cache the
-dwconv process filled); seconds of the first training step (the converted model's includes its
+dwconv process filled; "dwconv image build": a process that sees no GPU compiles the kernels,
+dwconv.warmup(..., arch, autocast), as a container image's build would, and "dwconv from image" takes
+its first step from that cache); seconds of the first training step (the converted model's includes its
 warmup, shown apart), the second step's, and the whole process's (imports included). Before
 convert warmed a model up by itself (commit 6862c1e), "dwconv" compiled each layer at its first
 call and "dwconv+warmup" called dwconv.warmup first."""

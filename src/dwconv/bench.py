@@ -177,6 +177,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--cold-start-unwarmed", action="store_true",
                    help="--cold-start: also the converted model without its first-call warmup (each layer then "
                         "compiles at its first call, one after another)")
+    p.add_argument("--cold-start-image", action="store_true",
+                   help="--cold-start: also a container image's build (a process that sees no GPU compiles the "
+                        "kernels, dwconv.warmup(..., arch, autocast)) and a fresh process's first step from its cache")
     return p.parse_args(argv)
 
 
@@ -468,7 +471,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             rows += [r for name in args.model for r in cold_start(name, args.model_batch, args.image,
                                                                   args.model_precision,
-                                                                  without_warmup=args.cold_start_unwarmed)]
+                                                                  without_warmup=args.cold_start_unwarmed,
+                                                                  from_image=args.cold_start_image)]
         if args.cold_start != "only":
             steady = [r for name in args.model for r in bench_model(name, args.model_batch, args.image, args.warmup,
                                                                     min(args.iters, 20),

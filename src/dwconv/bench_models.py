@@ -443,19 +443,26 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     return rows + profiles
 
 
-# cold start: (variant, what the subprocess does, which Triton cache it finds)
+# cold start: (variant, what the subprocess does, its Triton cache: "own" an empty one of its own, or one
+# that runs share in turn, empty for the first)
 COLD_START_RUNS = [
-    ("stock", "stock", "empty"),
-    ("dwconv", "dwconv", "empty"),  # convert's warmup at the first call, then the step
-    ("dwconv warm", "dwconv", "warmed"),  # a second process: the kernels on disk
+    ("stock", "stock", "own"),
+    ("dwconv", "dwconv", "shared"),  # convert's warmup at the first call, then the step
+    ("dwconv warm", "dwconv", "shared"),  # a second process: the kernels on disk
 ]
-WITHOUT_WARMUP = ("dwconv no warmup", "dwconv no warmup", "empty")  # each layer compiles at its first call
+WITHOUT_WARMUP = ("dwconv no warmup", "dwconv no warmup", "own")  # each layer compiles at its first call
+FROM_IMAGE = [  # a container image's build compiles the kernels with no GPU in sight; a fresh node runs from them
+    ("dwconv image build", "image build", "image"),
+    ("dwconv from image", "dwconv", "image"),
+]
 
 
-def first_step(name: str, batch: int, image: int, precision: str, variant: str) -> Dict[str, float]:
+def first_step(name: str, batch: int, image: int, precision: str, variant: str, arch: int = 90) -> Dict[str, float]:
     """In a fresh process: seconds to build the model and for its first and second training steps
     (cuDNN's benchmark mode on, as for a real run), and what the first step's warmup did. Without a
-    GPU (the tests' smoke run, under TRITON_INTERPRET=1) on the CPU, warmup compiling for sm_90."""
+    GPU (the tests' smoke run, under TRITON_INTERPRET=1) on the CPU, warmup compiling for sm_90.
+    variant "image build": on the CPU, as an image's build would (the caller hides the GPU), the
+    model's warmup for arch under the autocast of its precision, and no step."""
     from . import precompile
 
     started = time.perf_counter()
@@ -467,11 +474,14 @@ def first_step(name: str, batch: int, image: int, precision: str, variant: str) 
     x = torch.randn(batch, 3, image, image, device=device).contiguous(memory_format=memory_format)
     y = torch.randint(0, 10, (batch,), device=device)
     if variant != "stock":
-        model = convert(model, inplace=True, verbose=False, precompile=variant == "dwconv")
-    if variant == "dwconv" and device == "cpu":  # (the first-call warmup acts on CUDA inputs only)
-        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-            precompile.warmup(model.train(), x, arch=90, verbose=False)
+        model = convert(model, inplace=True, verbose=False, precompile=variant != "dwconv no warmup")
+    if variant in ("dwconv", "image build") and device == "cpu":  # (the first-call warmup acts on CUDA inputs only)
+        precompile.warmup(model.train(), x, arch=arch, autocast=dtype, verbose=False)
     built_s = time.perf_counter() - started
+    if variant == "image build":
+        report = precompile.last_report
+        return dict(build_s=built_s, warmup_s=report.seconds, launches=report.launches, workers=report.workers,
+                    errors=len(report.errors))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     step = training_step(model.train(), x, y, optimizer, dtype, device)
     times = []
@@ -491,22 +501,25 @@ def first_step(name: str, batch: int, image: int, precision: str, variant: str) 
 
 
 def cold_start(name: str, batch: int, image: int, precisions: str = "all", timeout: float = 900,
-               without_warmup: bool = False) -> List[Dict]:
-    """First training steps in fresh processes (COLD_START_RUNS, and WITHOUT_WARMUP first if asked),
-    each with an empty temporary Triton cache or the one the converted model's run filled; the
-    process's wall time includes its imports."""
+               without_warmup: bool = False, from_image: bool = False) -> List[Dict]:
+    """First training steps in fresh processes (COLD_START_RUNS, and WITHOUT_WARMUP first and
+    FROM_IMAGE last if asked), each with an empty temporary Triton cache, the one the converted
+    model's run filled, or the one an image build filled (that process sees no GPU); the process's
+    wall time includes its imports."""
     rows = []
-    runs = ([WITHOUT_WARMUP] if without_warmup else []) + COLD_START_RUNS
+    runs = ([WITHOUT_WARMUP] if without_warmup else []) + COLD_START_RUNS + (FROM_IMAGE if from_image else [])
+    major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
     for precision in (PRECISIONS if precisions == "all" else [precisions]):
-        with tempfile.TemporaryDirectory() as empty_root, tempfile.TemporaryDirectory() as warmed:
+        with tempfile.TemporaryDirectory() as root:
             for label, variant, cache in runs:
-                env = dict(os.environ, TRITON_CACHE_DIR=warmed if label in ("dwconv", "dwconv warm")
-                           else os.path.join(empty_root, label))
+                env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(root, label if cache == "own" else cache))
+                if variant == "image build":
+                    env["CUDA_VISIBLE_DEVICES"] = ""
                 began = time.perf_counter()
                 try:
                     done = subprocess.run([sys.executable, "-m", "dwconv.bench_models", name, str(batch), str(image),
-                                           precision, variant], env=env, capture_output=True, text=True,
-                                          timeout=timeout)
+                                           precision, variant, str(10 * major + minor)], env=env,
+                                          capture_output=True, text=True, timeout=timeout)
                     result = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
                     error = "" if done.returncode == 0 else done.stderr[-400:]
                 except subprocess.TimeoutExpired:
@@ -519,7 +532,7 @@ def cold_start(name: str, batch: int, image: int, precisions: str = "all", timeo
                         rows.append(dict(suite="model cold start", layer=name, dtype=precision, path=label,
                                          layout="channels_last" if precision == "bf16" else "nchw",
                                          ms=1000 * measured[key], **{"pass": what}))
-                print(f"  {name} {precision:<8} {label:<14} " + (error.strip().splitlines()[-1] + "  " if error else
+                print(f"  {name} {precision:<8} {label:<18} " + (error.strip().splitlines()[-1] + "  " if error else
                       "".join(f"{k} {v:.1f}  " if isinstance(v, float) else f"{k} {v}  " for k, v in result.items()))
                       + f"process {process_s:.1f} s",
                       flush=True)
@@ -534,6 +547,6 @@ def print_model_table(rows: List[Dict]) -> None:
               f"{r['std']:7.3f} {r['vs_stock']:7.2f}x")
 
 
-if __name__ == "__main__":  # (cold_start's subprocess: NAME BATCH IMAGE PRECISION VARIANT)
-    name, batch, image, precision, variant = sys.argv[1:6]
-    print(json.dumps(first_step(name, int(batch), int(image), precision, variant)))
+if __name__ == "__main__":  # (cold_start's subprocess: NAME BATCH IMAGE PRECISION VARIANT ARCH)
+    name, batch, image, precision, variant, arch = sys.argv[1:7]
+    print(json.dumps(first_step(name, int(batch), int(image), precision, variant, int(arch))))
