@@ -1,5 +1,6 @@
 """The eager path under PyTorch's other features, on both doors (the Python autograd Function,
-DWCONV_NATIVE=0, and the C++ replayer, DWCONV_NATIVE=1): saved-tensor hooks, double backward,
+DWCONV_NATIVE=0, and the C++ replayer, DWCONV_NATIVE=1): saved-tensor hooks, activation
+checkpointing, double backward,
 forward-mode AD, torch.func, negative-bit views, threads meeting new layers at once, the bounded
 layer registry, the replayer's build, the environment switches. Each result against float64
 F.conv2d, or a clear error.
@@ -87,6 +88,37 @@ def test_saved_tensor_hooks(path, hook):
                             ("grad_input", leaves[0].grad, ref_grads[0]),
                             ("grad_weight", leaves[1].grad, ref_grads[1])]:
         assert_close(got, want, torch.float32, f"{hook}: {name}")
+
+
+# ---- activation checkpointing ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing(path, reentrant):
+    """A block of depthwise layers under torch.utils.checkpoint (large-kernel nets and timm's
+    ConvNeXt train this way): the forward runs again inside the backward (reentrant: under its own
+    backward; non-reentrant: through saved-tensor hooks), a layer's second call in a step. Outputs
+    and every gradient against the same block of nn.Conv2d in float64."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    stock = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1, groups=4), torch.nn.BatchNorm2d(4),
+                                torch.nn.ReLU(), torch.nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=4)).to(DEVICE)
+    block = dwconv.convert(stock, verbose=False).float()
+    stock = stock.double()
+    x = randn(2, 4, 9, 11).contiguous(memory_format=torch.channels_last)
+    grad_out = randn(2, 8, 5, 6)
+    want_x = x.double().requires_grad_()
+    want = stock(want_x)
+    want.backward(grad_out.double())
+    for step in range(2):  # (the second step: every layer's calls recorded or known)
+        block.zero_grad()
+        leaf = x.clone().requires_grad_()
+        out = checkpoint(block, leaf, use_reentrant=reentrant)
+        out.backward(grad_out)
+        assert_close(out, want, torch.float32, f"step {step}: output")
+        assert_close(leaf.grad, want_x.grad, torch.float32, f"step {step}: grad_input")
+        for (name, got), reference in zip(block.named_parameters(), stock.parameters()):
+            assert_close(got.grad, reference.grad, torch.float32, f"step {step}: {name} gradient")
 
 
 # ---- double backward -------------------------------------------------------------------------------
