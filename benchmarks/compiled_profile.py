@@ -1,0 +1,52 @@
+"""Where a compiled model's inference goes, stock against dwconv.convert, on the GPU: torch.compile
+(default mode), bfloat16 autocast, channels_last, batch 64; the profiler's operators and kernels
+over 5 calls after warm-up, by GPU time and by calls.
+
+    python benchmarks/compiled_profile.py --model mobilenet_v2 [--train]
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import torch  # noqa: E402
+
+import dwconv  # noqa: E402
+from dwconv.bench_models import build_model, inference, training_step  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="mobilenet_v2")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--train", action="store_true")
+    p.add_argument("--rows", type=int, default=18)
+    args = p.parse_args()
+    torch.backends.cudnn.benchmark = True
+    stock = build_model(args.model).cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(args.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (args.batch,), device="cuda")
+    for label, model in (("stock", stock), ("dwconv", dwconv.convert(stock, verbose=False))):
+        compiled = torch.compile(model)
+        model.train(args.train)
+        fn = (training_step(compiled, x, y, torch.optim.SGD(model.parameters(), lr=1e-3), torch.bfloat16)
+              if args.train else inference(compiled, x, torch.bfloat16))
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        print(f"\n=== {args.model} {label} {'train' if args.train else 'inference'}: by GPU time")
+        print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
+        print(f"=== {label}: by calls")
+        print(events.table(sort_by="count", row_limit=args.rows, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
