@@ -360,8 +360,8 @@ def test_batch_and_image_sizes_share_kernel_binaries(tmp_path, monkeypatch):
     """The channels_last kernels of a training step (forward, input and weight gradients) take the
     batch and image size as runtime arguments: another batch or image size (divisible by 16 or not)
     compiles nothing new, except the forward tile for an output width that takes another block
-    width. Channel counts are specialised (pixel_strides_as_constants; a count of another
-    divisibility by 16 would be anyway): another count compiles each kernel again. Compiled for
+    width. Channel counts are specialised (the pixel tiles' pixel strides are constants): another
+    count compiles each kernel again. Compiled for
     sm_90 into an empty cache."""
     from dwconv.precompile import LayerCall, compile_calls
 
@@ -385,13 +385,10 @@ def test_batch_and_image_sizes_share_kernel_binaries(tmp_path, monkeypatch):
     assert new == [kernels, [], [], ["depthwise_fwd_tile_kernel"], kernels, []], new
 
 
-@pytest.mark.parametrize("constant_strides", [True, False])
-def test_channel_counts_share_kernel_binaries_without_constant_pixel_strides(tmp_path, monkeypatch, constant_strides):
-    """pixel_strides_as_constants (tuning): the channels_last pixel tiles compile the pixel stride (the
-    channel count) in, a binary per count; without, layers whose channel counts differ (of the same
-    divisibility by 16 and channel block) launch the same binaries, and a warmup compiles them once.
-    The summing pass of the weight gradient is shared either way. Compiled for sm_90."""
-    from dwconv import tuning
+def test_channel_counts_compile_tiles_of_their_own_and_share_the_summing_pass(tmp_path, monkeypatch):
+    """The channels_last pixel tiles compile the pixel stride (the channel count) in, a binary per
+    count; the weight gradient's summing pass is one binary for both counts, and a warmup compiles
+    it once. Compiled for sm_90."""
     from dwconv.precompile import LayerCall, compile_calls
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
@@ -401,10 +398,9 @@ def test_channel_counts_share_kernel_binaries_without_constant_pixel_strides(tmp
         weight = torch.empty(c, 1, 3, 3, device="meta", dtype=torch.bfloat16)
         return LayerCall.of(x, weight, None, (1, 1, 1), (True, True, False))
 
-    with tuning.override(pixel_strides_as_constants=constant_strides):
-        report = compile_calls([call(32), call(48)], 90, workers=2, verbose=False)
+    report = compile_calls([call(32), call(48)], 90, workers=2, verbose=False)
     assert report.errors == []
-    assert (report.launches, report.launches_shared) == ((5, 1) if constant_strides else (3, 3)), report
+    assert (report.launches, report.launches_shared) == (5, 1), report
     assert report.launches == len(_kernel_binaries(tmp_path))
 
 

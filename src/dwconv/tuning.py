@@ -47,9 +47,6 @@ class Tuning:
     # training step, its first training step on a fresh machine 49.8 -> 25.3 s)
     interior_branch_max_taps: int = 9
     whole_tile_rows: int = 2
-    # the channels_last pixel tiles' pixel strides (the channel count) compiled in as constants: immediate load
-    # offsets, and a kernel binary per channel count. Under evaluation (docs/decisions.md, "Cold start")
-    pixel_strides_as_constants: bool = True
     nhwc_taps_major_min_bytes: int = 64 << 20  # channels_last inputs this large read a taps-major weight copy
     nchw_pixels_run_tiles: int = 16  # row tiles a fused NCHW backward program walks
     min_pixel_grad_programs: int = 768  # channels_last backward: at least this many programs

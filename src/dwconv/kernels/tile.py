@@ -308,8 +308,8 @@ def depthwise_fwd_tile_kernel(
     PIXELS (channels_last, "nhwc_pixels"): the strip's columns unrolled (_conv_pixels), with the
     column stride and dilation PIXEL_STRIDE_W / PIXEL_DILATION_W and the pixel strides of x and y
     PIXEL_X_STRIDE_W / PIXEL_Y_STRIDE_W known to the compiler (pixel addresses become immediate
-    offsets from a row's), or 0: x_stride_w and y_stride_w at run time (one binary for every channel
-    count; pixel_strides_as_constants).
+    offsets from a row's: a binary per channel count; taken at run time they cost 4-19% of GPU
+    time, docs/decisions.md, "Cold start").
     INTERIOR_TILES: whether any tile can be interior (ConvGeometry.has_interior_tile); if not, only
     the masked branch is compiled (Triton's coalescing pass takes time superlinear in the code: a
     7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine)."""
@@ -343,8 +343,7 @@ def depthwise_fwd_tile_kernel(
     else:
         interior = False
     if PIXELS:
-        if PIXEL_X_STRIDE_W:
-            x_stride_w, y_stride_w = PIXEL_X_STRIDE_W, PIXEL_Y_STRIDE_W
+        x_stride_w, y_stride_w = PIXEL_X_STRIDE_W, PIXEL_Y_STRIDE_W
         program_weights = ()
         if KH * KW > BRANCH_WEIGHT_TAPS:
             program_weights = _tap_weights(w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True)
@@ -494,9 +493,8 @@ def depthwise_grad_nhwc_pixels_kernel(
     consecutive (all columns of the same rows at once, measured faster on kb84: whole rows of
     the image read together, each tile's halo columns shared with its neighbours through L2).
     INTERIOR_TILES: as the forward's (depthwise_fwd_tile_kernel): without, only the masked branch.
-    SRC_STRIDE_W, Q_STRIDE_W, DX_STRIDE_W: the pixel strides as constants, or 0: the runtime ones."""
-    if SRC_STRIDE_W:
-        src_stride_w, q_stride_w, dx_stride_w = SRC_STRIDE_W, Q_STRIDE_W, DX_STRIDE_W
+    SRC_STRIDE_W, Q_STRIDE_W, DX_STRIDE_W: the pixel strides as constants (as the forward's)."""
+    src_stride_w, q_stride_w, dx_stride_w = SRC_STRIDE_W, Q_STRIDE_W, DX_STRIDE_W
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
     columns = tl.cdiv(channels, BLOCK_C) * tiles_w
@@ -648,8 +646,7 @@ def depthwise_grad_nhwc_rows_kernel(
     column, image, segment), in the weight's tap order. Programs of the same rows are consecutive
     (neighbouring strips share their halo columns through L2). SRC_STRIDE_W, Q_STRIDE_W,
     DX_STRIDE_W: as depthwise_grad_nhwc_pixels_kernel's."""
-    if SRC_STRIDE_W:
-        src_stride_w, q_stride_w, dx_stride_w = SRC_STRIDE_W, Q_STRIDE_W, DX_STRIDE_W
+    src_stride_w, q_stride_w, dx_stride_w = SRC_STRIDE_W, Q_STRIDE_W, DX_STRIDE_W
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
     columns = tl.cdiv(channels, BLOCK_C) * tiles_w
@@ -756,13 +753,6 @@ def nhwc_pixels_blocks(geom: ConvGeometry, x: torch.Tensor, whole_tiles: bool = 
     return ForwardConfig("nhwc_pixels", block_h, block_w, max(1, block_c // 64), block_c=block_c)
 
 
-def constant_pixel_strides(*strides: int) -> Tuple[int, ...]:
-    """The pixel strides the channels_last pixel tiles compile in as constants (immediate load and
-    store offsets; a binary per channel count), or zeros: read at run time, one binary for every
-    channel count (tuning's pixel_strides_as_constants)."""
-    return strides if tuned().pixel_strides_as_constants else (0,) * len(strides)
-
-
 def bf16_pairs_apply(x: torch.Tensor, geom: ConvGeometry, block_c: int, num_warps: int) -> bool:
     """Whether "nhwc_pixels" loads bfloat16 channel pairs as 32-bit words: where a thread holds one
     pair (other spreads cost shuffles), every pair starts on 4 bytes (even channel counts and
@@ -812,7 +802,7 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
         DILATION_H=geom.dilation_h, UNROLL=unroll, BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,
         PIXEL_STRIDE_W=geom.stride_w if pixels else 1, PIXEL_DILATION_W=geom.dilation_w if pixels else 1,
         **dict(zip(("PIXEL_X_STRIDE_W", "PIXEL_Y_STRIDE_W"),
-                   constant_pixel_strides(x.stride(3), out.stride(3)) if pixels else (1, 1))),
+                   (x.stride(3), out.stride(3)) if pixels else (1, 1))),
         BF16_PAIRS=pixels and bf16_pairs_apply(x, geom, block_c, config.num_warps),
         INTERIOR_TILES=taps <= tuned().interior_branch_max_taps and geom.has_interior_tile(config.block_h, config.block_w,
                                                                                             block_c),
@@ -940,7 +930,7 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     scalars = (geom.out_channels, geom.batch, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w,
                row_tiles, runs, *_image_row_pixel_strides(src), *_image_row_pixel_strides(q), *dx_strides,
                tile_geom.pad_top, tile_geom.pad_left)
-    src_pixel, q_pixel, dx_pixel = constant_pixel_strides(src.stride(3), q.stride(3), dx_strides[2])
+    src_pixel, q_pixel, dx_pixel = src.stride(3), q.stride(3), dx_strides[2]
     constants = dict(GRAD_INPUT=grad_input, MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w,
                      STRIDE_H=tile_geom.stride_h, STRIDE_W=tile_geom.stride_w, DILATION_H=geom.dilation_h,
                      DILATION_W=geom.dilation_w, BIAS_GRAD=bias_grad, SRC_STRIDE_W=src_pixel, Q_STRIDE_W=q_pixel,
@@ -973,7 +963,7 @@ def _rows_grad_plan(geom: ConvGeometry, tile_geom: ConvGeometry, grad_out: torch
     scalars = (geom.out_channels, geom.batch, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w,
                segments, config.block_h, *_image_row_pixel_strides(grad_out), *_image_row_pixel_strides(x),
                *_image_row_pixel_strides(dx), tile_geom.pad_top, tile_geom.pad_left)
-    src_pixel, q_pixel, dx_pixel = constant_pixel_strides(grad_out.stride(3), x.stride(3), dx.stride(3))
+    src_pixel, q_pixel, dx_pixel = grad_out.stride(3), x.stride(3), dx.stride(3)
     constants = dict(KH=geom.kernel_h, KW=geom.kernel_w, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w,
                      SRC_STRIDE_W=src_pixel, Q_STRIDE_W=q_pixel, DX_STRIDE_W=dx_pixel,
                      INDEX_64=needs_int64(grad_out, x, dx, first_dim=1), ACC_DTYPE=acc_dtype(x.dtype),
