@@ -469,8 +469,7 @@ def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_ro
 def depthwise_grad_nhwc_pixels_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
     channels, batch, src_h, src_w, tile_h, tile_w, row_tiles, runs,
-    src_stride_n, src_stride_h, src_stride_w, q_stride_n, q_stride_h, q_stride_w, dx_stride_n, dx_stride_h,
-    dx_stride_w, pad_top, pad_left,
+    src_stride_n, src_stride_h, q_stride_n, q_stride_h, dx_stride_n, dx_stride_h, pad_top, pad_left,
     GRAD_INPUT: tl.constexpr, MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
     BIAS_GRAD: tl.constexpr, SRC_STRIDE_W: tl.constexpr, Q_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr,
@@ -632,8 +631,7 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
 def depthwise_grad_nhwc_rows_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
     channels, batch, src_h, src_w, tile_h, tile_w, segments, segment_rows,
-    src_stride_n, src_stride_h, src_stride_w, q_stride_n, q_stride_h, q_stride_w, dx_stride_n, dx_stride_h,
-    dx_stride_w, pad_top, pad_left,
+    src_stride_n, src_stride_h, q_stride_n, q_stride_h, dx_stride_n, dx_stride_h, pad_top, pad_left,
     KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
     SRC_STRIDE_W: tl.constexpr, Q_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
@@ -904,8 +902,8 @@ def _pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx
 _GRAD_PLANS = plan_cache()
 
 
-def _image_row_pixel_strides(t: torch.Tensor) -> Tuple[int, int, int]:
-    return t.stride(0), t.stride(2), t.stride(3)
+def _image_row_strides(t: torch.Tensor) -> Tuple[int, int]:
+    return t.stride(0), t.stride(2)
 
 
 def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx: Optional[torch.Tensor],
@@ -926,11 +924,10 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     # the swept tensor (src: grad_out for the fused pass, x for the weight gradient) and the one
     # read at the tiles' positions (q)
     src, q = (grad_out, x) if grad_input else (x, grad_out)
-    dx_strides = _image_row_pixel_strides(dx) if grad_input else (0, 0, 1)
     scalars = (geom.out_channels, geom.batch, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w,
-               row_tiles, runs, *_image_row_pixel_strides(src), *_image_row_pixel_strides(q), *dx_strides,
-               tile_geom.pad_top, tile_geom.pad_left)
-    src_pixel, q_pixel, dx_pixel = src.stride(3), q.stride(3), dx_strides[2]
+               row_tiles, runs, *_image_row_strides(src), *_image_row_strides(q),
+               *(_image_row_strides(dx) if grad_input else (0, 0)), tile_geom.pad_top, tile_geom.pad_left)
+    src_pixel, q_pixel, dx_pixel = src.stride(3), q.stride(3), dx.stride(3) if grad_input else 1
     constants = dict(GRAD_INPUT=grad_input, MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w,
                      STRIDE_H=tile_geom.stride_h, STRIDE_W=tile_geom.stride_w, DILATION_H=geom.dilation_h,
                      DILATION_W=geom.dilation_w, BIAS_GRAD=bias_grad, SRC_STRIDE_W=src_pixel, Q_STRIDE_W=q_pixel,
@@ -961,8 +958,8 @@ def _rows_grad_plan(geom: ConvGeometry, tile_geom: ConvGeometry, grad_out: torch
         "too many outputs x taps to unroll"
     segments = cdiv(tile_geom.out_h, config.block_h)
     scalars = (geom.out_channels, geom.batch, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w,
-               segments, config.block_h, *_image_row_pixel_strides(grad_out), *_image_row_pixel_strides(x),
-               *_image_row_pixel_strides(dx), tile_geom.pad_top, tile_geom.pad_left)
+               segments, config.block_h, *_image_row_strides(grad_out), *_image_row_strides(x),
+               *_image_row_strides(dx), tile_geom.pad_top, tile_geom.pad_left)
     src_pixel, q_pixel, dx_pixel = grad_out.stride(3), x.stride(3), dx.stride(3)
     constants = dict(KH=geom.kernel_h, KW=geom.kernel_w, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w,
                      SRC_STRIDE_W=src_pixel, Q_STRIDE_W=q_pixel, DX_STRIDE_W=dx_pixel,
