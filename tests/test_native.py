@@ -371,3 +371,68 @@ def test_known_calls_under_autocast_leave_subclasses_uncast(monkeypatch):
     casts = [op for op in _StorageLogging.ops if op is torch.ops.aten._to_copy.default]
     assert len(casts) == 1, _StorageLogging.ops
     assert out.dtype == torch.bfloat16
+
+
+def test_registered_ops_served_from_cpp(monkeypatch):
+    """Once the replayer serves the registered ops (torch.compile's graphs call them), a call of tensors
+    and arguments seen before replays its recorded program: the same values as the ops' Python, every
+    op and output kind (a tensor, a list, a pair); bad arguments still raise the checks' own error;
+    forget_layers gives every call back to Python."""
+    from dwconv import replay
+    from dwconv._library import conv_arguments
+
+    device_key = "CUDA" if DEVICE == "cuda" else "CPU"
+    x = randn(2, 3, 7, 9).contiguous(memory_format=torch.channels_last)
+    weight, bias = randn(3, 1, 3, 3), randn(3)
+    args = conv_arguments(conv_geometry(x, weight, bias, 1, 1, 1))
+    ops = torch.ops.dwconv
+    calls = [(ops.conv2d.default, (x, weight, bias)), (ops.conv2d.default, (x, weight, None))]
+    grad_out = randn(2, 3, 7, 9).contiguous(memory_format=torch.channels_last)
+    calls += [(ops.conv2d_grad_input.default, (grad_out, x, weight)),
+              (ops.conv2d_grad_weight.default, (grad_out, x, weight)),
+              (ops.conv2d_grad_input_weight.default, (grad_out, x, weight))]
+
+    def run(op, tensors):
+        extra = (True,) if op is ops.conv2d_grad_weight.default else ()
+        out = op(*tensors, *args, *extra)
+        return [out] if isinstance(out, torch.Tensor) else list(out)
+
+    monkeypatch.setenv("DWCONV_NATIVE", "0")
+    python = [run(op, tensors) for op, tensors in calls]
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", device_key)
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    for turn in range(3):  # (the first call serves the ops, the next calls record, then replays)
+        for (op, tensors), want in zip(calls, python):
+            assert_same(run(op, tensors), want, f"{op} turn {turn}")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", device_key)
+    assert native.extension().served_programs() == len(calls)
+    assert_close(python[0][0], torch.nn.functional.conv2d(x.double(), weight.double(), bias.double(), 1, 1, 1, 3),
+                 torch.float32, "served output")
+    with pytest.raises(ValueError, match="stride"):
+        ops.conv2d.default(x, weight, bias, [0, 1], *args[1:])
+    replay.forget_layers()
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", device_key)
+    monkeypatch.setenv("DWCONV_NATIVE", "0")
+    assert_same(run(*calls[0]), python[0], "Python path again")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", device_key)
+
+
+def test_compiled_graph_calls_served_ops(monkeypatch):
+    """torch.compile's graph of a converted layer, forward and backward, calls the ops the replayer
+    serves: the values and gradients of eager dwconv's."""
+    import copy
+
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    layer = dwconv.DepthwiseConv2d(4, 4, 3, padding=1).to(DEVICE)
+    compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend=backend)
+    x = randn(2, 4, 9, 11).contiguous(memory_format=torch.channels_last)
+    for turn in range(3):
+        results = []
+        for module in (layer, compiled):
+            leaf = x.detach().requires_grad_()
+            out = module(leaf)
+            results.append((out, *torch.autograd.grad(out.square().sum(), (leaf, *module.parameters()))))
+        for name, got, want in zip(("output", "grad_input", "grad_weight", "grad_bias"), results[1], results[0]):
+            assert_close(got, want.double(), torch.float32, f"compiled {name}, turn {turn}")
+    assert native.extension().served_programs() >= 2  # (the forward and a backward op)

@@ -64,12 +64,23 @@ def _like(t: Tensor, shape=None) -> Tensor:
 _TRITON_OPS = tuned().triton_ops and not triton_interpreter_enabled()
 
 
+_IMPLEMENTATIONS: dict = {}  # op name -> the function it was registered from
+
+
 def _op(name: str):
     def register(fn):
+        _IMPLEMENTATIONS[name.partition("::")[2]] = fn
         if _TRITON_OPS:
             return torch.library.triton_op(name, mutates_args=())(fn)
         return torch.library.custom_op(name, mutates_args=())(fn)
     return register
+
+
+def _served_from_cpp(t: Tensor) -> None:
+    """Once the C++ replayer is built (replay.enabled), later calls of the ops on t's device type run
+    there (replay.serve_ops): a compiled graph's call then costs no Python. This call runs here."""
+    if not _TRITON_OPS and not replay.serving_ops("dwconv", t.device.type) and replay.enabled(t):
+        replay.serve_ops("dwconv", _IMPLEMENTATIONS, t.device.type)
 
 
 def _fake(op):
@@ -85,6 +96,7 @@ def _fake(op):
 def conv2d(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
            dilation: List[int]) -> Tensor:
     """The depthwise convolution (groups = input channels); output in the input's memory format."""
+    _served_from_cpp(input)
     return conv_forward(plain(input), plain(weight), plain(bias),
                         _geometry(input, weight, bias, stride, padding, dilation))
 
@@ -102,6 +114,7 @@ def _grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeome
 def conv2d_grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, stride: List[int], padding: List[int],
                       dilation: List[int]) -> Tensor:
     """grad of the input (input gives its shape, dtype and memory format)."""
+    _served_from_cpp(input)
     return _grad_input(plain(grad_out), input, plain(weight), _geometry(input, weight, None, stride, padding, dilation))
 
 
@@ -119,6 +132,7 @@ def _grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeom
 def conv2d_grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, stride: List[int], padding: List[int],
                        dilation: List[int], bias_grad: bool) -> List[Tensor]:
     """[grad_weight] or, with bias_grad, [grad_weight, grad_bias], from one pass over grad_out and input."""
+    _served_from_cpp(input)
     geom = _geometry(input, weight, None, stride, padding, dilation)
     return _grad_weight(plain(grad_out), plain(input), weight, geom, bias_grad)
 
@@ -139,6 +153,7 @@ def conv2d_grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, st
     """grad_input and grad_weight from one read of grad_out and input where
     `dispatch.fused_backward_applies` (stride 1, multiplier 1, ...), else from the two kernels:
     the op takes any geometry (the backward formula asks before it calls)."""
+    _served_from_cpp(input)
     geom = _geometry(input, weight, None, stride, padding, dilation)
     grad_out, input, weight = plain(grad_out), plain(input), plain(weight)
     if not _dispatch.fused_backward_applies(geom, input):

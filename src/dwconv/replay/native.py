@@ -498,6 +498,7 @@ def forget_layers() -> None:
         _KNOWN.clear()
         for number in numbers:
             extension().release_layer(number)
+    _stop_serving_ops()
 
 
 def _register(input, weight, bias, geom, passes) -> int:
@@ -527,3 +528,75 @@ def _register(input, weight, bias, geom, passes) -> int:
 
 
 on_change(forget_layers)
+
+
+# ---- the registered ops from C++ ----------------------------------------------------------------
+
+# torch.compile's graphs call dwconv's registered ops (dwconv._library) once a pass, through the
+# dispatcher: once the replayer is built, their implementation on a device type is the replayer's
+# `served_op`, which replays the program recorded at a call's first sight of its tensors' layouts and
+# arguments, and calls `_served_miss` for any other (docs/decisions.md, "torch.compile").
+_SERVED: dict = {}  # namespace -> {"implementations": name -> the op's Python implementation, "keys": set}
+
+
+def serve_ops(namespace: str, implementations: dict, device_type: str) -> None:
+    """Calls of the ops namespace::name (implementations: name -> its Python implementation, the
+    function the op was registered from) on tensors of device_type ("cuda", "cpu") taken by the
+    replayer from now on, until `forget_layers`. Call only where `enabled` said yes."""
+    served = _SERVED.setdefault(namespace, {"implementations": dict(implementations), "keys": set()})
+    key = device_type.upper()
+    if key in served["keys"]:
+        return
+    with _LAYERS_LOCK:
+        if key not in served["keys"]:
+            extension().serve_ops(namespace, list(implementations), [key], _served_miss,
+                                  tuned().replay_layer_capacity)
+            served["keys"].add(key)
+
+
+def serving_ops(namespace: str, device_type: str) -> bool:
+    return device_type.upper() in _SERVED.get(namespace, {}).get("keys", ())
+
+
+def _served_miss(name: str, args: list, record_it: bool):
+    """An op call the replayer has no program for: (its result, the program recorded for calls like
+    it, or None: such calls keep running here). An error of the call itself (bad arguments) is raised."""
+    namespace, _, op_name = name.partition("::")
+    implementation = _SERVED[namespace]["implementations"][op_name]
+    if not record_it:
+        return implementation(*args), None
+    schema = getattr(getattr(torch.ops, namespace), op_name).default._schema
+    positions = [i for i, argument in enumerate(schema.arguments) if _is_tensor_type(argument.type)]
+
+    def call(*tensors):
+        full = list(args)
+        for position, tensor in zip(positions, tensors):
+            full[position] = tensor
+        return implementation(*full)
+
+    tensors = [args[p] for p in positions]
+    try:
+        result, program = record(call, tensors)
+    except NotRecordable:
+        return implementation(*args), None
+    try:
+        on_cpu = not any(t is not None and t.is_cuda for t in tensors)
+        return result, NativeProgram(program, python_launches=on_cpu).native
+    except NotRecordable:
+        return result, None
+    except Exception as error:  # (the replayer refused a step: as not recordable, said once)
+        warnings.warn(f"dwconv: {name} could not be recorded for the C++ path ({error!r}); such calls keep the "
+                      "Python path", RuntimeWarning)
+        return result, None
+
+
+def _is_tensor_type(t) -> bool:
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    return isinstance(t, torch.TensorType)
+
+
+def _stop_serving_ops() -> None:
+    if any(served["keys"] for served in _SERVED.values()):
+        extension().stop_serving_ops()
+    _SERVED.clear()
