@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import dwconv  # noqa: E402
+from dwconv import replay  # noqa: E402
 from dwconv.bench_models import build_model, inference, training_step  # noqa: E402
 
 
@@ -25,6 +26,7 @@ def main():
     p.add_argument("--rows", type=int, default=18)
     args = p.parse_args()
     torch.backends.cudnn.benchmark = True
+    replay.prepare()
     stock = build_model(args.model).cuda().to(memory_format=torch.channels_last)
     x = torch.randn(args.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device="cuda")

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import tuning
+from . import replay, tuning
 from .convert import convert
 
 
@@ -349,6 +349,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     paths (the GPU's time alone: no drift) come last, one graph alive at a time: each is captured,
     timed over as many steps and released (with its memory pool) before the next capture."""
     torch.backends.cudnn.benchmark = True  # (as conv nets are trained: cuDNN's fastest algorithm for the stock layers)
+    replay.prepare()  # (the steady state: the C++ replayer built, as a run has it within its first minute)
     torch.manual_seed(0)
     stock = build_model(name).cuda()
     converted = convert(stock, verbose=False)
