@@ -377,7 +377,8 @@ def test_registered_ops_served_from_cpp(monkeypatch):
     """Once the replayer serves the registered ops (torch.compile's graphs call them), a call of tensors
     and arguments seen before replays its recorded program: the same values as the ops' Python, every
     op and output kind (a tensor, a list, a pair); bad arguments still raise the checks' own error;
-    forget_layers gives every call back to Python."""
+    a differentiable call keeps the ops' Python autograd kernel; forget_layers gives every call back
+    to Python."""
     from dwconv import replay
     from dwconv._library import conv_arguments
 
@@ -405,13 +406,19 @@ def test_registered_ops_served_from_cpp(monkeypatch):
         for (op, tensors), want in zip(calls, python):
             assert_same(run(op, tensors), want, f"{op} turn {turn}")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", device_key)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", "Autograd" + device_key)
     assert native.extension().served_programs() == len(calls)
+    leaf = x.detach().requires_grad_()
+    out = ops.conv2d.default(leaf, weight, bias, *args)  # (differentiable: the Python autograd kernel's)
+    (grad,) = torch.autograd.grad(out, leaf, grad_out)
+    assert_same([out, grad], python[0] + python[2], "a differentiable call and its gradient")
     assert_close(python[0][0], torch.nn.functional.conv2d(x.double(), weight.double(), bias.double(), 1, 1, 1, 3),
                  torch.float32, "served output")
     with pytest.raises(ValueError, match="stride"):
         ops.conv2d.default(x, weight, bias, [0, 1], *args[1:])
     replay.forget_layers()
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", device_key)
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", "Autograd" + device_key)
     monkeypatch.setenv("DWCONV_NATIVE", "0")
     assert_same(run(*calls[0]), python[0], "Python path again")
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", device_key)

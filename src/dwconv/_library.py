@@ -80,7 +80,19 @@ def _served_from_cpp(t: Tensor) -> None:
     """Once the C++ replayer is built (replay.enabled), later calls of the ops on t's device type run
     there (replay.serve_ops): a compiled graph's call then costs no Python. This call runs here."""
     if not _TRITON_OPS and not replay.serving_ops("dwconv", t.device.type) and replay.enabled(t):
-        replay.serve_ops("dwconv", _IMPLEMENTATIONS, t.device.type)
+        replay.serve_ops("dwconv", _IMPLEMENTATIONS, t.device.type, _autograd_kernels())
+
+
+def _autograd_kernels() -> dict:
+    """Each op's Python autograd kernel, as torch.library registers it (its private maker: where this
+    torch lacks it, the replayer leaves the ops' autograd key alone)."""
+    try:
+        from torch._library.autograd import make_autograd_impl
+    except ImportError:
+        return {}
+    ops = {"conv2d": conv2d, "conv2d_grad_input": conv2d_grad_input, "conv2d_grad_weight": conv2d_grad_weight,
+           "conv2d_grad_input_weight": conv2d_grad_input_weight}
+    return {name: make_autograd_impl(op._opoverload, op) for name, op in ops.items()}
 
 
 def _fake(op):

@@ -539,17 +539,21 @@ on_change(forget_layers)
 _SERVED: dict = {}  # namespace -> {"implementations": name -> the op's Python implementation, "keys": set}
 
 
-def serve_ops(namespace: str, implementations: dict, device_type: str) -> None:
+def serve_ops(namespace: str, implementations: dict, device_type: str, autograd: Optional[dict] = None) -> None:
     """Calls of the ops namespace::name (implementations: name -> its Python implementation, the
     function the op was registered from) on tensors of device_type ("cuda", "cpu") taken by the
-    replayer from now on, until `forget_layers`. Call only where `enabled` said yes."""
-    served = _SERVED.setdefault(namespace, {"implementations": dict(implementations), "keys": set()})
+    replayer from now on, until `forget_layers`. autograd: name -> the op's Python autograd kernel
+    (keyset, *args), which differentiable calls still take; the replayer's takes the others. Call
+    only where `enabled` said yes."""
+    served = _SERVED.setdefault(namespace, {"implementations": dict(implementations), "keys": set(),
+                                            "autograd": dict(autograd or {})})
     key = device_type.upper()
     if key in served["keys"]:
         return
     with _LAYERS_LOCK:
         if key not in served["keys"]:
-            extension().serve_ops(namespace, list(implementations), [key], _served_miss,
+            autograd_kernel = _served_autograd if set(served["autograd"]) == set(implementations) else None
+            extension().serve_ops(namespace, list(implementations), [key], _served_miss, autograd_kernel,
                                   tuned().replay_layer_capacity)
             served["keys"].add(key)
 
@@ -588,6 +592,11 @@ def _served_miss(name: str, args: list, record_it: bool):
         warnings.warn(f"dwconv: {name} could not be recorded for the C++ path ({error!r}); such calls keep the "
                       "Python path", RuntimeWarning)
         return result, None
+
+
+def _served_autograd(name: str, raw_keyset: int, args: list):
+    namespace, _, op_name = name.partition("::")
+    return _SERVED[namespace]["autograd"][op_name](torch._C.DispatchKeySet.from_raw_repr(raw_keyset), *args)
 
 
 def _is_tensor_type(t) -> bool:
