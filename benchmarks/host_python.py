@@ -74,8 +74,18 @@ def pieces() -> list:
              ("  of which the lookup's checks (_known_layer)", False,
               lambda: functional._known_layer(x, half_weight, None, 1, 1, 1))]
     if CUDA:
+        from dwconv import _library
+
         rows.append(("    of which the C++ lookup and call (conv_known)", False,
                      lambda: lookup(x, half_weight, None, spelling)))
+        conv = ([1, 1], [1, 1, 1, 1], [1, 1])  # (a compiled graph's calls: stock's aten op, dwconv's registered op)
+        rows += [("stock: aten.convolution (a compiled graph's call)", False,
+                  lambda: torch.ops.aten.convolution.default(x, half_weight, None, [1, 1], [1, 1], [1, 1], False,
+                                                             [0, 0], channels)),
+                 ("dwconv::conv2d (a compiled graph's call, the replayer's)", False,
+                  lambda: torch.ops.dwconv.conv2d.default(x, half_weight, None, *conv)),
+                 ("  its Python implementation alone", False,
+                  lambda: _library._IMPLEMENTATIONS["conv2d"](x, half_weight, None, *conv))]
     rows += [("the converted layer's call under bfloat16 autocast", True, lambda: layer(x)),
              ("  its forward alone", True, lambda: layer.forward(x)),
              ("depthwise_conv2d under autocast, float32 weight", True,
