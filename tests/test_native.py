@@ -424,22 +424,31 @@ def test_registered_ops_served_from_cpp(monkeypatch):
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", device_key)
 
 
-def test_compiled_graph_calls_served_ops(monkeypatch):
+COMPILE_SETTINGS = {"fullgraph": dict(fullgraph=True), "dynamic batch": dict(fullgraph=True, dynamic=True),
+                    "reduce-overhead": dict(mode="reduce-overhead")}
+
+
+@pytest.mark.parametrize("setting", COMPILE_SETTINGS)
+def test_compiled_graph_calls_served_ops(monkeypatch, setting):
     """torch.compile's graph of a converted layer, forward and backward, calls the ops the replayer
-    serves: the values and gradients of eager dwconv's."""
+    serves: the values and gradients of eager dwconv's, with a static batch, a dynamic one (each
+    batch size its own recorded programs) and under CUDA graphs (GPU only)."""
     import copy
 
+    if setting == "reduce-overhead" and DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
     monkeypatch.setenv("DWCONV_NATIVE", "1")
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"
     layer = dwconv.DepthwiseConv2d(4, 4, 3, padding=1).to(DEVICE)
-    compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend=backend)
-    x = randn(2, 4, 9, 11).contiguous(memory_format=torch.channels_last)
-    for turn in range(3):
+    compiled = torch.compile(copy.deepcopy(layer), backend=backend, **COMPILE_SETTINGS[setting])
+    batches = (2, 3, 2, 5) if setting == "dynamic batch" else (2, 2, 2, 2)
+    for turn, batch in enumerate(batches):
+        x = randn(batch, 4, 9, 11).contiguous(memory_format=torch.channels_last)
         results = []
         for module in (layer, compiled):
             leaf = x.detach().requires_grad_()
             out = module(leaf)
-            results.append((out, *torch.autograd.grad(out.square().sum(), (leaf, *module.parameters()))))
+            results.append((out.clone(), *torch.autograd.grad(out.square().sum(), (leaf, *module.parameters()))))
         for name, got, want in zip(("output", "grad_input", "grad_weight", "grad_bias"), results[1], results[0]):
-            assert_close(got, want.double(), torch.float32, f"compiled {name}, turn {turn}")
-    assert native.extension().served_programs() >= 2  # (the forward and a backward op)
+            assert_close(got, want.double(), torch.float32, f"compiled {name}, turn {turn}, batch {batch}")
+    assert native.extension().served_programs() >= 2 * len(set(batches))  # (a forward and a backward op a batch)
