@@ -30,7 +30,7 @@ for archive in .tcache/triton_cache*.tar.xz; do
 done
 # (result files named in letters, digits, '.', '_' and '-' only: files of other names are not fetched back)
 commit=$(printf %s "${DWCONV_COMMIT:-unknown}" | tr -c 'A-Za-z0-9._-' '-')
-# (a run under tuning changes names them in its files: DWCONV_TUNING=triton_ops=True -> ..._triton_ops-True.csv)
+# (a run under tuning changes names them in its files: DWCONV_TUNING=fast_launch=False -> ..._fast_launch-False.csv)
 [ -n "${DWCONV_TUNING:-}" ] && commit="${commit}_$(printf %s "$DWCONV_TUNING" | tr -c 'A-Za-z0-9._-' '-')"
 xdist=$(python3 -c 'import xdist' 2>/dev/null && printf -- '-n %s' "${WORKERS:-16}")
 tests=(tests); [ -n "${TESTS_FILE:-}" ] && mapfile -t tests <"$TESTS_FILE"

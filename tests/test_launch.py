@@ -134,8 +134,8 @@ def test_fast_launch_on_the_gpu(retune, layout):
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("kernel,stride", [(3, 1), (3, 2), (7, 1), (31, 1)])
 def test_plans_from_fake_tensors_with_a_symbolic_batch(retune, monkeypatch, kernel, stride, channels_last, dtype):
-    """What torch.compile would trace through a triton_op: the GPU's launch plans of a forward and a
-    backward built from fake tensors whose batch is symbolic (dynamic=True), without a data pointer
+    """The GPU's launch plans of a forward and a backward built from fake tensors whose batch is
+    symbolic (as torch.compile's dynamic=True traces shapes), without a data pointer
     (alignment from the storage offset) or a cache (symbolic keys do not hash): every launch's
     constexprs concrete (a kernel binary cannot depend on the batch), the batch only in its grid and
     runtime arguments."""
@@ -184,9 +184,9 @@ def test_plans_from_fake_tensors_with_a_symbolic_batch(retune, monkeypatch, kern
     (3, 1, False, torch.float32, 16),  # (rows of 18: 2 mod 4, aligned odd rows)
     (3, 2, False, torch.float32, 16), (7, 1, True, torch.float32, 16), (31, 1, False, torch.bfloat16, 16)])
 def test_traced_launches_are_the_eager_ones(retune, monkeypatch, kernel, stride, channels_last, dtype, channels):
-    """The launches a trace on fake tensors records (what a triton_op hands Inductor) are the ones the
-    same call makes on real tensors: kernels, grids, runtime arguments and constexprs, forward and
-    backward (the GPU's plans; launches recorded, not run)."""
+    """The launches a trace on fake tensors records are the ones the same call makes on real tensors:
+    kernels, grids, runtime arguments and constexprs, forward and backward (the GPU's plans; launches
+    recorded, not run): a plan reads metadata only, which the replayer's keys rely on."""
     import sys
 
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -3,7 +3,8 @@
 Two doors to the same launchers and the same backward formula:
 - under torch.compile, `torch.ops.dwconv.*` custom ops with fake implementations (shapes, strides,
   dtypes from the geometry alone) and the backward attached by register_autograd: the compiled
-  graph holds one opaque op per pass and no graph break;
+  graph holds one opaque op per pass and no graph break; once the C++ replayer is built it serves
+  the ops' calls (`replay.serve_ops`: a seen call replays its recorded program, no Python);
 - in eager mode, `DepthwiseConv2dFunction`, because a custom op's Python dispatch costs ~50 us a
   call on the host (forward 32 -> 88 us, forward+backward 175 -> 390 us on the CPU machine with the
   kernels stubbed), which small layers cannot afford.
@@ -24,12 +25,10 @@ from torch import Tensor
 
 from . import dispatch as _dispatch
 from . import replay
-from ._env import triton_interpreter_enabled
 from ._geometry import ConvGeometry, conv_geometry
 from .dispatch import conv_forward
 from .kernels._shared import output_memory_format
 from .kernels.layout import nchw_copy
-from .tuning import tuned
 
 
 def _geometry(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
@@ -58,20 +57,15 @@ def _like(t: Tensor, shape=None) -> Tensor:
 
 # ---- the registered ops -------------------------------------------------------------------------
 
-# triton_op (tuned().triton_ops, not under the interpreter): torch.compile traces each op's body on fake
-# tensors into the kernels' launches (kernels/_launch.launch), which Inductor then makes itself; the body
-# is its own fake implementation. custom_op: one opaque call a pass, with the fakes registered below.
-_TRITON_OPS = tuned().triton_ops and not triton_interpreter_enabled()
-
-
+# Custom ops, one opaque call a pass, with the fakes registered below; once the C++ replayer is built it
+# serves them (no Python a call). As torch.library.triton_ops, whose kernels Inductor launched from its
+# own code, compiled MobileNetV2 was no faster (docs/decisions.md, "torch.compile"): not kept.
 _IMPLEMENTATIONS: dict = {}  # op name -> the function it was registered from
 
 
 def _op(name: str):
     def register(fn):
         _IMPLEMENTATIONS[name.partition("::")[2]] = fn
-        if _TRITON_OPS:
-            return torch.library.triton_op(name, mutates_args=())(fn)
         return torch.library.custom_op(name, mutates_args=())(fn)
     return register
 
@@ -79,7 +73,7 @@ def _op(name: str):
 def _served_from_cpp(t: Tensor) -> None:
     """Once the C++ replayer is built (replay.enabled), later calls of the ops on t's device type run
     there (replay.serve_ops): a compiled graph's call then costs no Python. This call runs here."""
-    if not _TRITON_OPS and not replay.serving_ops("dwconv", t.device.type) and replay.enabled(t):
+    if not replay.serving_ops("dwconv", t.device.type) and replay.enabled(t):
         replay.serve_ops("dwconv", _IMPLEMENTATIONS, t.device.type, _autograd_kernels())
 
 
@@ -95,15 +89,6 @@ def _autograd_kernels() -> dict:
     return {name: make_autograd_impl(op._opoverload, op) for name, op in ops.items()}
 
 
-def _fake(op):
-    """Registers the decorated function as op's fake implementation where op is a custom op."""
-    def register(fn):
-        if not _TRITON_OPS:
-            op.register_fake(fn)
-        return fn
-    return register
-
-
 @_op("dwconv::conv2d")
 def conv2d(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
            dilation: List[int]) -> Tensor:
@@ -113,7 +98,7 @@ def conv2d(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[i
                         _geometry(input, weight, bias, stride, padding, dilation))
 
 
-@_fake(conv2d)
+@conv2d.register_fake
 def _(input, weight, bias, stride, padding, dilation):
     return _like(input, _geometry(input, weight, bias, stride, padding, dilation).output_shape)
 
@@ -130,7 +115,7 @@ def conv2d_grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, stride: L
     return _grad_input(plain(grad_out), input, plain(weight), _geometry(input, weight, None, stride, padding, dilation))
 
 
-@_fake(conv2d_grad_input)
+@conv2d_grad_input.register_fake
 def _(grad_out, input, weight, stride, padding, dilation):
     return _like(input)
 
@@ -149,7 +134,7 @@ def conv2d_grad_weight(grad_out: Tensor, input: Tensor, weight: Tensor, stride: 
     return _grad_weight(plain(grad_out), plain(input), weight, geom, bias_grad)
 
 
-@_fake(conv2d_grad_weight)
+@conv2d_grad_weight.register_fake
 def _(grad_out, input, weight, stride, padding, dilation, bias_grad):
     grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     return [grad_weight, weight.new_empty(weight.shape[0])] if bias_grad else [grad_weight]
@@ -173,7 +158,7 @@ def conv2d_grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, st
     return _grad_input_weight(grad_out, input, weight, geom)
 
 
-@_fake(conv2d_grad_input_weight)
+@conv2d_grad_input_weight.register_fake
 def _(grad_out, input, weight, stride, padding, dilation):
     return _like(input), torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 

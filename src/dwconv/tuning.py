@@ -75,11 +75,6 @@ class Tuning:
     # a warmup's compile processes; 0: one a CPU core. Under evaluation: 16 compiles at once on the H200's
     # 16-core host ran each 2-2.5x slower than one alone (docs/decisions.md, "Cold start")
     warmup_workers: int = 0
-    # torch.compile: the ops as torch.library.triton_op, whose kernels Inductor launches from its own code (no
-    # per-call Python), instead of opaque custom ops. Read once, when the ops are registered (set it with
-    # DWCONV_TUNING=triton_ops=True). Under evaluation, not yet run on the GPU; under Triton's interpreter the
-    # ops stay custom ops (wrap_triton cannot trace interpreted kernels: docs/decisions.md, "torch.compile")
-    triton_ops: bool = False
 
 
 def from_text(text: str) -> Dict[str, object]:

@@ -144,17 +144,10 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 def launch(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
-    """Every kernel launch of dwconv goes through here (launch_now), or to this thread's recorder, or,
-    on fake tensors (a triton_op's body traced by torch.compile), to wrap_triton, which records the
-    launch for Inductor to make itself."""
+    """Every kernel launch of dwconv goes through here (launch_now), or to this thread's recorder."""
     active = getattr(RECORDING, "recorder", None)
     if active is not None:
         active.launch(kernel, plan, tensors)
-        return
-    if type(tensors[0]) is not torch.Tensor and _is_fake(tensors[0]):
-        from torch.library import wrap_triton
-
-        wrap_triton(kernel)[plan.grid](*tensors, *plan.scalars, **plan.constants)
         return
     launch_now(kernel, plan, *tensors)
 
