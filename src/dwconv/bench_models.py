@@ -411,9 +411,9 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
             run.train(step == "train step")
             try:
                 with native_setting(native):
-                    replay = graphed(fn)
-                    samples[(path, step)] = time_ms(replay, 2, rounds * max(1, iters // rounds))
-                del replay  # (the graph and its memory pool released before the next capture)
+                    graph_replay = graphed(fn)
+                    samples[(path, step)] = time_ms(graph_replay, 2, rounds * max(1, iters // rounds))
+                del graph_replay  # (the graph and its memory pool released before the next capture)
             except Exception as error:
                 print(f"  {precision:<17} {path} {step}: failed: {type(error).__name__}: {str(error)[:300]}",
                       flush=True)
