@@ -208,6 +208,22 @@ class Program {
     for (int64_t index : tensors) DWCONV_CHECK(index >= 0 && index < n_values_, "launch names value ", index);
   }
 
+#ifdef DWCONV_CUDA_LAUNCH
+  // cuLaunchKernel needs a current context on the calling thread, which a thread that never made a
+  // CUDA runtime call has not (the autograd engine's device thread replaying a backward op recorded
+  // elsewhere failed with CUDA_ERROR_INVALID_CONTEXT on the H200): the device's primary context, as
+  // PyTorch and Triton use, made current there.
+  static void ensure_context(int device_index) {
+    CUcontext context = nullptr;
+    DWCONV_CHECK(cuCtxGetCurrent(&context) == CUDA_SUCCESS, "cuCtxGetCurrent failed");
+    if (context != nullptr) return;
+    CUdevice device;
+    DWCONV_CHECK(cuDeviceGet(&device, device_index) == CUDA_SUCCESS, "cuDeviceGet failed");
+    DWCONV_CHECK(cuDevicePrimaryCtxRetain(&context, device) == CUDA_SUCCESS, "cuDevicePrimaryCtxRetain failed");
+    DWCONV_CHECK(cuCtxSetCurrent(context) == CUDA_SUCCESS, "cuCtxSetCurrent failed");
+  }
+#endif
+
   static void launch(const LaunchStep& step, const std::vector<c10::IValue>& values) {
     if (!step.callback.is_none()) {
       py::gil_scoped_acquire gil;
@@ -219,6 +235,7 @@ class Program {
 #ifdef DWCONV_CUDA_LAUNCH
     const at::Tensor& first = values[step.tensors.at(0)].toTensor();
     c10::cuda::CUDAGuard guard(first.device());
+    ensure_context(first.get_device());
     std::vector<uint64_t> storage(step.kinds.size(), 0);
     std::vector<void*> params(step.kinds.size());
     for (size_t i = 0; i < step.kinds.size(); ++i) {
