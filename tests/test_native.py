@@ -408,6 +408,14 @@ def test_registered_ops_served_from_cpp(monkeypatch):
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", device_key)
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dwconv::conv2d", "Autograd" + device_key)
     assert native.extension().served_programs() == len(calls)
+    import threading  # (a thread that never touched CUDA replays a program recorded on this one)
+
+    got = []
+    thread = threading.Thread(target=lambda: got.append(run(*calls[4])))
+    thread.start()
+    thread.join()
+    assert got and len(got[0]) == 2, "the call from a fresh thread raised"
+    assert_same(got[0], python[4], "a call from a fresh thread")
     leaf = x.detach().requires_grad_()
     out = ops.conv2d.default(leaf, weight, bias, *args)  # (differentiable: the Python autograd kernel's)
     (grad,) = torch.autograd.grad(out, leaf, grad_out)
