@@ -565,8 +565,8 @@ std::optional<at::Tensor> conv_known(const at::Tensor& input_, const at::Tensor&
 // ---- the registered ops (dwconv/_library.py) served from here ------------------------------------
 
 // torch.compile's graphs call dwconv's registered ops once a pass; their Python implementation cost
-// 184 us of host time a MobileNetV2 layer on the H200's host, against cuDNN's 37. On the dispatch keys
-// `serve_ops` names, an op's implementation is `served_op`: a call whose tensors' layouts and other
+// 184 us of host time a MobileNetV2 layer on the H200's host (under the profiler; cuDNN's call 37).
+// On the dispatch keys `serve_ops` names, an op's implementation is `served_op`: a call whose tensors' layouts and other
 // arguments were seen before replays the program recorded for it; any other call goes to Python
 // (`miss`), which runs the op's Python implementation, recorded where it can be.
 struct ServedOps {
@@ -651,7 +651,9 @@ void push_python_result(const c10::FunctionSchema& schema, const py::object& res
     return;
   }
   auto results = result.cast<py::sequence>();
-  for (size_t i = 0; i < returns.size(); ++i) stack->push_back(torch::jit::toIValue(results[i], returns[i].real_type()));
+  for (size_t i = 0; i < returns.size(); ++i) {
+    stack->push_back(torch::jit::toIValue(results[i], returns[i].real_type()));
+  }
 }
 
 void run_in_python(const c10::FunctionSchema& schema, torch::jit::Stack* stack, const std::optional<std::string>& key) {
