@@ -566,9 +566,10 @@ std::optional<at::Tensor> conv_known(const at::Tensor& input_, const at::Tensor&
 
 // torch.compile's graphs call dwconv's registered ops once a pass; their Python implementation cost
 // 184 us of host time a MobileNetV2 layer on the H200's host (under the profiler; cuDNN's call 37).
-// On the dispatch keys `serve_ops` names, an op's implementation is `served_op`: a call whose tensors' layouts and other
-// arguments were seen before replays the program recorded for it; any other call goes to Python
-// (`miss`), which runs the op's Python implementation, recorded where it can be.
+// On the dispatch keys `serve_ops` names, an op's implementation is `served_op`: a call whose
+// tensors' layouts and other arguments were seen before replays the program recorded for it; any
+// other call goes to Python (`miss`), which runs the op's Python implementation, recorded where it
+// can be.
 struct ServedOps {
   std::shared_mutex mutex;
   std::unordered_map<std::string, std::shared_ptr<Program>> programs;  // nullptr: that call runs in Python
