@@ -13,6 +13,9 @@
 #              MODEL_COMPILE no|default|all, MODEL_EAGER yes|no: no for the compiled paths alone)
 #   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
 #              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference)
+#   compiled   where compiled models' steps go, stock against converted (benchmarks/compiled_profile.py,
+#              torch.compile default; MODELS, PROFILE_MODE train|inference), and Inductor's generated code
+#              for both (output_code_MODEL_MODE.txt.xz)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
 #   host       host time per eager call, .ab_old/src against src (benchmarks/host_time.py)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
@@ -58,6 +61,14 @@ for step in "$@"; do
                python3 benchmarks/model_profile.py --model "$model" --precision "${PRECISION:-bf16}" \
                  --batch "${MODEL_BATCH:-64}" --mode "${PROFILE_MODE:-train}" --out "$OUT" 2>&1
              done ;;
+    compiled) for model in ${MODELS:-mobilenet_v2}; do
+                mode=${PROFILE_MODE:-inference}; train=(); [ "$mode" = train ] && train=(--train)
+                TORCH_LOGS=output_code python3 benchmarks/compiled_profile.py --model "$model" \
+                  --batch "${MODEL_BATCH:-64}" ${train[@]+"${train[@]}"} \
+                  >"$OUT/compiled_profile_${model}_${mode}.txt" 2>"$OUT/output_code_${model}_${mode}.txt"
+                xz -f "$OUT/output_code_${model}_${mode}.txt"
+                grep -E "^===|Self CUDA time total" "$OUT/compiled_profile_${model}_${mode}.txt"
+              done ;;
     ab) bash benchmarks/ab_trees.sh ;;
     host) python3 benchmarks/host_time.py .ab_old/src src | tee "$OUT/host_time.txt" ;;
     tuning) python3 benchmarks/ab_tuning.py ${AB_ARGS:-} | tee "$OUT/ab_tuning.txt" ;;

@@ -722,7 +722,6 @@ void served_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
 }
 
 // Serves the ops namespace::names on each dispatch key (as "CUDA", "CPU") from `served_op`, with
-// `miss` for the calls it cannot replay; at most `capacity` programs are kept.
 // `miss` for the calls it cannot replay; at most `capacity` programs are kept. With an `autograd`
 // callable (not None), also the ops' autograd kernel on the matching Autograd key ("AutogradCUDA").
 void serve_ops(const std::string& ns, const std::vector<std::string>& names, const std::vector<std::string>& keys,
