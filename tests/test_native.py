@@ -433,18 +433,19 @@ def test_registered_ops_served_from_cpp(monkeypatch):
 
 
 COMPILE_SETTINGS = {"fullgraph": dict(fullgraph=True), "dynamic batch": dict(fullgraph=True, dynamic=True),
-                    "reduce-overhead": dict(mode="reduce-overhead")}
+                    "reduce-overhead": dict(mode="reduce-overhead"),
+                    "max-autotune-no-cudagraphs": dict(fullgraph=True, mode="max-autotune-no-cudagraphs")}
 
 
 @pytest.mark.parametrize("setting", COMPILE_SETTINGS)
 def test_compiled_graph_calls_served_ops(monkeypatch, setting):
     """torch.compile's graph of a converted layer, forward and backward, calls the ops the replayer
     serves: the values and gradients of eager dwconv's, with a static batch, a dynamic one (each
-    batch size its own recorded programs) and under CUDA graphs (GPU only)."""
+    batch size its own recorded programs), under CUDA graphs and max-autotune (GPU only)."""
     import copy
 
-    if setting == "reduce-overhead" and DEVICE != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
+    if setting.startswith(("reduce-overhead", "max-autotune")) and DEVICE != "cuda":
+        pytest.skip("Inductor's GPU modes (the CPU runs aot_eager)")
     monkeypatch.setenv("DWCONV_NATIVE", "1")
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"
     layer = dwconv.DepthwiseConv2d(4, 4, 3, padding=1).to(DEVICE)
