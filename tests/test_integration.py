@@ -498,6 +498,74 @@ def test_convert_keeps_hooks_and_parametrizations():
         assert_close(q.grad, p.grad.double(), torch.float32, f"gradient of {name}")
 
 
+# ---- exporting: torch.export, torch.jit.trace --------------------------------------------------
+
+def exported_pair():
+    """A stock model with every depthwise form (multiplier 2, 'valid', 'same', dilation, a layer
+    left alone) and its conversion, already called once (so that the C++ path knows its layers)."""
+    torch.manual_seed(0)
+    stock = Mixed().to(DEVICE).eval()
+    converted = dwconv.convert(stock, verbose=False)
+    with torch.no_grad():
+        converted(randn(2, 3, 13, 17))
+    return stock, converted
+
+
+def check_exported(run, stock, what):
+    """run's outputs and input gradients on fresh inputs (not the example's): stock's in float64."""
+    reference = copy.deepcopy(stock).double()
+    for shape in ((2, 3, 13, 17), (2, 3, 13, 17)):
+        x = randn(*shape).requires_grad_()
+        out = run(x)
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        x64 = x.detach().double().requires_grad_()
+        want = reference(x64)
+        (want_grad,) = torch.autograd.grad(want.square().sum(), x64)
+        assert_close(out, want, torch.float32, f"{what} output")
+        assert_close(grad, want_grad, torch.float32, f"{what} input gradient")
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_jit_trace_records_the_registered_op(monkeypatch, native):
+    """torch.jit.trace records operators, not kernel launches: a traced converted model holds one
+    dwconv::conv2d a depthwise layer and computes fresh inputs (not the example's output frozen in,
+    nor an empty tensor), with gradients, before and after a save and load. With the C++ path on,
+    a known layer's call records its replayed aten ops alone unless traced through the op."""
+    import io
+
+    monkeypatch.setenv("DWCONV_NATIVE", native)
+    stock, converted = exported_pair()
+    traced = torch.jit.trace(converted, (randn(2, 3, 13, 17),), check_trace=False)
+    kinds = [node.kind() for node in traced.inlined_graph.nodes()]
+    assert kinds.count("dwconv::conv2d") == converted.dwconv_converted == 3, kinds
+    check_exported(traced, stock, "traced")
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer)
+    buffer.seek(0)
+    check_exported(torch.jit.load(buffer, map_location=DEVICE), stock, "traced, saved and loaded")
+
+
+def test_jit_script_refuses_with_a_clear_error():
+    """torch.jit.script cannot compile the Python forward: it says so at once, naming what works,
+    and leaves the model as it was."""
+    stock, converted = exported_pair()
+    with pytest.raises(RuntimeError, match="torch.jit.script cannot compile dwconv.DepthwiseConv2d"):
+        torch.jit.script(converted)
+    assert sum(isinstance(m, dwconv.DepthwiseConv2d) for m in converted.modules()) == 3
+    x = randn(2, 3, 13, 17)
+    assert_close(converted(x), stock.double()(x.double()), torch.float32, "after the refusal")
+
+
+def test_torch_export_holds_the_registered_op():
+    """torch.export: one dwconv::conv2d a depthwise layer in the exported program, which computes
+    fresh inputs with gradients."""
+    stock, converted = exported_pair()
+    program = torch.export.export(converted, (randn(2, 3, 13, 17),))
+    targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.dwconv.conv2d.default) == 3, targets
+    check_exported(program.module(), stock, "exported")
+
+
 def test_model_bench_helpers():
     """`bench --model`'s building blocks on the tiny model (the timing itself needs a GPU)."""
     from dwconv.bench_models import build_model, compare_gradients, compare_outputs

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import dwconv
 from dwconv.precompile import layer_calls
-from helpers import DEVICE, randn
+from helpers import DEVICE, assert_close, randn
 
 
 class Block(nn.Module):
@@ -322,6 +322,27 @@ def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call
     with pytest.warns(RuntimeWarning, match="ZeroDivisionError"):
         assert torch.equal(model(x[:1]), model(x[:1]))
     assert torch.equal(model(x), expected)
+
+
+def test_first_call_warmup_under_jit_trace(monkeypatch, tmp_path):
+    """torch.jit.trace of a converted model not called before: its first-call warmup runs (the fake
+    run finds every call) and stays out of the trace, whose graph holds the model's own ops alone."""
+    from dwconv import precompile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(precompile, "_WARM_UP_ON", ("cpu", "cuda"))
+    found = []
+    monkeypatch.setattr(precompile, "compile_calls", lambda calls, *args: found.append(calls) or
+                        precompile.WarmupReport(len(calls), 0.0, 1))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model, x = converted().eval(), randn(2, 6, 9, 9)
+    traced = torch.jit.trace(model, (x,), check_trace=False)
+    assert len(found) == 1 and len(found[0]) == 3  # (dw1's two calls one, in inference)
+    kinds = [node.kind() for node in traced.inlined_graph.nodes()]
+    assert kinds.count("dwconv::conv2d") == 4 and kinds.count("aten::batch_norm") == 1, kinds
+    fresh = randn(2, 6, 9, 9)
+    assert_close(traced(fresh), model(fresh).double(), torch.float32, "traced output")
 
 
 def test_first_call_warmup_leaves_each_module_in_its_own_mode(monkeypatch, tmp_path):

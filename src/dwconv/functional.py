@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -35,16 +36,37 @@ def depthwise_conv2d(
     CPU tensors fall back to PyTorch unless TRITON_INTERPRET=1. Differentiable in input, weight
     and bias, to any order (create_graph=True), and in forward mode (torch.autograd.forward_ad).
     Under torch.func transforms, and for tensor subclasses that dispatch in Python, F.conv2d
-    computes it. Under torch.compile it is the custom op torch.ops.dwconv.conv2d (no graph break).
+    computes it. Under torch.compile, torch.export and torch.jit.trace it is the custom op
+    torch.ops.dwconv.conv2d (no graph break; a traced or exported graph holds the op).
     """
     # (seen before: no checks again, and autocast's casts made in C++)
     out = _known_layer(input, weight, bias, stride, padding, dilation)
     if out is None:
         if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
             input, weight, bias = _autocast(input, weight, bias)
-        geom = conv_geometry(input, weight, bias, stride, padding, dilation)
+        geom = _geometry(input, weight, bias, stride, padding, dilation)
         out = _DOORS[_door(input, weight, bias)](input, weight, bias, geom, (stride, padding, dilation))
     return out
+
+
+def _geometry(input, weight, bias, stride, padding, dilation):
+    """conv_geometry; under torch.jit.trace with the trace suspended, where sizes read as tensors:
+    the op's arguments must be ints, and each check would warn that it is traced as a constant."""
+    if torch.compiler.is_compiling() or not torch._C._is_tracing():  # (is_compiling first: Dynamo cannot trace it)
+        return conv_geometry(input, weight, bias, stride, padding, dilation)
+    with trace_suspended():
+        return conv_geometry(input, weight, bias, stride, padding, dilation)
+
+
+@contextlib.contextmanager
+def trace_suspended():
+    """Nothing inside is recorded by a running torch.jit.trace (sizes read as ints again)."""
+    tracing = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(tracing)
 
 
 def _known_layer(input, weight, bias, stride, padding, dilation) -> Optional[torch.Tensor]:
@@ -52,7 +74,7 @@ def _known_layer(input, weight, bias, stride, padding, dilation) -> Optional[tor
     recorded before, or None."""
     # (is_compiling first: Dynamo must not trace into the registry; torch 2.11's cannot trace bool(dict))
     if not torch.compiler.is_compiling() and replay.native.has_known_layers() and isinstance(input, torch.Tensor) \
-            and forward_ad._current_level < 0 and replay.enabled(input):
+            and forward_ad._current_level < 0 and not torch._C._is_tracing() and replay.enabled(input):
         return replay.conv_known(input, weight, bias, stride, padding, dilation)
     return None
 
@@ -60,17 +82,23 @@ def _known_layer(input, weight, bias, stride, padding, dilation) -> Optional[tor
 def _door(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> str:
     """Who computes a checked call: PyTorch for tensors the kernels cannot read (CPU without the
     interpreter, torch.func's wrappers, Python-dispatch subclasses), the registered op under
-    torch.compile (one op in the graph, with its registered backward), else the eager path."""
-    if not uses_triton(input) or (not torch.compiler.is_compiling() and _pytorch_must_run(input, weight, bias)):
+    torch.compile and torch.jit.trace (one op in the graph, with its registered backward; a trace
+    records operators, never the eager path's kernel launches, and would hold only their outputs'
+    allocations), else the eager path."""
+    if not uses_triton(input):
         return "pytorch"
-    return "compiled" if torch.compiler.is_compiling() else "eager"
+    if torch.compiler.is_compiling():
+        return "op"
+    if _pytorch_must_run(input, weight, bias):
+        return "pytorch"
+    return "op" if torch._C._is_tracing() else "eager"
 
 
 def _pytorch(input, weight, bias, geom, arguments):
     return F.conv2d(input, weight, bias, *arguments, groups=geom.in_channels)
 
 
-def _compiled(input, weight, bias, geom, arguments):
+def _registered_op(input, weight, bias, geom, arguments):
     from ._library import conv_arguments
 
     return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
@@ -85,7 +113,7 @@ def _eager(input, weight, bias, geom, arguments):
     return eager_conv(input, weight, bias, geom, arguments)
 
 
-_DOORS = {"pytorch": _pytorch, "compiled": _compiled, "eager": _eager}
+_DOORS = {"pytorch": _pytorch, "op": _registered_op, "eager": _eager}
 
 
 def _pytorch_must_run(*tensors: Optional[torch.Tensor]) -> bool:

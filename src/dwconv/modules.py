@@ -31,6 +31,13 @@ class DepthwiseConv2d(nn.Conv2d):
                          dilation=dilation, groups=in_channels, bias=bias, padding_mode=padding_mode,
                          device=device, dtype=dtype)
 
+    def __prepare_scriptable__(self):
+        # (torch.jit.script asks each submodule first: refused here, before it compiles anything)
+        raise RuntimeError(
+            "torch.jit.script cannot compile dwconv.DepthwiseConv2d (its forward launches Triton kernels "
+            "from Python). torch.jit.trace and torch.export record dwconv's op, torch.ops.dwconv.conv2d; or "
+            "script the stock model: a converted model's state_dict loads into it unchanged")
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.padding_mode != "zeros":
             padded = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)

@@ -270,7 +270,8 @@ def _first_call_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         return None
     seen.add(signature)
     try:
-        warmup(module, *args, example_kwargs=kwargs, train=train)
+        with functional.trace_suspended():  # (under torch.jit.trace: its fake run is no part of the trace)
+            warmup(module, *args, example_kwargs=kwargs, train=train)
     except Exception as e:  # (the kernels then compile at their first use, as without a warmup)
         warnings.warn(f"dwconv.warmup at the model's first call failed ({type(e).__name__}: {e}); the kernels "
                       "compile at their first use", RuntimeWarning, stacklevel=2)
