@@ -545,6 +545,17 @@ def test_jit_trace_records_the_registered_op(monkeypatch, native):
     check_exported(torch.jit.load(buffer, map_location=DEVICE), stock, "traced, saved and loaded")
 
 
+def test_fx_symbolic_trace_records_one_call_a_layer():
+    """torch.fx's symbolic trace (torchvision's feature extraction, FX quantization and rewrites
+    use it) records each depthwise layer as one call of dwconv's function, as F.conv2d's, instead of
+    tracing into its checks (which raised on the proxies): the GraphModule computes fresh inputs."""
+    stock, converted = exported_pair()
+    graph_module = torch.fx.symbolic_trace(converted)
+    targets = [node.target for node in graph_module.graph.nodes if node.op == "call_function"]
+    assert targets.count(dwconv.depthwise_conv2d) == 3, targets
+    check_exported(graph_module, stock, "FX graph module")
+
+
 def test_jit_script_refuses_with_a_clear_error():
     """torch.jit.script cannot compile the Python forward: it says so at once, naming what works,
     and leaves the model as it was."""
