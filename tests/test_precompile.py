@@ -300,7 +300,9 @@ def test_converted_model_warms_up_at_its_first_call_with_each_signature(monkeypa
     assert not dwconv.convert(Block(), verbose=False, precompile=False)._forward_pre_hooks
 
 
-def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call(monkeypatch, tmp_path):
+def warmups_without_compiles(monkeypatch, tmp_path) -> list:
+    """First-call warmups on CPU tensors as on an sm_90 GPU, their compiles replaced by a record of
+    the calls each would compile (returned, one list a warmup)."""
     from dwconv import precompile
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # (no model marker of another run)
@@ -310,6 +312,13 @@ def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call
                         precompile.WarmupReport(len(calls), 0.0, 1))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return found
+
+
+def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call(monkeypatch, tmp_path):
+    from dwconv import precompile
+
+    found = warmups_without_compiles(monkeypatch, tmp_path)
     model = converted()
     x = randn(2, 6, 9, 9)
     expected = model(x)
@@ -327,15 +336,7 @@ def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call
 def test_first_call_warmup_under_jit_trace(monkeypatch, tmp_path):
     """torch.jit.trace of a converted model not called before: its first-call warmup runs (the fake
     run finds every call) and stays out of the trace, whose graph holds the model's own ops alone."""
-    from dwconv import precompile
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(precompile, "_WARM_UP_ON", ("cpu", "cuda"))
-    found = []
-    monkeypatch.setattr(precompile, "compile_calls", lambda calls, *args: found.append(calls) or
-                        precompile.WarmupReport(len(calls), 0.0, 1))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    found = warmups_without_compiles(monkeypatch, tmp_path)
     model, x = converted().eval(), randn(2, 6, 9, 9)
     traced = torch.jit.trace(model, (x,), check_trace=False)
     assert len(found) == 1 and len(found[0]) == 3  # (dw1's two calls one, in inference)
@@ -348,13 +349,7 @@ def test_first_call_warmup_under_jit_trace(monkeypatch, tmp_path):
 def test_first_call_warmup_leaves_each_module_in_its_own_mode(monkeypatch, tmp_path):
     """A model trained with a frozen BatchNorm (the model in training, the BatchNorm in eval) keeps it
     frozen through the warmup at its first call: its running statistics do not move."""
-    from dwconv import precompile
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(precompile, "_WARM_UP_ON", ("cpu", "cuda"))
-    monkeypatch.setattr(precompile, "compile_calls", lambda calls, *args: precompile.WarmupReport(len(calls), 0.0, 1))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    warmups_without_compiles(monkeypatch, tmp_path)
     model = converted()
     model.bn.eval()
     statistics = model.bn.running_mean.clone()
