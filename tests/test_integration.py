@@ -413,7 +413,8 @@ class Mixed(nn.Module):
 def test_convert_replaces_only_depthwise_layers(capsys):
     model = Mixed().to(DEVICE)
     converted = dwconv.convert(model)
-    assert "replaced 3 depthwise Conv2d" in capsys.readouterr().out
+    assert capsys.readouterr().out == ("dwconv.convert: replaced 3 depthwise Conv2d layer(s); 1 depthwise left as is "
+                                       "(padding_mode='reflect'); 2 other Conv2d left as is\n")
     assert converted.dwconv_converted == 3
     kinds = {name: type(m).__name__ for name, m in converted.named_modules() if isinstance(m, nn.Conv2d)}
     assert kinds == {"stem": "Conv2d", "block.0": "DepthwiseConv2d", "block.2": "DepthwiseConv2d",
@@ -421,6 +422,21 @@ def test_convert_replaces_only_depthwise_layers(capsys):
     assert all(type(m) is nn.Conv2d for m in model.modules() if isinstance(m, nn.Conv2d)), "not in place: untouched"
     x = randn(2, 3, 17, 19)
     assert_close(converted(x), model(x).double(), torch.float32, "converted model")
+
+
+def test_convert_says_which_depthwise_layers_it_left(capsys):
+    """Subclasses of nn.Conv2d (timm's Conv2dSame: TF-style padding in its own forward) are left
+    alone, and convert says how many and why."""
+
+    class Conv2dSame(nn.Conv2d):
+        pass
+
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=4), Conv2dSame(4, 4, 3, groups=4), Conv2dSame(4, 8, 3, groups=4))
+    converted = dwconv.convert(model, precompile=False)
+    assert capsys.readouterr().out == ("dwconv.convert: replaced 1 depthwise Conv2d layer(s); 2 depthwise left as is "
+                                       "(Conv2dSame: a subclass of nn.Conv2d, whose forward may differ); 0 other Conv2d "
+                                       "left as is\n")
+    assert [type(m).__name__ for m in converted] == ["DepthwiseConv2d", "Conv2dSame", "Conv2dSame"]
 
 
 def test_convert_keeps_weights_device_dtype_layout_and_mode():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import torch.nn as nn
@@ -16,6 +17,14 @@ def is_convertible(module: nn.Module) -> bool:
     and zero padding: any kernel, stride, padding, dilation, channel multiplier and bias."""
     return (type_before_parametrizations(module) is nn.Conv2d and module.groups == module.in_channels > 1
             and module.out_channels % module.in_channels == 0 and module.padding_mode == "zeros")
+
+
+def _why_left(module: nn.Conv2d) -> str:
+    """Why a depthwise-shaped layer is not convertible, for the user."""
+    cls = type_before_parametrizations(module)
+    if cls is not nn.Conv2d:
+        return f"{cls.__name__}: a subclass of nn.Conv2d, whose forward may differ"
+    return f"padding_mode={module.padding_mode!r}"
 
 
 def _depthwise_class(cls: type) -> type:
@@ -54,8 +63,12 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
     model.dwconv_converted = len(layers)
     if verbose:
-        print(f"dwconv.convert: replaced {len(layers)} depthwise Conv2d layer(s); {convs - len(layers)} other Conv2d "
-              "left as is")
+        left = collections.Counter(_why_left(m) for m in model.modules()
+                                   if isinstance(m, nn.Conv2d) and not isinstance(m, DepthwiseConv2d)
+                                   and m.groups == m.in_channels > 1)
+        why = "".join(f"; {count} depthwise left as is ({reason})" for reason, count in sorted(left.items()))
+        print(f"dwconv.convert: replaced {len(layers)} depthwise Conv2d layer(s){why}; "
+              f"{convs - len(layers) - sum(left.values())} other Conv2d left as is")
     from .precompile import warm_up_on_first_call, warmup
 
     if precompile and layers:
