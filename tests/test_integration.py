@@ -516,6 +516,9 @@ def test_convert_keeps_hooks_and_parametrizations():
 
 # ---- exporting: torch.export, torch.jit.trace --------------------------------------------------
 
+EXPORTED_SHAPE = (2, 3, 9, 11)
+
+
 def exported_pair():
     """A stock model with every depthwise form (multiplier 2, 'valid', 'same', dilation, a layer
     left alone) and its conversion, already called once (so that the C++ path knows its layers)."""
@@ -523,22 +526,20 @@ def exported_pair():
     stock = Mixed().to(DEVICE).eval()
     converted = dwconv.convert(stock, verbose=False)
     with torch.no_grad():
-        converted(randn(2, 3, 13, 17))
+        converted(randn(*EXPORTED_SHAPE))
     return stock, converted
 
 
 def check_exported(run, stock, what):
-    """run's outputs and input gradients on fresh inputs (not the example's): stock's in float64."""
-    reference = copy.deepcopy(stock).double()
-    for shape in ((2, 3, 13, 17), (2, 3, 13, 17)):
-        x = randn(*shape).requires_grad_()
-        out = run(x)
-        (grad,) = torch.autograd.grad(out.square().sum(), x)
-        x64 = x.detach().double().requires_grad_()
-        want = reference(x64)
-        (want_grad,) = torch.autograd.grad(want.square().sum(), x64)
-        assert_close(out, want, torch.float32, f"{what} output")
-        assert_close(grad, want_grad, torch.float32, f"{what} input gradient")
+    """run's output and input gradient on a fresh input (not the example): stock's in float64."""
+    x = randn(*EXPORTED_SHAPE).requires_grad_()
+    out = run(x)
+    (grad,) = torch.autograd.grad(out.square().sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    want = copy.deepcopy(stock).double()(x64)
+    (want_grad,) = torch.autograd.grad(want.square().sum(), x64)
+    assert_close(out, want, torch.float32, f"{what} output")
+    assert_close(grad, want_grad, torch.float32, f"{what} input gradient")
 
 
 @pytest.mark.parametrize("native", ["0", "1"])
@@ -551,7 +552,7 @@ def test_jit_trace_records_the_registered_op(monkeypatch, native):
 
     monkeypatch.setenv("DWCONV_NATIVE", native)
     stock, converted = exported_pair()
-    traced = torch.jit.trace(converted, (randn(2, 3, 13, 17),), check_trace=False)
+    traced = torch.jit.trace(converted, (randn(*EXPORTED_SHAPE),), check_trace=False)
     kinds = [node.kind() for node in traced.inlined_graph.nodes()]
     assert kinds.count("dwconv::conv2d") == converted.dwconv_converted == 3, kinds
     check_exported(traced, stock, "traced")
@@ -579,7 +580,7 @@ def test_jit_script_refuses_with_a_clear_error():
     with pytest.raises(RuntimeError, match="torch.jit.script cannot compile dwconv.DepthwiseConv2d"):
         torch.jit.script(converted)
     assert sum(isinstance(m, dwconv.DepthwiseConv2d) for m in converted.modules()) == 3
-    x = randn(2, 3, 13, 17)
+    x = randn(*EXPORTED_SHAPE)
     assert_close(converted(x), stock.double()(x.double()), torch.float32, "after the refusal")
 
 
@@ -587,7 +588,7 @@ def test_torch_export_holds_the_registered_op():
     """torch.export: one dwconv::conv2d a depthwise layer in the exported program, which computes
     fresh inputs with gradients."""
     stock, converted = exported_pair()
-    program = torch.export.export(converted, (randn(2, 3, 13, 17),))
+    program = torch.export.export(converted, (randn(*EXPORTED_SHAPE),))
     targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
     assert targets.count(torch.ops.dwconv.conv2d.default) == 3, targets
     check_exported(program.module(), stock, "exported")
@@ -597,10 +598,10 @@ def test_aot_inductor_package_calls_the_op(tmp_path):
     """An exported converted model compiled by AOTInductor and loaded back: its generated code calls
     dwconv's op through the dispatcher, with stock's values on fresh inputs."""
     stock, converted = exported_pair()
-    program = torch.export.export(converted, (randn(2, 3, 13, 17),))
+    program = torch.export.export(converted, (randn(*EXPORTED_SHAPE),))
     package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "model.pt2"))
     runner = torch._inductor.aoti_load_package(package)
-    x = randn(2, 3, 13, 17)
+    x = randn(*EXPORTED_SHAPE)
     with torch.no_grad():
         assert_close(runner(x), copy.deepcopy(stock).double()(x.double()), torch.float32, "AOTInductor output")
 
