@@ -5,6 +5,7 @@ entries), the pool's wall time, the sum and the longest of the calls' compile ti
 
     python benchmarks/compile_cost.py --match MobileNetV2 --dtype bfloat16 --layout channels_last --workers 2
     python benchmarks/compile_cost.py --match MobileNetV2 --keys-at 0.857   # what 192 x 192 adds to 224's, and why
+    python benchmarks/compile_cost.py --match MobileNetV2 --keys-at-batch 8  # what batch 8 adds to the suite's 64
 """
 
 import argparse
@@ -39,8 +40,10 @@ def main():
                    help="instead of compiling: the kernel binaries (Triton's specialisation keys) that image sizes "
                         "times SCALE add over --scale's, and for each what differs from the same layer's nearest "
                         "key (a size's divisibility by 16, a block, a branch): what a new image size compiles")
+    p.add_argument("--keys-at-batch", type=int, metavar="BATCH",
+                   help="as --keys-at, for another batch size instead of another image size")
     args = p.parse_args()
-    if args.kernels or args.keys_at:
+    if args.kernels or args.keys_at or args.keys_at_batch:
         os.environ.pop("TRITON_INTERPRET", None)
 
     import torch
@@ -50,12 +53,12 @@ def main():
 
     tuning.override(**tuning.from_text(",".join(args.tune)))
 
-    def layer_calls(scale):
+    def layer_calls(scale, batch=None):
         calls = []
         for case in bench.SUITES[args.suite]:
             if case.dtype != args.dtype or args.match not in case.label:
                 continue
-            n = args.batch or case.n
+            n = batch or args.batch or case.n
             shape = (n, case.c, max(1, round(case.h * scale)), max(1, round(case.w * scale)))
             fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
             grads = (False, False, False) if args.inference else (True, True, case.bias)
@@ -63,8 +66,10 @@ def main():
                                                    (case.stride, case.padding, case.dilation), grads)))
         return calls
 
-    if args.keys_at:
-        compare_keys(layer_calls(args.scale), layer_calls(args.keys_at), args.arch, args.keys_at)
+    if args.keys_at or args.keys_at_batch:
+        after, what = ((layer_calls(args.keys_at), f"image sizes x {args.keys_at}") if args.keys_at else
+                       (layer_calls(args.scale, args.keys_at_batch), f"batch {args.keys_at_batch}"))
+        compare_keys(layer_calls(args.scale), after, args.arch, what)
         return
     calls = [call for _, call in layer_calls(args.scale)]
     if args.kernels:
@@ -137,11 +142,11 @@ def launch_keys(labelled_calls, arch):
     return keys
 
 
-def compare_keys(before_calls, after_calls, arch, scale):
+def compare_keys(before_calls, after_calls, arch, what):
     before, after = launch_keys(before_calls, arch), launch_keys(after_calls, arch)
     known = {(name, spec) for _, _, name, spec in before}
     new = [(label, pass_, name, spec) for label, pass_, name, spec in after if (name, spec) not in known]
-    print(f"{len(known)} kernel binaries; image sizes x {scale} add {len({(n, s) for _, _, n, s in new})}:")
+    print(f"{len(known)} kernel binaries; {what} adds {len({(n, s) for _, _, n, s in new})}:")
     for label, pass_, name, spec in new:
         same_layer = [s for l, p, n, s in before if (l, p, n) == (label, pass_, name)]
         nearest = min(same_layer or [s for n, s in known if n == name] or [spec],

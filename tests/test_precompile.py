@@ -401,6 +401,45 @@ def test_batch_and_image_sizes_share_kernel_binaries(tmp_path, monkeypatch):
     assert new == [kernels, [], [], ["depthwise_fwd_tile_kernel"], kernels, []], new
 
 
+def test_nchw_batch_sizes_share_kernel_binaries(tmp_path, monkeypatch):
+    """The NCHW kernels whose counts follow the batch (large_fma's rows and splits, the weight
+    gradient's) take them at run time: batch sizes divisible by 16, odd, or 1 (splits of 1) share
+    every binary. float32 training steps of a 3x3 on a narrow plane, a stride-2 3x3 on a wide one
+    and a 5x5, compiled for sm_90."""
+    from dwconv.precompile import LayerCall, compile_calls
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
+    def call(n, kernel, size, stride=1):
+        x = torch.empty(n, 8, size, size, device="meta")
+        return LayerCall.of(x, torch.empty(8, 1, kernel, kernel, device="meta"), None, (stride, kernel // 2, 1),
+                            (True, True, False))
+
+    new = []
+    for batch in (16, 3, 1, 64):
+        before = _kernel_binaries(tmp_path)
+        shutil.rmtree(tmp_path / "dwconv-warmup", ignore_errors=True)  # (markers would skip the batch-only change)
+        calls = [call(batch, 3, 14), call(batch, 3, 40, stride=2), call(batch, 5, 14)]
+        assert compile_calls(calls, 90, workers=2, verbose=False).errors == []
+        new.append(sorted(name for entry, name in _kernel_binaries(tmp_path).items() if entry not in before))
+    assert "depthwise_grad_weight_kernel" in new[0] and "depthwise_fwd_large_fma_kernel" in new[0], new
+    assert new[1:] == [[], [], []], new
+
+
+def test_batch_free_markers_follow_the_plans_batch_dependent_choice(retune):
+    """Markers shared by every batch size are honest: the one plan choice that follows the batch
+    (a taps-major weight copy for large channels_last inputs) splits them."""
+    from dwconv.precompile import LayerCall
+
+    retune(nhwc_taps_major_min_bytes=2 * 16 * 9 * 11 * 2)
+
+    def call(n):
+        x = torch.empty(n, 16, 9, 11, device="meta", dtype=torch.bfloat16, memory_format=torch.channels_last)
+        return LayerCall.of(x, torch.empty(16, 1, 3, 3, device="meta", dtype=torch.bfloat16), None, (1, 1, 1))
+
+    assert call(1).without_batch() == call(1).without_batch() != call(2).without_batch() == call(5).without_batch()
+
+
 def test_channel_counts_compile_tiles_of_their_own_and_share_the_summing_pass(tmp_path, monkeypatch):
     """The channels_last pixel tiles compile the pixel stride (the channel count) in, a binary per
     count; the weight gradient's summing pass is one binary for both counts, and a warmup compiles

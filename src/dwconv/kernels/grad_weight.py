@@ -19,7 +19,7 @@ from ._shared import _load_row_window, _row_under_tap, acc_dtype, needs_int64, p
 from .weight_sums import sum_partials
 
 
-@triton.jit(do_not_specialize=["pad_left"])
+@triton.jit(do_not_specialize=["pad_left", "total_rows", "splits"])  # (the last two follow the batch)
 def depthwise_grad_weight_kernel(
     g_ptr, x_ptr, partial_ptr,
     out_channels, in_h, in_w, out_h, out_w, total_rows, splits,

@@ -55,7 +55,9 @@ def _load_window(x_row, group_cols, lanes, row_ok, in_w, WINDOW_OFF: tl.constexp
     return window
 
 
-@triton.jit
+# (the counts of rows, which follow the batch, bound masks and loops only: not specialised, so that
+# another batch size compiles nothing; docs/decisions.md, "Cold start")
+@triton.jit(do_not_specialize=["total_rows"])
 def depthwise_fwd_large_fma_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     out_channels, in_h, in_w, out_h, out_w, total_rows,
@@ -126,7 +128,7 @@ def depthwise_fwd_large_fma_kernel(
         tl.store(y_rows + cols, value.to(y_ptr.dtype.element_ty), mask=live & (cols < out_w))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_rows", "rows_per_split", "splits"])
 def depthwise_grad_weight_large_fma_kernel(
     g_ptr, x_ptr, partial_ptr,
     out_channels, in_h, in_w, out_h, out_w, total_rows, rows_per_split, splits,
