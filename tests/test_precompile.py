@@ -426,18 +426,20 @@ def test_nchw_batch_sizes_share_kernel_binaries(tmp_path, monkeypatch):
     assert new[1:] == [[], [], []], new
 
 
-def test_batch_free_markers_follow_the_plans_batch_dependent_choice(retune):
-    """Markers shared by every batch size are honest: the one plan choice that follows the batch
-    (a taps-major weight copy for large channels_last inputs) splits them."""
+def test_batch_free_markers_follow_the_plans_batch_dependent_choices(retune):
+    """Markers shared by batch sizes are honest: what the kernel binaries follow of the batch splits
+    them (the channels_last tiles' size thresholds; the Toeplitz products' batch itself)."""
     from dwconv.precompile import LayerCall
 
     retune(nhwc_taps_major_min_bytes=2 * 16 * 9 * 11 * 2)
 
-    def call(n):
+    def call(n, kernel=3):
         x = torch.empty(n, 16, 9, 11, device="meta", dtype=torch.bfloat16, memory_format=torch.channels_last)
-        return LayerCall.of(x, torch.empty(16, 1, 3, 3, device="meta", dtype=torch.bfloat16), None, (1, 1, 1))
+        weight = torch.empty(16, 1, kernel, kernel, device="meta", dtype=torch.bfloat16)
+        return LayerCall.of(x, weight, None, (1, kernel // 2, 1)).without_batch()
 
-    assert call(1).without_batch() == call(1).without_batch() != call(2).without_batch() == call(5).without_batch()
+    assert call(1) == call(1) != call(2) == call(5)
+    assert call(2, 13) != call(5, 13) and call(128, 13) != call(300, 13)
 
 
 def test_channel_counts_compile_tiles_of_their_own_and_share_the_summing_pass(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ traces with get the same answers), and is computed once per layout: launch plans
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -292,6 +293,21 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
     return dx, grad_w
 
 
-__all__ = ["ForwardConfig", "GradWeightConfig", "conv_forward", "conv_grad_input", "conv_grad_input_and_weight",
-           "conv_grad_weight", "forward_config", "fused_backward_applies", "gradients_read_grad_out_as_nchw",
-           "launch_forward"]
+# ---- what the batch size decides (a warmup's markers shared by batch sizes) ----------------------
+
+def batch_choices(input_shape: tuple, dtype: torch.dtype, weight_shape: tuple) -> tuple:
+    """What a layer's kernel binaries follow of the batch size, for layers of these shapes: the
+    channels_last tiles' size thresholds, and for the Toeplitz products the batch itself (their
+    small-batch blocks, and counts whose divisibility their loops' masks rest on). Every other count
+    that follows the batch is a runtime argument Triton does not specialise."""
+    t = tuned()
+    size = math.prod(input_shape) * dtype.itemsize
+    choices = (size >= t.nhwc_taps_major_min_bytes, size < t.small_fused_bytes, size <= t.short_pixel_tile_max_bytes)
+    if weight_shape[2] * weight_shape[3] >= t.toeplitz_min_taps and dtype != torch.float64:
+        choices += (input_shape[0],)
+    return choices
+
+
+__all__ = ["ForwardConfig", "GradWeightConfig", "batch_choices", "conv_forward", "conv_grad_input",
+           "conv_grad_input_and_weight", "conv_grad_weight", "forward_config", "fused_backward_applies",
+           "gradients_read_grad_out_as_nchw", "launch_forward"]

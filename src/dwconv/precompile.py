@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import os
 import queue
 import subprocess
@@ -53,14 +52,14 @@ class LayerCall:
                    tuple(_plain(a) for a in arguments))
 
     def without_batch(self) -> "LayerCall":
-        """The call as every batch size shares its kernels: the input's batch size (and its stride)
-        replaced by what the launch plans choose by it, whether the input is as large as makes
-        the channels_last tiles read a taps-major weight copy (kernels.tile.weight_taps_major);
-        every other batch-dependent count is a runtime argument Triton does not specialise."""
-        (shape, strides, dtype), *rest = self.tensors
-        size = math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        batch = "any, large input" if size >= tuning.tuned().nhwc_taps_major_min_bytes else "any"
-        return LayerCall((((batch, *shape[1:]), (0, *strides[1:]), dtype), *rest), self.grads, self.arguments)
+        """The call as the batch sizes that share its kernel binaries see it: the input's batch size
+        (and its stride) replaced by what the launch plans choose by it (dispatch.batch_choices)."""
+        from .dispatch import batch_choices
+
+        (shape, strides, dtype), (weight_shape, *_), *_ = self.tensors
+        batch = ("any batch", *batch_choices(shape, getattr(torch, dtype), weight_shape))
+        return LayerCall(((((batch, *shape[1:]), (0, *strides[1:]), dtype)), *self.tensors[1:]), self.grads,
+                         self.arguments)
 
     def passes(self) -> List[str]:
         return ["backward", "forward"] if any(self.grads) else ["forward"]
