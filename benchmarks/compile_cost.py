@@ -67,8 +67,8 @@ def main():
         return calls
 
     if args.keys_at or args.keys_at_batch:
-        after, what = ((layer_calls(args.keys_at), f"image sizes x {args.keys_at}") if args.keys_at else
-                       (layer_calls(args.scale, args.keys_at_batch), f"batch {args.keys_at_batch}"))
+        after, what = ((layer_calls(args.keys_at), f"image sizes x {args.keys_at} add") if args.keys_at else
+                       (layer_calls(args.scale, args.keys_at_batch), f"batch {args.keys_at_batch} adds"))
         compare_keys(layer_calls(args.scale), after, args.arch, what)
         return
     calls = [call for _, call in layer_calls(args.scale)]
@@ -146,7 +146,7 @@ def compare_keys(before_calls, after_calls, arch, what):
     before, after = launch_keys(before_calls, arch), launch_keys(after_calls, arch)
     known = {(name, spec) for _, _, name, spec in before}
     new = [(label, pass_, name, spec) for label, pass_, name, spec in after if (name, spec) not in known]
-    print(f"{len(known)} kernel binaries; {what} adds {len({(n, s) for _, _, n, s in new})}:")
+    print(f"{len(known)} kernel binaries; {what} {len({(n, s) for _, _, n, s in new})}:")
     for label, pass_, name, spec in new:
         same_layer = [s for l, p, n, s in before if (l, p, n) == (label, pass_, name)]
         nearest = min(same_layer or [s for n, s in known if n == name] or [spec],

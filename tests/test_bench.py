@@ -195,3 +195,19 @@ def test_compile_cost_keys_at_another_image_size():
     counted = re.search(r"(\d+) kernel binaries; image sizes x 0.857 add (\d+):", done.stdout)
     assert counted and 0 < int(counted[2]) <= int(counted[1]), done.stdout
     assert "BLOCK_W ('constexpr', 7) -> ('constexpr', 4)" in done.stdout, done.stdout
+
+
+def test_compile_cost_keys_at_another_batch_size():
+    """benchmarks/compile_cost.py --keys-at-batch: MobileNetV2's bfloat16 channels_last binaries at
+    batch 8 instead of 64 add one, the largest layer's forward tile reading the weight as given
+    (not the taps-major copy of inputs of 64 MB and up); nothing else follows the batch."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_cost.py"), "--match",
+                           "MobileNetV2", "--keys-at-batch", "8"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "kernel binaries; batch 8 adds 1:" in done.stdout, done.stdout
+    assert "64x96x112x112 k3 s2 p1 d1 bfloat16 forward depthwise_fwd_tile_kernel: w_stride_c" in done.stdout, done.stdout
