@@ -572,6 +572,20 @@ def test_fx_symbolic_trace_records_one_call_a_layer():
     assert targets.count(dwconv.depthwise_conv2d) == 3, targets
     check_exported(graph_module, stock, "FX graph module")
 
+    class Direct(nn.Module):  # (a user's module calling the function itself)
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(randn(3, 1, 3, 3))
+
+        def forward(self, x):
+            return dwconv.depthwise_conv2d(x, self.weight, None, 1, 1, 1).relu()
+
+    direct = Direct()
+    graph_module = torch.fx.symbolic_trace(direct)
+    assert [n.target for n in graph_module.graph.nodes if n.op == "call_function"] == [dwconv.depthwise_conv2d]
+    x = randn(*EXPORTED_SHAPE)
+    assert_close(graph_module(x), direct(x).double(), torch.float32, "FX graph of a direct call")
+
 
 def test_jit_script_refuses_with_a_clear_error():
     """torch.jit.script cannot compile the Python forward: it says so at once, naming what works,

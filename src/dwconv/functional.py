@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
+from torch.fx import Proxy
 
 from . import replay
 from ._env import triton_interpreter_enabled
@@ -39,6 +40,9 @@ def depthwise_conv2d(
     computes it. Under torch.compile, torch.export and torch.jit.trace it is the custom op
     torch.ops.dwconv.conv2d (no graph break; a traced or exported graph holds the op).
     """
+    if isinstance(input, Proxy):  # (torch.fx's symbolic trace: one node, as F.conv2d's, not its checks)
+        return input.tracer.create_proxy("call_function", depthwise_conv2d,
+                                         (input, weight, bias, stride, padding, dilation), {})
     # (seen before: no checks again, and autocast's casts made in C++)
     out = _known_layer(input, weight, bias, stride, padding, dilation)
     if out is None:

@@ -10,10 +10,6 @@ import torch.nn.functional as F
 
 from .functional import depthwise_conv2d
 
-# torch.fx's symbolic trace records the call as one node (as F.conv2d's) instead of tracing into
-# its checks, which read the proxies' values
-torch.fx.wrap("depthwise_conv2d")
-
 
 class DepthwiseConv2d(nn.Conv2d):
     """nn.Conv2d with groups == in_channels, computed by dwconv.
