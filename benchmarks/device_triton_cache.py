@@ -16,6 +16,17 @@ then finds the kernels: `gpu_check.sh` prints "Triton cache: N new entries" afte
 
     PYTHONPATH=.triton36:src python benchmarks/device_triton_cache.py --suite models --dtype bfloat16 --out /tmp/kbuild
     python benchmarks/device_triton_cache.py --out /tmp/kbuild --pack .tcache/triton_cache.tar.xz
+
+The whole-model runs' cache (about 8 minutes on 2 cores): the models suite in bfloat16 channels_last
+and float32 nchw, ConvNeXt-T's 7x7 layers at batch 64, and the large-kernel net's (ConvNeXt-T with
+kernels 31, 29, 27, 13) in bfloat16 channels_last and float32 nchw:
+
+    --suite models --dtype bfloat16 --layouts channels_last
+    --suite models --dtype float32 --layouts nchw
+    --layer 64 96 56 56 7 3 --layer 64 192 28 28 7 3 --layer 64 384 14 14 7 3 --layer 64 768 7 7 7 3
+        --dtype bfloat16 --layouts channels_last
+    --layer 64 96 56 56 31 15 --layer 64 192 28 28 29 14 --layer 64 384 14 14 27 13 --layer 64 768 7 7 13 6
+        --dtype bfloat16 --layouts channels_last   (and --dtype float32 --layouts nchw)
 """
 
 import argparse
