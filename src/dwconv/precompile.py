@@ -58,7 +58,7 @@ class LayerCall:
 
         (shape, strides, dtype), (weight_shape, *_), *_ = self.tensors
         batch = ("any batch", *batch_choices(shape, getattr(torch, dtype), weight_shape))
-        return LayerCall(((((batch, *shape[1:]), (0, *strides[1:]), dtype)), *self.tensors[1:]), self.grads,
+        return LayerCall((((batch, *shape[1:]), (0, *strides[1:]), dtype), *self.tensors[1:]), self.grads,
                          self.arguments)
 
     def passes(self) -> List[str]:
