@@ -376,17 +376,17 @@ def test_batch_and_image_sizes_share_kernel_binaries(tmp_path, monkeypatch):
     """The channels_last kernels of a training step (forward, input and weight gradients) take the
     batch and image size as runtime arguments: another batch or image size (divisible by 16 or not)
     compiles nothing new, except the forward tile for an output width that takes another block
-    width. Channel counts are specialised (the pixel tiles' pixel strides are constants): another
+    width (stride 2: nor the input gradient's phase kernel). Channel counts are specialised (the pixel tiles' pixel strides are constants): another
     count compiles each kernel again. Compiled for
     sm_90 into an empty cache."""
     from dwconv.precompile import LayerCall, compile_calls
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
 
-    def call(n, c, h, w):
+    def call(n, c, h, w, stride=1):
         x = torch.empty(n, c, h, w, device="meta", dtype=torch.bfloat16, memory_format=torch.channels_last)
         weight = torch.empty(c, 1, 3, 3, device="meta", dtype=torch.bfloat16)
-        return LayerCall.of(x, weight, None, (1, 1, 1), (True, True, False))
+        return LayerCall.of(x, weight, None, (stride, 1, 1), (True, True, False))
 
     new = []
     # (32 rows: 16 row tiles of the backward's pixel tiles and a height of 32, sizes Triton would specialise)
@@ -399,6 +399,15 @@ def test_batch_and_image_sizes_share_kernel_binaries(tmp_path, monkeypatch):
         new.append(sorted(name for entry, name in _kernel_binaries(tmp_path).items() if entry not in before))
     kernels = ["depthwise_fwd_tile_kernel", "depthwise_grad_nhwc_pixels_kernel", "depthwise_weight_grad_sums_kernel"]
     assert new == [kernels, [], [], ["depthwise_fwd_tile_kernel"], kernels, []], new
+    # stride 2: the input gradient's phase kernel too (sizes 32 and 16 against 18 and 9)
+    strided = []
+    for layer in (call(2, 16, 32, 32, stride=2), call(2, 16, 18, 18, stride=2)):
+        before = _kernel_binaries(tmp_path)
+        shutil.rmtree(tmp_path / "dwconv-warmup", ignore_errors=True)
+        assert compile_calls([layer], 90, workers=2, verbose=False).errors == []
+        strided.append(sorted(name for entry, name in _kernel_binaries(tmp_path).items() if entry not in before))
+    assert "depthwise_grad_input_phase_kernel" in strided[0], strided
+    assert "depthwise_grad_input_phase_kernel" not in strided[1], strided
 
 
 def test_nchw_batch_sizes_share_kernel_binaries(tmp_path, monkeypatch):

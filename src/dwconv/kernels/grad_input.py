@@ -18,7 +18,6 @@ from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, plan
 from ._shared import acc_dtype, channels_last_kernel_applies, needs_int64
 
 
-@triton.jit
 def depthwise_grad_input_phase_kernel(
     g_ptr, w_ptr, dx_ptr,
     in_channels, in_h, in_w, out_h, out_w,
@@ -116,6 +115,15 @@ def depthwise_grad_input_phase_kernel(
                          mask=(rows < in_h) & (cols < in_w) & c_ok)
 
 
+# NCHW runs its columns along the vectors, whose masks gain from the sizes' divisibility by 16; in
+# channels_last the sizes bound the pixel masks only (the same PTX either way, sm_90), so there they
+# are runtime values: one binary for every image size.
+_phase_source = depthwise_grad_input_phase_kernel
+depthwise_grad_input_phase_kernel = triton.jit(_phase_source)
+depthwise_grad_input_phase_nhwc_kernel = triton.jit(do_not_specialize=["in_h", "in_w", "out_h", "out_w"])(
+    _phase_source)
+
+
 # ---- blocks and launch plan ---------------------------------------------------------------------
 
 def _values_a_thread(geom: ConvGeometry, channels_last: bool) -> int:
@@ -154,8 +162,8 @@ def grad_out_shifts(pad: int, dilation: int, stride: int, kernel: int) -> Tuple[
 
 
 def _plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> LaunchPlan:
-    block_h, block_w, block_c, num_warps = blocks(geom, channels_last_kernel_applies(grad_out, dx),
-                                                  gpu_plan(grad_out.device))
+    channels_last = channels_last_kernel_applies(grad_out, dx)
+    block_h, block_w, block_c, num_warps = blocks(geom, channels_last, gpu_plan(grad_out.device))
     tiles = cdiv(cdiv(geom.in_h, geom.stride_h), block_h) * cdiv(cdiv(geom.in_w, geom.stride_w), block_w)
     scalars = (geom.in_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *grad_out.stride(), *dx.stride())
     first_shift_h, shifts_h = grad_out_shifts(geom.pad_top, geom.dilation_h, geom.stride_h, geom.kernel_h)
@@ -168,7 +176,7 @@ def _plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> Launc
         INDEX_64=needs_int64(grad_out, dx), ACC_DTYPE=acc_dtype(dx.dtype), BLOCK_H=block_h, BLOCK_W=block_w,
         BLOCK_C=block_c, num_warps=num_warps,
     )
-    return LaunchPlan("grad_input", (geom.batch * cdiv(geom.in_channels, block_c) * tiles,), scalars, constants)
+    return LaunchPlan("grad_input_nhwc" if channels_last else "grad_input", (geom.batch * cdiv(geom.in_channels, block_c) * tiles,), scalars, constants)
 
 
 _PLANS = plan_cache()
@@ -177,5 +185,6 @@ _PLANS = plan_cache()
 def grad_input(geom: ConvGeometry, grad_out: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
     """Writes grad_input into dx (any geometry) and returns it."""
     plan = cached_plan(_PLANS, (geom, layout_key(grad_out), layout_key(dx)), lambda: _plan(geom, grad_out, dx))
-    launch(depthwise_grad_input_phase_kernel, plan, grad_out, weight.contiguous(), dx)
+    kernel = depthwise_grad_input_phase_nhwc_kernel if plan.kernel == "grad_input_nhwc" else depthwise_grad_input_phase_kernel
+    launch(kernel, plan, grad_out, weight.contiguous(), dx)
     return dx
