@@ -174,19 +174,22 @@ _FUSED_CONFIGS = plan_cache()
 
 
 def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
-                 config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The forward convolution of checked arguments (out: written into when given)."""
-    return launch_forward(x, weight, bias, geom, config, out)[0]
+                 config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None,
+                 activation: int = 0) -> torch.Tensor:
+    """The forward convolution of checked arguments (out: written into when given), through an
+    activation (a kernels._shared.ACTIVATION_CODES code, applied before the outputs' rounding)."""
+    return launch_forward(x, weight, bias, geom, config, out, activation=activation)[0]
 
 
 def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                    config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None,
                    weight_grad_from: Optional[torch.Tensor] = None, flip_weight: bool = False,
-                   runs: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   runs: Optional[int] = None, activation: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """conv_forward, and the NCHW fused backward: with weight_grad_from (the forward's input; rows or
     "nchw_pixels", stride 1, multiplier 1) this call is grad_input (x = grad_out, weight flipped) and
     also returns partial[program, tap], the weight gradient's partial sums in the weight's tap order.
-    flip_weight: convolve with weight.flip(2, 3) (the kernels read the taps in reverse)."""
+    flip_weight: convolve with weight.flip(2, 3) (the kernels read the taps in reverse). activation:
+    conv_forward's."""
     if out is None:
         out = torch.empty(geom.output_shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
     if out.numel() == 0:
@@ -194,19 +197,21 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     fused = weight_grad_from is not None
     if config is None and not fused:  # (the large kernels choose their blocks in their own cached plans)
         if large_fma_applies(geom, x, backward=flip_weight):
-            return large_fma.large_fma_forward(x, weight, bias, geom, out, flip_weight), None
+            return large_fma.large_fma_forward(x, weight, bias, geom, out, flip_weight, activation=activation), None
         if toeplitz_applies(geom, x.dtype):
-            return toeplitz.toeplitz_forward(x, weight, bias, geom, out, flip_weight=flip_weight), None
+            return toeplitz.toeplitz_forward(x, weight, bias, geom, out, flip_weight=flip_weight,
+                                             activation=activation), None
     if config is not None and config.kernel == "toeplitz":
         return toeplitz.toeplitz_forward(x, weight, bias, geom, out, config.block_h, config.block_w,
-                                         config.num_warps, flip_weight=flip_weight), None
+                                         config.num_warps, flip_weight=flip_weight, activation=activation), None
     if config is not None and config.kernel == "large_fma":
         return large_fma.large_fma_forward(x, weight, bias, geom, out, flip_weight,
-                                           (config.block_h, config.block_w, config.num_warps, config.vec)), None
+                                           (config.block_h, config.block_w, config.num_warps, config.vec),
+                                           activation), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
-           layout_key(weight_grad_from) if fused else None, flip_weight, runs)
+           layout_key(weight_grad_from) if fused else None, flip_weight, runs, activation)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
-                                                                  weight_grad_from, flip_weight, runs))
+                                                                  weight_grad_from, flip_weight, runs, activation))
     if plan.kernel == "nchw_pixels":
         return out, nchw_pixels.launch_nchw_pixels(plan, x, weight, bias, out, weight_grad_from)
     if plan.kernel == "rows":
@@ -220,17 +225,17 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.Tensor, out: torch.Tensor,
                   has_bias: bool, features: Optional[torch.Tensor], flip_weight: bool = False,
-                  runs: Optional[int] = None):
+                  runs: Optional[int] = None, activation: int = 0):
     if config is None:
         config = forward_config(geom, x, out, backward=flip_weight)
     if config.kernel == "nchw_pixels":
-        return nchw_pixels.plan(geom, config, x, out, has_bias, features, flip_weight, runs)
+        return nchw_pixels.plan(geom, config, x, out, has_bias, features, flip_weight, runs, activation)
     if config.kernel == "rows":
-        return rows.plan(geom, config, x, out, has_bias, features, flip_weight)
+        return rows.plan(geom, config, x, out, has_bias, features, flip_weight, activation)
     assert features is None, "the NCHW fused backward runs on the rows or nchw_pixels kernel"
     if config.kernel == "pairs":
-        return pairs.plan(geom, config, x, out, has_bias, flip_weight)
-    return tile.forward_plan(geom, config, x, out, has_bias, flip_weight)
+        return pairs.plan(geom, config, x, out, has_bias, flip_weight, activation)
+    return tile.forward_plan(geom, config, x, out, has_bias, flip_weight, activation)
 
 
 def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry, input_like: torch.Tensor,

@@ -15,6 +15,33 @@ from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import alignment
 
 
+# The activations a forward's epilogue can apply (its ACTIVATION constexpr): name -> code.
+ACTIVATION_CODES = {"identity": 0, "relu": 1, "relu6": 2, "silu": 3, "gelu": 4, "gelu_tanh": 5, "hardswish": 6,
+                    "hardsigmoid": 7}
+
+
+@triton.jit
+def _activate(v, ACTIVATION: tl.constexpr):
+    """An ACTIVATION_CODES activation of accumulator values, before their cast to the output's dtype.
+    NaN stays NaN, as in PyTorch's (a comparison with NaN is false, so `where` keeps it)."""
+    if ACTIVATION == 1:  # relu
+        v = tl.where(v < 0.0, 0.0, v)
+    elif ACTIVATION == 2:  # relu6
+        v = tl.where(v < 0.0, 0.0, tl.where(v > 6.0, 6.0, v))
+    elif ACTIVATION == 3:  # silu
+        v = v / (1.0 + tl.exp(-v))
+    elif ACTIVATION == 4:  # gelu, erf form
+        v = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
+    elif ACTIVATION == 5:  # gelu, tanh form: 0.5 v (1 + tanh(u)) = v sigmoid(2u)
+        u = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+        v = v / (1.0 + tl.exp(-2.0 * u))
+    elif ACTIVATION == 6:  # hardswish
+        v = v * tl.where(v < -3.0, 0.0, tl.where(v > 3.0, 6.0, v + 3.0)) / 6.0
+    elif ACTIVATION == 7:  # hardsigmoid
+        v = tl.where(v < -3.0, 0.0, tl.where(v > 3.0, 6.0, v + 3.0)) / 6.0
+    return v
+
+
 @triton.jit
 def _lane(v, i: tl.constexpr, VEC: tl.constexpr):
     """Lane i of each thread's vector: v [R, G, VEC] -> [R, G], VEC 4 or 8 (register moves only)."""
@@ -276,8 +303,11 @@ def channels_last_kernel_applies(x: torch.Tensor, out: Optional[torch.Tensor] = 
             and (out is None or (out.stride(1) == 1 and out.shape[1] > 1)))
 
 
-def forward_constants(geom: ConvGeometry, config, x: torch.Tensor, out: torch.Tensor, has_bias: bool) -> dict:
-    """The constexprs every forward-shaped kernel takes (and num_warps)."""
+def forward_constants(geom: ConvGeometry, config, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
+                      activation: int = 0) -> dict:
+    """The constexprs every forward-shaped kernel takes (and num_warps); activation: an ACTIVATION_CODES
+    code, applied to the outputs."""
     return dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=has_bias,
+                ACTIVATION=activation,
                 INDEX_64=needs_int64(x, out), ACC_DTYPE=acc_dtype(x.dtype), BLOCK_W=config.block_w,
                 num_warps=config.num_warps)

@@ -176,7 +176,8 @@ def _plan(geom: ConvGeometry, grad_out: torch.Tensor, dx: torch.Tensor) -> Launc
         INDEX_64=needs_int64(grad_out, dx), ACC_DTYPE=acc_dtype(dx.dtype), BLOCK_H=block_h, BLOCK_W=block_w,
         BLOCK_C=block_c, num_warps=num_warps,
     )
-    return LaunchPlan("grad_input_nhwc" if channels_last else "grad_input", (geom.batch * cdiv(geom.in_channels, block_c) * tiles,), scalars, constants)
+    programs = geom.batch * cdiv(geom.in_channels, block_c) * tiles
+    return LaunchPlan("grad_input_nhwc" if channels_last else "grad_input", (programs,), scalars, constants)
 
 
 _PLANS = plan_cache()
@@ -185,6 +186,7 @@ _PLANS = plan_cache()
 def grad_input(geom: ConvGeometry, grad_out: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
     """Writes grad_input into dx (any geometry) and returns it."""
     plan = cached_plan(_PLANS, (geom, layout_key(grad_out), layout_key(dx)), lambda: _plan(geom, grad_out, dx))
-    kernel = depthwise_grad_input_phase_nhwc_kernel if plan.kernel == "grad_input_nhwc" else depthwise_grad_input_phase_kernel
+    kernel = depthwise_grad_input_phase_nhwc_kernel if plan.kernel == "grad_input_nhwc" else \
+        depthwise_grad_input_phase_kernel
     launch(kernel, plan, grad_out, weight.contiguous(), dx)
     return dx

@@ -35,7 +35,7 @@ import triton.language as tl
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..tuning import tuned
 from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plan_cache
-from ._shared import _lane, _pack4, dividing_unit, needs_int64
+from ._shared import _activate, _lane, _pack4, dividing_unit, needs_int64
 from .layout import copy_into, nchw_copy
 from .weight_sums import sum_partials
 
@@ -64,7 +64,7 @@ def depthwise_fwd_large_fma_kernel(
     x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
     stride_h, dilation_h, pad_top,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     FLIP_TAPS: tl.constexpr, INDEX_64: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, OUT_VEC: tl.constexpr,
     WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr, W_ROW: tl.constexpr,
@@ -124,7 +124,7 @@ def depthwise_fwd_large_fma_kernel(
     y_rows = y_base + out_rows * (y_stride_h * Y_UNIT)
     for q in tl.static_range(OUT_VEC // 4):
         cols = group_cols + 4 * q + lanes
-        value = _pack4(accs[4 * q], accs[4 * q + 1], accs[4 * q + 2], accs[4 * q + 3])
+        value = _activate(_pack4(accs[4 * q], accs[4 * q + 1], accs[4 * q + 2], accs[4 * q + 3]), ACTIVATION)
         tl.store(y_rows + cols, value.to(y_ptr.dtype.element_ty), mask=live & (cols < out_w))
 
 
@@ -230,17 +230,18 @@ def _unit(t: torch.Tensor, width: int) -> int:
 
 
 def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
-                      out: torch.Tensor, flip_weight: bool = False, blocks=None) -> torch.Tensor:
+                      out: torch.Tensor, flip_weight: bool = False, blocks=None, activation: int = 0) -> torch.Tensor:
     """Writes the convolution into out (any layout) and returns it; channels_last x is read from an
-    NCHW copy, as the Toeplitz path does. blocks: (block_h, block_w, num_warps, out_vec)."""
+    NCHW copy, as the Toeplitz path does. blocks: (block_h, block_w, num_warps, out_vec).
+    activation: an ACTIVATION_CODES code applied to the outputs."""
     x = nchw_copy(x)
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
     # weight rows as padded 4-vectors (one F.pad a call: only for large kernels)
     weight_vectors = geom.kernel_h * geom.kernel_w >= tuned().weight_vectors_min_taps
     plan = cached_plan(_PLANS, (geom, layout_key(x), layout_key(dst), bias is not None, flip_weight, blocks,
-                                weight_vectors),
+                                weight_vectors, activation),
                        lambda: _plan(geom, x, dst, bias is not None, flip_weight,
-                                     blocks or large_fma_forward_blocks(geom, x), weight_vectors))
+                                     blocks or large_fma_forward_blocks(geom, x), weight_vectors, activation))
     w_row = plan.constants["W_ROW"]
     weight = weight.contiguous() if w_row == geom.kernel_w else F.pad(weight, (0, w_row - geom.kernel_w))
     launch(depthwise_fwd_large_fma_kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, dst)
@@ -285,7 +286,7 @@ def _fma_window(geom: ConvGeometry, out_vec: int):
 
 
 def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, flip: bool, blocks,
-          weight_vectors: bool) -> LaunchPlan:
+          weight_vectors: bool, activation: int = 0) -> LaunchPlan:
     assert x.dtype in DTYPES, "large_fma: float32, float16 or bfloat16"
     block_h, block_w, num_warps, out_vec = blocks
     x_unit, y_unit = _unit(x, geom.in_w), _unit(out, geom.out_w)
@@ -295,7 +296,7 @@ def _plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool
                *[s // x_unit for s in x.stride()[:3]], *[s // y_unit for s in out.stride()[:3]],
                geom.stride_h, geom.dilation_h, geom.pad_top)
     constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, STRIDE_W=geom.stride_w,
-                     DILATION_W=geom.dilation_w, HAS_BIAS=has_bias,
+                     DILATION_W=geom.dilation_w, HAS_BIAS=has_bias, ACTIVATION=activation,
                      FLIP_TAPS=flip, INDEX_64=needs_int64(x, out),
                      X_UNIT=x_unit, Y_UNIT=y_unit, BLOCK_H=block_h, BLOCK_W=block_w, OUT_VEC=out_vec,
                      WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs,

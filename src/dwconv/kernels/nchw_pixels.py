@@ -18,7 +18,7 @@ import triton.language as tl
 from .._geometry import ConvGeometry, cdiv
 from ..tuning import tuned
 from ._launch import ForwardConfig, LaunchPlan, launch, new_partial
-from ._shared import (_lane, _load_row_window, _pack4, _plane_pointers, _store_aligned_rows, _window_lane,
+from ._shared import (_activate, _lane, _load_row_window, _pack4, _plane_pointers, _store_aligned_rows, _window_lane,
                       forward_constants, odd_out_rows_alignable, partial_dtype, stride_unit, window_fits,
                       window_layout)
 
@@ -29,8 +29,8 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
                       DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, ACC_DTYPE: tl.constexpr,
                       BLOCK_H: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
                       WINDOW_VECS: tl.constexpr, Y_UNIT: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr,
-                      WIDEN_BF16: tl.constexpr, MASKED: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads,
-                      features):
+                      WIDEN_BF16: tl.constexpr, ACTIVATION: tl.constexpr, MASKED: tl.constexpr,
+                      WEIGHT_GRAD: tl.constexpr, weight_grads, features):
     """The tile of depthwise_fwd_nchw_pixels_kernel; MASKED: bounds tests on rows and columns (edge
     tiles), else none. WEIGHT_GRAD: also adds each tap's input lane times the feature at the output
     it feeds (features: _tile_lanes, zero outside) into weight_grads, and returns them.
@@ -69,18 +69,21 @@ def _conv_nchw_pixels(x_base, y_base, weights, start, first_row, group_cols, lan
         y_row = y_base + out_row * y_stride_h
         if ODD_OUT_ALIGN:  # from the vector boundary at or below the row's start (a no-op on even rows)
             y_row = y_base + ((out_row * y_stride_h) // 4) * 4
-            value = _pack4(accs[j * 4], accs[j * 4 + 1], accs[j * 4 + 2], accs[j * 4 + 3]).to(y_base.dtype.element_ty)
+            value = _activate(_pack4(accs[j * 4], accs[j * 4 + 1], accs[j * 4 + 2], accs[j * 4 + 3]),
+                              ACTIVATION).to(y_base.dtype.element_ty)
             _store_aligned_rows(y_row + group_cols + lanes, value, group_cols - ODD_SHIFT * (j % 2), lanes,
                                 out_row < out_h, out_w, 4)
         elif Y_UNIT == 4:  # rows of whole vectors: one 16-byte store
-            value = _pack4(accs[j * 4], accs[j * 4 + 1], accs[j * 4 + 2], accs[j * 4 + 3]).to(y_base.dtype.element_ty)
+            value = _activate(_pack4(accs[j * 4], accs[j * 4 + 1], accs[j * 4 + 2], accs[j * 4 + 3]),
+                              ACTIVATION).to(y_base.dtype.element_ty)
             if MASKED:
                 tl.store(y_row + group_cols + lanes, value, mask=(out_row < out_h) & (group_cols + lanes < out_w))
             else:
                 tl.store(y_row + group_cols + lanes, value)
         else:  # two pairs, each stored as it is held (a 4-vector would cross alignment and take shared memory)
             for half in tl.static_range(2):
-                value = tl.join(accs[j * 4 + 2 * half], accs[j * 4 + 2 * half + 1]).to(y_base.dtype.element_ty)
+                value = _activate(tl.join(accs[j * 4 + 2 * half], accs[j * 4 + 2 * half + 1]),
+                                  ACTIVATION).to(y_base.dtype.element_ty)
                 cols = group_cols + 2 * half + pairs
                 if MASKED:
                     tl.store(y_row + cols, value, mask=(out_row < out_h) & (cols < out_w))
@@ -114,7 +117,7 @@ def _nchw_pixels_tile(x_base, y_base, f_base, weights, start, first_row, first_c
                       ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
                       WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
                       Y_UNIT: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr, WIDEN_BF16: tl.constexpr,
-                      WEIGHT_GRAD: tl.constexpr, weight_grads):
+                      ACTIVATION: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads):
     """One tile of depthwise_fwd_nchw_pixels_kernel, without bounds tests where every window vector
     and output lies inside the image."""
     interior = ((first_row - pad_top >= 0) & (first_row + BLOCK_H - 1 - pad_top + (KH - 1) * DILATION_H < in_h)
@@ -124,14 +127,14 @@ def _nchw_pixels_tile(x_base, y_base, f_base, weights, start, first_row, first_c
         weight_grads = _conv_nchw_pixels(
             x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
             x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
-            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, ODD_OUT_ALIGN, WIDEN_BF16, False, WEIGHT_GRAD, weight_grads,
+            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, ODD_OUT_ALIGN, WIDEN_BF16, ACTIVATION, False, WEIGHT_GRAD, weight_grads,
             _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
                         WEIGHT_GRAD, False))
     else:
         weight_grads = _conv_nchw_pixels(
             x_base, y_base, weights, start, first_row, group_cols, lanes, zero, in_h, in_w, out_h, out_w,
             x_stride_h, y_stride_h, pad_top, KH, KW, DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, WINDOW_OFF,
-            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, ODD_OUT_ALIGN, WIDEN_BF16, True, WEIGHT_GRAD, weight_grads,
+            WINDOW_LANE0, WINDOW_VECS, Y_UNIT, ODD_OUT_ALIGN, WIDEN_BF16, ACTIVATION, True, WEIGHT_GRAD, weight_grads,
             _tile_lanes(f_base, first_row, group_cols, lanes, zero, out_h, out_w, f_stride_h, ACC_DTYPE, BLOCK_H,
                         WEIGHT_GRAD, True))
     return weight_grads
@@ -144,8 +147,8 @@ def depthwise_fwd_nchw_pixels_kernel(
     x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h, f_stride_n, f_stride_c, f_stride_h,
     pad_top, pad_left, runs,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr,
-    DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
+    DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr,
     WINDOW_VECS: tl.constexpr, X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, F_UNIT: tl.constexpr,
     FLIP_TAPS: tl.constexpr, WEIGHT_GRAD: tl.constexpr, ODD_OUT_ALIGN: tl.constexpr, WIDEN_BF16: tl.constexpr,
 ):
@@ -213,7 +216,7 @@ def depthwise_fwd_nchw_pixels_kernel(
                                              lanes, zero, in_h, in_w, out_h, out_w, x_stride_h * X_UNIT,
                                              y_stride_h * Y_UNIT, f_stride_h * F_UNIT, pad_top, KH, KW, DILATION_H,
                                              DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, WINDOW_OFF, WINDOW_LANE0,
-                                             WINDOW_VECS, Y_UNIT, False, WIDEN_BF16, True, weight_grads)
+                                             WINDOW_VECS, Y_UNIT, False, WIDEN_BF16, 0, True, weight_grads)
         for tap in tl.static_range(KH * KW):  # (a flipped tap stored at the weight's own)
             tl.store(partial_ptr + pid.to(tl.int64) * (KH * KW) + (KH * KW - 1 - tap if FLIP_TAPS else tap),
                      tl.sum(weight_grads[tap]))
@@ -226,7 +229,7 @@ def depthwise_fwd_nchw_pixels_kernel(
         _nchw_pixels_tile(x_base, y_base, y_base, weights, start, first_row, first_col, group_cols, lanes, zero,
                           in_h, in_w, out_h, out_w, x_stride_h * X_UNIT, y_stride_h * Y_UNIT, 0, pad_top, KH, KW,
                           DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_H, BLOCK_W, WINDOW_OFF, WINDOW_LANE0, WINDOW_VECS,
-                          Y_UNIT, ODD_OUT_ALIGN, WIDEN_BF16, False, (start,))
+                          Y_UNIT, ODD_OUT_ALIGN, WIDEN_BF16, ACTIVATION, False, (start,))
 
 
 # ---- blocks and launch plan ---------------------------------------------------------------------
@@ -248,7 +251,8 @@ def fused_blocks(geom: ConvGeometry) -> ForwardConfig:
 
 
 def plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
-         features: Optional[torch.Tensor], flip_weight: bool, runs: Optional[int] = None) -> LaunchPlan:
+         features: Optional[torch.Tensor], flip_weight: bool, runs: Optional[int] = None,
+         activation: int = 0) -> LaunchPlan:
     """Stride 1, unit column steps in x and out, 4 columns a thread. features: the fused backward's
     input (the weight gradient's partial sums, `runs` a column of tiles)."""
     assert geom.stride_h == geom.stride_w == 1 and x.stride(3) == 1 and out.stride(3) == 1, \
@@ -273,7 +277,7 @@ def plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.
     scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w // y_unit,
                *[s // x_unit for s in x.stride()[:3]], *[s // y_unit for s in out.stride()[:3]],
                *[s // f_unit for s in f_strides[:3]], geom.pad_top, geom.pad_left, runs)
-    constants = dict(forward_constants(geom, config, x, out, has_bias), FLIP_TAPS=flip_weight,
+    constants = dict(forward_constants(geom, config, x, out, has_bias, activation), FLIP_TAPS=flip_weight,
                      DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, BLOCK_H=config.block_h,
                      WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs,
                      X_UNIT=x_unit, Y_UNIT=y_unit, F_UNIT=f_unit, WEIGHT_GRAD=features is not None,

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import ForwardConfig, LaunchPlan, gpu_plan, launch
-from ._shared import forward_constants, stride_unit
+from ._shared import _activate, forward_constants, stride_unit
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def depthwise_fwd_pairs_kernel(
     x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
     stride_h, pad_top, dilation_h,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, PAD_LEFT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FLIP_TAPS: tl.constexpr, INDEX_64: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, FLIP_TAPS: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, X_UNIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Column stride 2, column dilation 1, unit column steps in x and y (NCHW): one program =
@@ -73,7 +73,7 @@ def depthwise_fwd_pairs_kernel(
                 acc += weight * even.to(ACC_DTYPE)
             else:
                 acc += weight * odd.to(ACC_DTYPE)
-    tl.store(y_base + out_rows * y_stride_h + out_cols, acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_base + out_rows * y_stride_h + out_cols, _activate(acc, ACTIVATION).to(y_ptr.dtype.element_ty),
              mask=(out_rows < out_h) & (out_cols < out_w))
 
 
@@ -93,14 +93,14 @@ def blocks(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
 
 
 def plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
-         flip_weight: bool) -> LaunchPlan:
+         flip_weight: bool, activation: int = 0) -> LaunchPlan:
     assert applies(geom, x, out), "pairs: column stride 2, unit column steps"
     x_unit = stride_unit(x, 4, geom.in_w)
     tiles = cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
     scalars = (geom.out_channels, geom.in_h, geom.in_w // x_unit, geom.out_h, geom.out_w,
                *[s // x_unit for s in x.stride()[:3]], *out.stride()[:3], geom.stride_h, geom.pad_top,
                geom.dilation_h)
-    constants = dict(forward_constants(geom, config, x, out, has_bias), FLIP_TAPS=flip_weight,
+    constants = dict(forward_constants(geom, config, x, out, has_bias, activation), FLIP_TAPS=flip_weight,
                      PAD_LEFT=geom.pad_left, X_UNIT=x_unit, BLOCK_H=config.block_h)
     return LaunchPlan("pairs", (geom.batch * geom.out_channels * tiles,), scalars, constants)
 

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import ForwardConfig, LaunchPlan, launch, new_partial
-from ._shared import (_load_row_window, _plane_pointers, _row_under_tap, _store_aligned_rows, _window_view,
+from ._shared import (_activate, _load_row_window, _plane_pointers, _row_under_tap, _store_aligned_rows, _window_view,
                       forward_constants, odd_out_rows_alignable, odd_rows_alignable, partial_dtype, ring_size,
                       stride_unit, window_fits, window_layout)
 
@@ -31,7 +31,7 @@ def depthwise_fwd_rows_kernel(
     stride_w, pad_top, pad_left, rows_per_program,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr, ACC_DTYPE: tl.constexpr,
     SLOTS: tl.constexpr, TAPS: tl.constexpr, BLOCK_W: tl.constexpr,
     VEC: tl.constexpr, WINDOW_OFF: tl.constexpr, WINDOW_LANE0: tl.constexpr, WINDOW_VECS: tl.constexpr,
     X_UNIT: tl.constexpr, Y_UNIT: tl.constexpr, ODD_ROW_ALIGN: tl.constexpr, PAD_TOP_ODD: tl.constexpr,
@@ -183,12 +183,12 @@ def depthwise_fwd_rows_kernel(
         if ODD_OUT_ALIGN > 0:  # rows addressed from the vector boundary at or below their start
             y_row = y_ptr + ((y_plane_offset + done * (y_stride_h * Y_UNIT)) // 4) * 4
             first = group_cols - 2 * odd_slots  # the row column of the group's lane 0
-            _store_aligned_rows(y_row + out_cols, finished.to(y_ptr.dtype.element_ty), first, lanes,
+            _store_aligned_rows(y_row + out_cols, _activate(finished, ACTIVATION).to(y_ptr.dtype.element_ty), first, lanes,
                                 (done >= first_row) & (done < last_row), out_w, VEC)
         else:
             store_ok = col_ok & (done >= first_row) & (done < last_row)
             tl.store(y_base + done * (y_stride_h * Y_UNIT) + out_cols * y_stride_w,
-                     finished.to(y_ptr.dtype.element_ty), mask=store_ok)
+                     _activate(finished, ACTIVATION).to(y_ptr.dtype.element_ty), mask=store_ok)
     if WEIGHT_GRAD:
         tap_ids = tl.arange(0, TAPS)
         tl.store(partial_ptr + pid.to(tl.int64) * TAPS + tap_ids, tl.sum(tl.sum(weight_grad, axis=2), axis=1),
@@ -211,7 +211,7 @@ def blocks(geom: ConvGeometry, x: torch.Tensor) -> ForwardConfig:
 
 
 def plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
-         features: Optional[torch.Tensor], flip_weight: bool) -> LaunchPlan:
+         features: Optional[torch.Tensor], flip_weight: bool, activation: int = 0) -> LaunchPlan:
     """features: the fused backward's input (this launch is then grad_input and also accumulates the
     weight gradient); flip_weight: the taps read in reverse (grad_input)."""
     assert geom.stride_h == 1, "the row-sliding kernel needs stride_h == 1"
@@ -236,7 +236,7 @@ def plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.
                out.stride(3), *[s // f_unit for s in f_strides[:3]], geom.stride_w, geom.pad_top, geom.pad_left,
                config.block_h)
     constants = dict(
-        forward_constants(geom, config, x, out, has_bias),
+        forward_constants(geom, config, x, out, has_bias, activation),
         DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w, SLOTS=ring_size(geom), TAPS=taps, VEC=vec,
         WINDOW_OFF=window_off, WINDOW_LANE0=window_lane0, WINDOW_VECS=window_vecs, X_UNIT=x_unit, Y_UNIT=y_unit,
         ODD_ROW_ALIGN=odd_row_align, PAD_TOP_ODD=geom.pad_top % 2, WEIGHT_GRAD=features is not None, F_UNIT=f_unit,

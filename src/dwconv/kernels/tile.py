@@ -26,7 +26,7 @@ from .._geometry import ConvGeometry, cdiv, input_grad_geometry, next_power_of_2
 from ..tuning import tuned
 from ._launch import (ForwardConfig, GradWeightConfig, LaunchPlan, alignment, cached_plan, gpu_plan, launch, layout_key,
                       new_partial, plan_cache)
-from ._shared import (_load_weights, _tap_weights, acc_dtype, channels_last_kernel_applies, forward_constants,
+from ._shared import (_activate, _load_weights, _tap_weights, acc_dtype, channels_last_kernel_applies, forward_constants,
                       needs_int64, partial_dtype)
 from .weight_sums import sum_partials, weight_grad_sums
 
@@ -46,9 +46,9 @@ def _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, TAPS: tl.conste
 def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w,
                stride_w, pad_top, pad_left, dilation_w, KH: tl.constexpr, KW: tl.constexpr,
-               STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr,
-               ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
-               MASKED: tl.constexpr):
+               STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+               UNROLL: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+               BLOCK_C: tl.constexpr, MASKED: tl.constexpr):
     """Computes and stores output rows first_row .. first_row + BLOCK_H - 1 of a [cols, channels]
     strip. UNROLL: the loops are unrolled over the band's input rows, and each input row's shifted
     pixels are loaded (and converted) once for all the output rows that use them, not once a tap;
@@ -109,6 +109,7 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
         value = accs[j]
         if HAS_BIAS:
             value += bias
+        value = _activate(value, ACTIVATION)
         ptrs = y_base + (first_row + j) * y_stride_h + out_cols * y_stride_w
         if MASKED:
             tl.store(ptrs, value.to(y_base.dtype.element_ty), mask=tl.where(first_row + j < out_h, col_c_ok, False))
@@ -204,11 +205,12 @@ def _row_taps(pixels, r: tl.constexpr, weights, accs, weight_grads, inputs_at_ou
 
 @triton.jit
 def _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_stride_h, y_stride_w,
-                  BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, MASKED: tl.constexpr):
-    """Stores a tile's outputs (accs, row-major) from y_strip, its first column's pointer."""
+                  BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, MASKED: tl.constexpr, ACTIVATION: tl.constexpr):
+    """Stores a tile's outputs (accs, row-major) from y_strip, its first column's pointer, through
+    the activation."""
     for j in tl.static_range(BLOCK_H):
         for i in tl.static_range(BLOCK_W):
-            value = accs[j * BLOCK_W + i]
+            value = _activate(accs[j * BLOCK_W + i], ACTIVATION)
             ptrs = y_strip + (first_row + j) * y_stride_h + i * y_stride_w
             if MASKED:
                 out_ok = (first_row + j < out_h) & (first_col + i < out_w)
@@ -222,10 +224,10 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                  in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w,
                  pad_top, pad_left,
                  KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr,
-                 STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
-                 MASKED: tl.constexpr, OUTPUTS: tl.constexpr, WEIGHT_GRAD: tl.constexpr, weight_grads,
-                 inputs_at_outputs):
+                 STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACTIVATION: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+                 BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr, OUTPUTS: tl.constexpr,
+                 WEIGHT_GRAD: tl.constexpr, weight_grads, inputs_at_outputs):
     """_conv_band for channels_last with the columns unrolled (weights: the taps' [1, BLOCK_C]
     values, _tap_weights; loaded once by the caller): each pixel of a row (a [1, BLOCK_C]
     channel vector; a thread holds the same channels of every pixel) is loaded and converted once
@@ -263,7 +265,7 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                                        DILATION_H, STRIDE_W, DILATION_W, BLOCK_H, BLOCK_W, OUTPUTS, WEIGHT_GRAD)
     if OUTPUTS:
         _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_stride_h, y_stride_w, BLOCK_H,
-                      BLOCK_W, MASKED)
+                      BLOCK_W, MASKED, ACTIVATION)
     return weight_grads
 
 
@@ -293,7 +295,8 @@ def depthwise_fwd_tile_kernel(
     w_stride_c, w_stride_tap, w_first_tap,
     stride_w, pad_top, pad_left, dilation_w,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
-    DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
+    DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, UNROLL: tl.constexpr,
+    INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
     PIXELS: tl.constexpr, PIXEL_STRIDE_W: tl.constexpr, PIXEL_DILATION_W: tl.constexpr,
     PIXEL_X_STRIDE_W: tl.constexpr, PIXEL_Y_STRIDE_W: tl.constexpr, BF16_PAIRS: tl.constexpr,
@@ -352,27 +355,27 @@ def depthwise_fwd_tile_kernel(
                                       BRANCH_WEIGHT_TAPS)
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
-                         KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
-                         BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
+                         KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACTIVATION,
+                         ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
         else:
             weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True,
                                       BRANCH_WEIGHT_TAPS)
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
-                         KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACC_DTYPE, BLOCK_H,
-                         BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), ())
+                         KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACTIVATION,
+                         ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), ())
     else:  # (BLOCK_W a power of 2 here; "nhwc_pixels" takes any)
         out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
         if interior:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
-                       pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
-                       BLOCK_W, BLOCK_C, False)
+                       pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, ACTIVATION, UNROLL, ACC_DTYPE,
+                       BLOCK_H, BLOCK_W, BLOCK_C, False)
         else:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
-                       pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, UNROLL, ACC_DTYPE, BLOCK_H,
-                       BLOCK_W, BLOCK_C, True)
+                       pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, ACTIVATION, UNROLL, ACC_DTYPE,
+                       BLOCK_H, BLOCK_W, BLOCK_C, True)
 
 
 
@@ -453,7 +456,7 @@ def _grad_tile(src_base, weights, w_ptr, q_base, dx_base, weight_grads, first_ro
                      BLOCK_H, BLOCK_W, MASKED)
     weight_grads = _conv_pixels(src_base, weights, w_ptr, dx_base, first_row, first_col, c_ok, src_h, src_w, tile_h,
                                 tile_w, src_stride_h, src_stride_w, dx_stride_h, dx_stride_w, pad_top, pad_left, KH,
-                                KW, STRIDE_H, DILATION_H, STRIDE_W, DILATION_W, False, ACC_DTYPE, BLOCK_H, BLOCK_W,
+                                KW, STRIDE_H, DILATION_H, STRIDE_W, DILATION_W, False, 0, ACC_DTYPE, BLOCK_H, BLOCK_W,
                                 BLOCK_C, BF16_PAIRS, MASKED, GRAD_INPUT, True, weight_grads, q)
     if BIAS_GRAD:
         bias_grad = weight_grads[KH * KW]
@@ -622,7 +625,7 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
                                            kh * DILATION_H, weights, accs, weight_grads, q, KH, KW, 1, DILATION_H,
                                            1, DILATION_W, 1, BLOCK_W, True, True)
         _store_pixels(dx_strip, accs, row, first_col, c_ok, tile_h, tile_w, dx_stride_h, dx_stride_w, 1, BLOCK_W,
-                      MASKED)
+                      MASKED, 0)
         ring = window[PIXELS:]
     return weight_grads
 
@@ -776,7 +779,7 @@ def _weight_strides(kernel: str, geom: ConvGeometry, flipped: bool, x: torch.Ten
 
 
 def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
-                 flip_weight: bool = False) -> LaunchPlan:
+                 flip_weight: bool = False, activation: int = 0) -> LaunchPlan:
     """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc", "nhwc_pixels":
     unit channel strides)."""
     nhwc = config.kernel in NHWC_KERNELS
@@ -794,7 +797,7 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
     assert config.block_h * taps <= _band_limit(x.device) or config.block_h == 1, "band too long to unroll"
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
     constants = dict(
-        forward_constants(geom, config, x, out, has_bias),
+        forward_constants(geom, config, x, out, has_bias, activation),
         # offsets inside one image (not one plane) for the channels_last tiles
         INDEX_64=needs_int64(x, out, first_dim=1 if nhwc else 2), STRIDE_H=geom.stride_h,
         DILATION_H=geom.dilation_h, UNROLL=unroll, BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,

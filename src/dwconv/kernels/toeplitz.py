@@ -41,7 +41,7 @@ from .._env import triton_interpreter_enabled
 from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ..tuning import tuned
 from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, new_partial, plan_cache
-from ._shared import dividing_unit, needs_int64
+from ._shared import _activate, dividing_unit, needs_int64
 from .layout import copy_into, nchw_copy
 from .weight_sums import sum_partials
 
@@ -124,9 +124,9 @@ def depthwise_fwd_toeplitz_kernel(
     out_channels, in_h, in_w, out_h, out_w, tiles_h, total_tiles,
     x_stride_n, x_stride_c, x_stride_h, y_stride_n, y_stride_c, y_stride_h,
     stride_h, stride_w, pad_top, pad_shift, pad_up, dilation_h, w_row_len,
-    MULTIPLIER: tl.constexpr, KH: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, SPLIT_TF32: tl.constexpr, UNIT: tl.constexpr, INDEX_64: tl.constexpr,
-    BAND_VECTOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+    MULTIPLIER: tl.constexpr, KH: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SPLIT_TF32: tl.constexpr, UNIT: tl.constexpr,
+    INDEX_64: tl.constexpr, BAND_VECTOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
     OUT_ROWS: tl.constexpr, ROW_STEP: tl.constexpr, STEPS: tl.constexpr, PREFETCH: tl.constexpr,
     OUT_UNIT: tl.constexpr,
 ):
@@ -180,7 +180,7 @@ def depthwise_fwd_toeplitz_kernel(
         acc += tl.load(b_ptr + out_c).to(tl.float32)
     # one output row a row of the stored block ([tiles, rows x columns] -> [tiles x rows, columns]:
     # whole-vector stores along the columns, and an address a row, not one an element)
-    out = tl.reshape(acc.to(y_ptr.dtype.element_ty), [BLOCK_M * OUT_ROWS, BLOCK_W])
+    out = tl.reshape(_activate(acc, ACTIVATION).to(y_ptr.dtype.element_ty), [BLOCK_M * OUT_ROWS, BLOCK_W])
     out_row = tl.reshape(tile[:, None] * OUT_ROWS + tl.arange(0, OUT_ROWS)[None, :], [BLOCK_M * OUT_ROWS])
     row_ok = tl.reshape(tl.broadcast_to(tile_ok[:, None], [BLOCK_M, OUT_ROWS]), [BLOCK_M * OUT_ROWS])
     n = tl.reshape(tl.broadcast_to((tiles // tiles_h)[:, None], [BLOCK_M, OUT_ROWS]), [BLOCK_M * OUT_ROWS])
@@ -363,19 +363,20 @@ def _dot_types(dtype: torch.dtype) -> dict:
 def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                      out: torch.Tensor, block_m: Optional[int] = None, block_w: Optional[int] = None,
                      num_warps: Optional[int] = None, num_stages: Optional[int] = None, flip_weight: bool = False,
-                     out_rows: Optional[int] = None) -> torch.Tensor:
+                     out_rows: Optional[int] = None, activation: int = 0) -> torch.Tensor:
     """Writes the convolution into out (allocated by the caller, any layout) and returns it.
     flip_weight: convolve with weight.flip(2, 3) (grad_input), without a flipped copy. out_rows:
-    output rows a tile (toeplitz_out_rows); block_m: tiles a program."""
+    output rows a tile (toeplitz_out_rows); block_m: tiles a program. activation: an
+    ACTIVATION_CODES code applied to the outputs."""
     x = nchw_copy(x)
     out_rows = out_rows or toeplitz_out_rows(geom, x)
     block_m, num_stages = block_m or toeplitz_block_m(x), num_stages or tuned().toeplitz_num_stages
     num_warps = num_warps or toeplitz_num_warps(out_rows, block_m)
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
     plan = cached_plan(_PLANS, ("forward", geom, layout_key(x), layout_key(dst), bias is not None, block_m, block_w,
-                                num_warps, num_stages, out_rows),
+                                num_warps, num_stages, out_rows, activation),
                        lambda: _forward_plan(geom, x, dst, bias is not None, block_m, block_w, num_warps, num_stages,
-                                             out_rows))
+                                             out_rows, activation))
     w_rows = padded_weight_rows(weight, geom, plan.constants["BLOCK_W"], plan.constants["BLOCK_K"],
                                 plan.constants["UNIT"], plan.constants["BAND_VECTOR"], flip_weight)
     launch(depthwise_fwd_toeplitz_kernel, plan, x, w_rows, bias.contiguous() if bias is not None else w_rows, dst)
@@ -449,7 +450,8 @@ def _small_batch_block(block_m: int, rows) -> int:
 
 
 def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bias: bool, block_m: int,
-                  block_w: Optional[int], num_warps: int, num_stages: int, out_rows: int) -> LaunchPlan:
+                  block_w: Optional[int], num_warps: int, num_stages: int, out_rows: int,
+                  activation: int = 0) -> LaunchPlan:
     block_w = block_w or toeplitz_block_w(geom, x)
     unit = load_unit(geom, block_w, (x,), (geom.in_w,))
     tiles_h = cdiv(geom.out_h, out_rows)
@@ -468,7 +470,8 @@ def _forward_plan(geom: ConvGeometry, x: torch.Tensor, out: torch.Tensor, has_bi
                *[s // unit for s in x.stride()[:3]], *[s // out_unit for s in out.stride()[:3]],
                geom.stride_h, geom.stride_w, geom.pad_top,
                pad_up * unit - geom.pad_left, pad_up, geom.dilation_h, _band_row(geom, block_w, block_k, unit)[1])
-    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, HAS_BIAS=has_bias, **_dot_types(x.dtype),
+    constants = dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, HAS_BIAS=has_bias, ACTIVATION=activation,
+                     **_dot_types(x.dtype),
                      UNIT=unit, BLOCK_M=block_m,
                      INDEX_64=needs_int64(x, out),
                      BAND_VECTOR=16 // x.element_size(),

@@ -1,0 +1,46 @@
+"""The activations dwconv applies in its forward kernels' epilogue (an output is activated in the
+accumulator's precision, then rounded and stored once): their names, PyTorch's function for each
+(the reference, and what computes them where a gradient is needed), and the modules that are one."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, Optional
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .kernels._shared import ACTIVATION_CODES
+
+FUNCTIONS: Dict[str, Callable] = {
+    "identity": lambda t: t,
+    "relu": F.relu,
+    "relu6": F.relu6,
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "hardswish": F.hardswish,
+    "hardsigmoid": F.hardsigmoid,
+}
+assert FUNCTIONS.keys() == ACTIVATION_CODES.keys()
+
+
+def activation_code(name: Optional[str]) -> int:
+    """The kernels' code of an activation name (None: identity); a clear error for any other value."""
+    if name is None:
+        return 0
+    if not isinstance(name, str) or name not in ACTIVATION_CODES:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATION_CODES)} or None, got {name!r}")
+    return ACTIVATION_CODES[name]
+
+
+def activation_of(module: nn.Module) -> Optional[str]:
+    """The name of the activation a module computes, or None where it is none of them (a subclass
+    is not trusted: it may compute something else)."""
+    kind = type(module)
+    if kind is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
+    if kind is nn.Hardtanh and (module.min_val, module.max_val) == (0.0, 6.0):
+        return "relu6"
+    return {nn.Identity: "identity", nn.ReLU: "relu", nn.ReLU6: "relu6", nn.SiLU: "silu", nn.Hardswish: "hardswish",
+            nn.Hardsigmoid: "hardsigmoid"}.get(kind)
