@@ -3,7 +3,9 @@ PyTorch's activation in float64."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import dwconv
 from dwconv._geometry import conv_geometry
 from dwconv.activations import FUNCTIONS, activation_code
 from dwconv.dispatch import ForwardConfig, conv_forward
@@ -64,3 +66,287 @@ def test_float64_activations(family):
     for activation in ("silu", "gelu", "gelu_tanh"):  # (exp and erf in float64)
         out, ref = activated_forward(family, activation, torch.float64, has_bias=False)
         assert_close(out, ref, torch.float64, f"{family} {activation}")
+
+
+# ---- the functional and the module ----------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("activation", ["relu6", "silu", "hardswish"])
+def test_functional_activation_without_and_with_gradients(activation, layout):
+    """No gradient wanted: the fused epilogue; wanted: the same values, and gradients of input,
+    weight and bias as PyTorch's conv + activation give (float64 reference)."""
+    x = 3 * randn(2, 6, 9, 11)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight, bias = randn(6, 1, 3, 3), randn(6)
+    ref = FUNCTIONS[activation](reference_conv(x, weight, bias, 1, 1, 1))
+    with torch.no_grad():
+        assert_close(dwconv.depthwise_conv2d(x, weight, bias, 1, 1, 1, activation), ref, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    out = dwconv.depthwise_conv2d(*leaves, 1, 1, 1, activation=activation)
+    assert_close(out, ref, torch.float32)
+    grad_out = randn(*out.shape)
+    out.backward(grad_out)
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    FUNCTIONS[activation](F.conv2d(*leaves64, 1, 1, 1, groups=6)).backward(grad_out.double())
+    for leaf, leaf64, name in zip(leaves, leaves64, ("input", "weight", "bias")):
+        assert_close(leaf.grad, leaf64.grad, torch.float32, f"grad of {name}")
+
+
+def test_module_activation_and_bad_names():
+    layer = dwconv.DepthwiseConv2d(4, 8, 3, padding=1, activation="gelu")
+    assert "activation='gelu'" in repr(layer)
+    x = randn(1, 4, 7, 5)
+    with torch.no_grad():
+        ref = F.gelu(reference_conv(x, layer.weight, layer.bias, 1, 1, 1))
+        assert_close(layer(x), ref, torch.float32)
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    for bad in ("swish", 1, F.relu):
+        with pytest.raises(ValueError, match="activation must be one of"):
+            dwconv.DepthwiseConv2d(4, 4, 3, activation=bad)
+        with pytest.raises(ValueError, match="activation must be one of"):
+            dwconv.depthwise_conv2d(x, randn(4, 1, 3, 3), activation=bad)
+
+
+def test_activation_under_forward_mode_ad():
+    """A tangent through the activated call: PyTorch's activation after dwconv's convolution."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, weight, tangent = randn(1, 3, 6, 6), randn(3, 1, 3, 3), randn(1, 3, 6, 6)
+    with fwAD.dual_level():
+        out = dwconv.depthwise_conv2d(fwAD.make_dual(x, tangent), weight, None, 1, 1, 1, "silu")
+        jvp = fwAD.unpack_dual(out).tangent
+    x64 = x.double()
+    _, ref = torch.func.jvp(lambda t: F.silu(F.conv2d(t, weight.double(), None, 1, 1, 1, groups=3)), (x64,),
+                            (tangent.double(),))
+    assert_close(jvp, ref, torch.float32, "tangent")
+
+
+def test_warmup_compiles_the_activated_forward(tmp_path, monkeypatch):
+    """A warmup's recorded call keeps the activation, and its pool compiles that forward (another
+    binary than the plain one's), for sm_90 into an empty cache."""
+    from dwconv.precompile import compile_calls, layer_calls
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    model = torch.nn.Sequential(dwconv.DepthwiseConv2d(4, 4, 3, padding=1, activation="relu6")).eval()
+    with torch.no_grad():
+        calls = layer_calls(model, randn(2, 4, 8, 8))
+    assert [call.arguments for call in calls] == [((1, 1), (1, 1), (1, 1), "relu6")]
+    report = compile_calls(calls, 90, workers=1, verbose=False)
+    assert report.errors == [] and report.launches == 1
+
+
+# ---- convert(fuse=True): BatchNorm folded, activation fused ---------------------------------------
+
+def _bn(channels):
+    """A BatchNorm2d with non-trivial statistics and affine parameters."""
+    bn = torch.nn.BatchNorm2d(channels)
+    with torch.no_grad():
+        bn.running_mean.copy_(randn(channels))
+        bn.running_var.copy_(torch.rand(channels) + 0.5)
+        bn.weight.copy_(randn(channels))
+        bn.bias.copy_(randn(channels))
+    return bn
+
+
+def _block(activation=torch.nn.ReLU6, channels=8, kernel=3, stride=1, bias=False):
+    return torch.nn.Sequential(torch.nn.Conv2d(channels, channels, kernel, stride, kernel // 2, groups=channels,
+                                               bias=bias), _bn(channels), activation())
+
+
+class Residual(torch.nn.Module):
+    """timm's kind of block: named children called in its forward, a residual around them."""
+
+    def __init__(self):
+        super().__init__()
+        # (no bias, as before any BatchNorm: in training its gradient is zero, computed as rounding noise)
+        self.conv_dw = torch.nn.Conv2d(8, 8, 5, padding=2, groups=8, bias=False)
+        self.bn1 = _bn(8)
+        self.act = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.act(self.bn1(self.conv_dw(x))) + x
+
+
+def _assert_same_model(stock, fused, x, what):
+    with torch.no_grad():
+        ref = stock.double()(x.double())
+        stock.float()
+        assert_close(fused(x), ref, torch.float32, what)
+
+
+@pytest.mark.parametrize("activation", [torch.nn.ReLU6, torch.nn.SiLU, torch.nn.Hardswish, torch.nn.Identity])
+def test_fused_block_in_eval_mode(activation, capsys):
+    stock = torch.nn.Sequential(_block(activation, bias=True), _block(activation, stride=2)).eval()
+    fused = dwconv.convert(stock, fuse=True, precompile=False)
+    printed = capsys.readouterr().out
+    activations = 0 if activation is torch.nn.Identity else 2
+    assert f"fused 2 depthwise block(s) for eval mode (2 BatchNorm2d folded, {activations} activation(s)" in printed
+    assert type(fused[0][0]).__name__ == "FusedDepthwiseConv2d" and type(fused[0][1]).__name__ == "FoldedBatchNorm2d"
+    assert isinstance(fused[0][1], torch.nn.BatchNorm2d) and isinstance(fused[0][2], activation)
+    assert list(fused.state_dict()) == list(stock.state_dict())
+    x = randn(2, 8, 9, 11)
+    _assert_same_model(stock, fused, x, "eval")
+    # the running statistics change in place: the folded weights follow
+    with torch.no_grad():
+        fused[1][1].running_var.mul_(3)
+        stock[1][1].running_var.mul_(3)
+    _assert_same_model(stock, fused, x, "eval after a change of statistics")
+
+
+def test_fused_block_trains_as_the_stock_block():
+    """Training mode: BatchNorm on the batch's statistics, running statistics updated, gradients
+    of every parameter as stock's; then eval on the updated statistics."""
+    stock = torch.nn.Sequential(_block(), Residual()).train()
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    assert type(fused[1].conv_dw).__name__ == "FusedDepthwiseConv2d"  # (the traced residual block)
+    x = randn(4, 8, 9, 11)
+    for step in range(2):
+        out, ref = fused(x), stock(x)
+        assert_close(out, ref, torch.float32, f"training output, step {step}")
+        grad_out = randn(*out.shape)
+        out.backward(grad_out)
+        ref.backward(grad_out)
+    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
+        assert_close(p.grad, p_ref.grad, torch.float32, f"grad of {name}")
+    for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
+        assert_close(b, b_ref, torch.float32, name)
+    fused.eval(), stock.eval()
+    _assert_same_model(stock, fused, x, "eval after training")
+
+
+def test_fused_block_in_eval_mode_with_gradients():
+    """Eval mode with gradients (frozen statistics, fine-tuning): the folding is differentiated,
+    parameters of the layer and of the BatchNorm get stock's gradients."""
+    stock = _block(torch.nn.SiLU, bias=True).eval()
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    x = randn(2, 8, 9, 11).requires_grad_()
+    out, ref = fused(x), stock(x)
+    assert_close(out, ref, torch.float32)
+    grad_out = randn(*out.shape)
+    out.backward(grad_out)
+    grad_x = x.grad.clone()
+    x.grad = None
+    ref.backward(grad_out)
+    assert_close(grad_x, x.grad, torch.float32, "grad of the input")
+    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
+        assert_close(p.grad, p_ref.grad, torch.float32, f"grad of {name}")
+
+
+class BatchNormAct2d(torch.nn.BatchNorm2d):
+    """As timm's: BatchNorm, then drop (Identity), then its activation (here through super())."""
+
+    def __init__(self, channels):
+        super().__init__(channels)
+        self.drop = torch.nn.Identity()
+        self.act = torch.nn.Hardswish()
+
+    def forward(self, x):
+        return self.act(self.drop(super().forward(x)))
+
+
+def test_timm_batch_norm_act_folds_with_its_activation():
+    norm = BatchNormAct2d(8)
+    norm.load_state_dict(_bn(8).state_dict())
+    stock = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), norm).eval()
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    assert fused[0].dwconv_activation == "hardswish"
+    _assert_same_model(stock, fused, randn(2, 8, 7, 9), "eval")
+    fused.train(), stock.train()
+    x = randn(2, 8, 7, 9)
+    assert_close(fused(x), stock(x), torch.float32, "training")
+
+
+class Shared(torch.nn.Module):
+    """Blocks that must not fuse: a BatchNorm used twice, a layer whose output also feeds a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv_a, self.conv_b = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.nn.Conv2d(8, 8, 3, padding=1,
+                                                                                                   groups=8)
+        self.bn = _bn(8)
+
+    def forward(self, x):
+        y = self.conv_a(x)
+        return self.bn(y) + y + self.bn(self.conv_b(x))
+
+
+class Branching(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _block()
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.bn = _bn(8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # (control flow on a value: torch.fx cannot trace it)
+            x = -x
+        return self.bn(self.conv(self.block(x)))
+
+
+def test_what_cannot_be_proven_is_left_alone(capsys):
+    hooked = _block()
+    hooked[1].register_forward_hook(lambda module, args, out: out * 2)
+    functional_act = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8))
+    stock = torch.nn.Sequential(Shared(), Branching(), hooked, functional_act).eval()
+    fused = dwconv.convert(stock, fuse=True, precompile=False)
+    printed = capsys.readouterr().out
+    # only Branching's inner Sequential block fuses; its own conv -> bn is not proven
+    assert "fused 1 depthwise block(s)" in printed, printed
+    assert "not fused (its module's forward does not trace with torch.fx)" in printed
+    assert "not fused (followed by neither a BatchNorm2d nor an activation module)" in printed
+    assert [type(m).__name__ for m in fused.modules()].count("FusedDepthwiseConv2d") == 1
+    _assert_same_model(stock, fused, randn(2, 8, 9, 11), "eval")
+
+
+def test_fused_model_saves_copies_and_loads(tmp_path):
+    import copy
+    import io
+
+    stock = torch.nn.Sequential(_block(torch.nn.ReLU), Residual()).eval()
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    x = randn(2, 8, 9, 11)
+    with torch.no_grad():
+        expected = fused(x)
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    for other in (torch.load(buffer, weights_only=False), copy.deepcopy(fused)):
+        assert other[0][0].dwconv_norm is other[0][1]  # (its own BatchNorm, not the original's)
+        with torch.no_grad():
+            assert_close(other(x), expected, torch.float32)
+    # the fused model's state_dict loads into the stock model
+    plain = torch.nn.Sequential(_block(torch.nn.ReLU), Residual()).eval()
+    plain.load_state_dict(fused.state_dict())
+    _assert_same_model(plain, fused, x, "stock with the fused model's state")
+
+
+def test_eval_block_runs_one_activated_kernel(monkeypatch):
+    """Eval mode without gradients: one forward launch with the activation in its epilogue, the
+    folded weights computed once and kept while nothing changes."""
+    from dwconv import _library, fuse
+
+    stock = _block(torch.nn.Hardswish).eval()
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    activations, folds = [], []
+    forward, fold = _library.conv_forward, fuse.fold_batch_norm
+    monkeypatch.setattr(_library, "conv_forward", lambda *a, **k: activations.append(k.get("activation")) or
+                        forward(*a, **k))
+    monkeypatch.setattr(fuse, "fold_batch_norm", lambda *a: folds.append(1) or fold(*a))
+    with torch.no_grad():
+        for _ in range(3):
+            fused(randn(2, 8, 9, 11))
+    assert activations == [6, 6, 6] and len(folds) == 1
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_fused_model_under_torch_compile(mode):
+    """fullgraph=True: the folding and the activation traced (no graph break), the same values as eager."""
+    from test_integration import BACKEND
+
+    stock = torch.nn.Sequential(_block(), Residual()).train(mode == "train")
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    compiled = torch.compile(fused, fullgraph=True, backend=BACKEND)
+    x = randn(2, 8, 9, 11)
+    with torch.no_grad():
+        assert_close(compiled(x), fused(x), torch.float32, "compiled")

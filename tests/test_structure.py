@@ -60,6 +60,18 @@ def module_imports():
     return {m: {i for i in imported if i in modules and i != m} for m, imported in graph.items()}
 
 
+def test_importing_dwconv_imports_no_triton():
+    """Triton reads TRITON_INTERPRET when its language module is imported: the package's import
+    must leave it to the first call (a compile worker, a demo without a GPU, sets it first)."""
+    import subprocess
+    import sys
+
+    code = "import sys, dwconv; print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, PYTHONPATH=os.path.dirname(PACKAGE)))
+    assert done.stdout.strip() == "[]", done.stdout[:200]
+
+
 def test_no_import_circle():
     graph = module_imports()
     state = {}

@@ -44,7 +44,7 @@ def compile_call(call: dict) -> None:
 
     x, weight, bias = (tensor(spec) for spec in call["tensors"])
     arguments = tuple(tuple(a) if isinstance(a, list) else a for a in call["arguments"])
-    geom = conv_geometry(x, weight, bias, *arguments)
+    geom = conv_geometry(x, weight, bias, *arguments[:3])  # (an activation may follow: eager_conv's)
     with torch.no_grad():
         if call["pass"] == "forward":
             eager_conv(x, weight, bias, geom, arguments)

@@ -22,6 +22,20 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are jit functions: calling them
 # from Python costs ~9 us each, more than the rest of a launcher's arithmetic.
+# The activations a forward's epilogue can apply (its ACTIVATION constexpr): name -> code.
+ACTIVATION_CODES = {"identity": 0, "relu": 1, "relu6": 2, "silu": 3, "gelu": 4, "gelu_tanh": 5, "hardswish": 6,
+                    "hardsigmoid": 7}
+
+
+def activation_code(name: Optional[str]) -> int:
+    """The kernels' code of an activation name (None: identity); a clear error for any other value."""
+    if name is None:
+        return 0
+    if not isinstance(name, str) or name not in ACTIVATION_CODES:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATION_CODES)} or None, got {name!r}")
+    return ACTIVATION_CODES[name]
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import dispatch as _dispatch
 from . import replay
-from ._geometry import ConvGeometry, conv_geometry
+from ._geometry import ConvGeometry, activation_code, conv_geometry
 from .dispatch import conv_forward
 from .kernels._shared import output_memory_format
 from .kernels.layout import nchw_copy
@@ -373,8 +373,12 @@ def eager_conv(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: Conv
                arguments: tuple) -> Tensor:
     """An eager call on tensors the kernels read: under forward-mode AD the Python Function (its jvp
     gives the tangent; the C++ Function has none); else the C++ path where it is on and the layer
-    records, else the Python Function, or the bare forward where nothing needs a gradient."""
+    records, else the Python Function, or the bare forward where nothing needs a gradient. An
+    activation after the arguments (depthwise_conv2d passes one only where no gradient is wanted):
+    the forward with the activation in its epilogue."""
     input, weight, bias = plain(input), plain(weight), plain(bias)
+    if len(arguments) > 3:
+        return conv_forward(input, weight, bias, geom, activation=activation_code(arguments[3]))
     if forward_ad._current_level >= 0:
         return DepthwiseConv2dFunction.apply(input, weight, bias, geom)
     out = replay.conv(input, weight, bias, geom, REPLAY_PASSES, arguments) if replay.enabled(input) else None

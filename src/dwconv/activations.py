@@ -10,7 +10,7 @@ from typing import Callable, Dict, Optional
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kernels._shared import ACTIVATION_CODES
+from ._geometry import ACTIVATION_CODES, activation_code  # noqa: F401  (activation_code: checks a name)
 
 FUNCTIONS: Dict[str, Callable] = {
     "identity": lambda t: t,
@@ -23,15 +23,6 @@ FUNCTIONS: Dict[str, Callable] = {
     "hardsigmoid": F.hardsigmoid,
 }
 assert FUNCTIONS.keys() == ACTIVATION_CODES.keys()
-
-
-def activation_code(name: Optional[str]) -> int:
-    """The kernels' code of an activation name (None: identity); a clear error for any other value."""
-    if name is None:
-        return 0
-    if not isinstance(name, str) or name not in ACTIVATION_CODES:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATION_CODES)} or None, got {name!r}")
-    return ACTIVATION_CODES[name]
 
 
 def activation_of(module: nn.Module) -> Optional[str]:

@@ -38,7 +38,7 @@ def _depthwise_class(cls: type) -> type:
 
 
 def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, example_inputs=None,
-            precompile: bool = True) -> nn.Module:
+            precompile: bool = True, fuse: bool = False) -> nn.Module:
     """Makes every convertible nn.Conv2d in model (see `is_convertible`) a DepthwiseConv2d; every
     other layer is left alone. Each layer stays the same object, only its class changes: its
     parameters (device, dtype, memory format, requires_grad), buffers, training mode, hooks (the
@@ -51,7 +51,13 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     Kernels compile ahead of use, in parallel (`dwconv.warmup`): with precompile, at the model's
     first call with each new input signature (`precompile.warm_up_on_first_call`: the whole model's
     depthwise kernels before its first step runs); with example_inputs (a tensor or a tuple of the
-    model's arguments, as it will be called), now."""
+    model's arguments, as it will be called), now.
+
+    fuse: each converted layer followed by a BatchNorm2d and/or an activation (ReLU, ReLU6, SiLU,
+    GELU, Hardswish, Hardsigmoid; timm's BatchNormAct2d) computes them itself while the BatchNorm
+    is in eval mode: the BatchNorm folded into its weight and bias, the activation in the kernel's
+    epilogue (dwconv.fuse). Training mode runs every module as before. Parameters, buffers and
+    state_dict keys stay the same; the blocks fused and the layers left are printed when verbose."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not inplace:
@@ -69,6 +75,16 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
         why = "".join(f"; {count} depthwise left as is ({reason})" for reason, count in sorted(left.items()))
         print(f"dwconv.convert: replaced {len(layers)} depthwise Conv2d layer(s){why}; "
               f"{convs - len(layers) - sum(left.values())} other Conv2d left as is")
+    if fuse:
+        from .fuse import fuse_blocks
+
+        blocks, not_fused = fuse_blocks(model)
+        if verbose:
+            norms = sum(norm is not None for _, norm, _, _ in blocks)
+            activations = sum(activation != "identity" for *_, activation in blocks)
+            why = "".join(f"; {count} not fused ({reason})" for reason, count in sorted(not_fused.items()))
+            print(f"dwconv.convert: fused {len(blocks)} depthwise block(s) for eval mode ({norms} BatchNorm2d "
+                  f"folded, {activations} activation(s) in the kernels){why}")
     from .precompile import warm_up_on_first_call, warmup
 
     if precompile and layers:

@@ -177,7 +177,7 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None,
                  activation: int = 0) -> torch.Tensor:
     """The forward convolution of checked arguments (out: written into when given), through an
-    activation (a kernels._shared.ACTIVATION_CODES code, applied before the outputs' rounding)."""
+    activation (a code of _geometry.ACTIVATION_CODES, applied before the outputs' rounding)."""
     return launch_forward(x, weight, bias, geom, config, out, activation=activation)[0]
 
 

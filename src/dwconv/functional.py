@@ -12,6 +12,7 @@ from torch.fx import Proxy
 
 from . import replay
 from ._env import triton_interpreter_enabled
+from .activations import FUNCTIONS, activation_code
 from ._geometry import IntOrPair, Padding, conv_geometry
 
 
@@ -27,6 +28,7 @@ def depthwise_conv2d(
     stride: IntOrPair = 1,
     padding: Padding = 0,
     dilation: IntOrPair = 1,
+    activation: Optional[str] = None,
 ) -> torch.Tensor:
     """Depthwise 2-D convolution: F.conv2d(input, weight, bias, stride, padding, dilation,
     groups=input.shape[1]), computed by dwconv's Triton kernels.
@@ -39,18 +41,36 @@ def depthwise_conv2d(
     Under torch.func transforms, and for tensor subclasses that dispatch in Python, F.conv2d
     computes it. Under torch.compile, torch.export and torch.jit.trace it is the custom op
     torch.ops.dwconv.conv2d (no graph break; a traced or exported graph holds the op).
+
+    activation: one of dwconv.activations.FUNCTIONS ("relu", "relu6", "silu", "gelu", "gelu_tanh",
+    "hardswish", "hardsigmoid", "identity") or None, applied to the output: where no gradient is
+    wanted, in the kernel's epilogue (each output activated before its one rounding, and stored
+    once); where one is (or under forward-mode AD), by PyTorch's function after the convolution,
+    which autograd differentiates.
     """
     if isinstance(input, Proxy):  # (torch.fx's symbolic trace: one node, as F.conv2d's, not its checks)
         return input.tracer.create_proxy("call_function", depthwise_conv2d,
-                                         (input, weight, bias, stride, padding, dilation), {})
+                                         (input, weight, bias, stride, padding, dilation),
+                                         {"activation": activation} if activation is not None else {})
+    fused = activation_code(activation) > 0
+    if fused and _gradient_wanted(input, weight, bias):
+        return FUNCTIONS[activation](depthwise_conv2d(input, weight, bias, stride, padding, dilation))
     # (seen before: no checks again, and autocast's casts made in C++)
-    out = _known_layer(input, weight, bias, stride, padding, dilation)
+    out = None if fused else _known_layer(input, weight, bias, stride, padding, dilation)
     if out is None:
         if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
             input, weight, bias = _autocast(input, weight, bias)
         geom = _geometry(input, weight, bias, stride, padding, dilation)
-        out = _DOORS[_door(input, weight, bias)](input, weight, bias, geom, (stride, padding, dilation))
+        # (the arguments as passed, and an activation after them: what a warmup's recording keeps)
+        arguments = (stride, padding, dilation, activation) if fused else (stride, padding, dilation)
+        out = _DOORS[_door(input, weight, bias)](input, weight, bias, geom, arguments)
     return out
+
+
+def _gradient_wanted(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd (reverse or forward mode) will differentiate the call's output."""
+    return forward_ad._current_level >= 0 or (torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors))
 
 
 def _geometry(input, weight, bias, stride, padding, dilation):
@@ -99,13 +119,18 @@ def _door(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 
 
 def _pytorch(input, weight, bias, geom, arguments):
-    return F.conv2d(input, weight, bias, *arguments, groups=geom.in_channels)
+    return _activated(F.conv2d(input, weight, bias, *arguments[:3], groups=geom.in_channels), arguments)
 
 
 def _registered_op(input, weight, bias, geom, arguments):
     from ._library import conv_arguments
 
-    return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
+    return _activated(torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom)), arguments)
+
+
+def _activated(out: torch.Tensor, arguments: tuple) -> torch.Tensor:
+    """out through the activation at the end of a call's arguments, if there is one."""
+    return FUNCTIONS[arguments[3]](out) if len(arguments) > 3 else out
 
 
 def _eager(input, weight, bias, geom, arguments):

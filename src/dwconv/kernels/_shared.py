@@ -15,14 +15,10 @@ from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import alignment
 
 
-# The activations a forward's epilogue can apply (its ACTIVATION constexpr): name -> code.
-ACTIVATION_CODES = {"identity": 0, "relu": 1, "relu6": 2, "silu": 3, "gelu": 4, "gelu_tanh": 5, "hardswish": 6,
-                    "hardsigmoid": 7}
-
-
 @triton.jit
 def _activate(v, ACTIVATION: tl.constexpr):
-    """An ACTIVATION_CODES activation of accumulator values, before their cast to the output's dtype.
+    """A forward epilogue's activation (its code: _geometry.ACTIVATION_CODES) of accumulator values,
+    before their cast to the output's dtype.
     NaN stays NaN, as in PyTorch's (a comparison with NaN is false, so `where` keeps it)."""
     if ACTIVATION == 1:  # relu
         v = tl.where(v < 0.0, 0.0, v)
@@ -305,8 +301,8 @@ def channels_last_kernel_applies(x: torch.Tensor, out: Optional[torch.Tensor] = 
 
 def forward_constants(geom: ConvGeometry, config, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
                       activation: int = 0) -> dict:
-    """The constexprs every forward-shaped kernel takes (and num_warps); activation: an ACTIVATION_CODES
-    code, applied to the outputs."""
+    """The constexprs every forward-shaped kernel takes (and num_warps); activation: the code of one
+    applied to the outputs (_geometry.ACTIVATION_CODES)."""
     return dict(MULTIPLIER=geom.multiplier, KH=geom.kernel_h, KW=geom.kernel_w, HAS_BIAS=has_bias,
                 ACTIVATION=activation,
                 INDEX_64=needs_int64(x, out), ACC_DTYPE=acc_dtype(x.dtype), BLOCK_W=config.block_w,

@@ -233,7 +233,7 @@ def large_fma_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                       out: torch.Tensor, flip_weight: bool = False, blocks=None, activation: int = 0) -> torch.Tensor:
     """Writes the convolution into out (any layout) and returns it; channels_last x is read from an
     NCHW copy, as the Toeplitz path does. blocks: (block_h, block_w, num_warps, out_vec).
-    activation: an ACTIVATION_CODES code applied to the outputs."""
+    activation: a code of _geometry.ACTIVATION_CODES, applied to the outputs."""
     x = nchw_copy(x)
     dst = out if out.stride(3) == 1 else torch.empty(out.shape, device=out.device, dtype=out.dtype)
     # weight rows as padded 4-vectors (one F.pad a call: only for large kernels)

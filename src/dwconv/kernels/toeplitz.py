@@ -366,8 +366,8 @@ def toeplitz_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                      out_rows: Optional[int] = None, activation: int = 0) -> torch.Tensor:
     """Writes the convolution into out (allocated by the caller, any layout) and returns it.
     flip_weight: convolve with weight.flip(2, 3) (grad_input), without a flipped copy. out_rows:
-    output rows a tile (toeplitz_out_rows); block_m: tiles a program. activation: an
-    ACTIVATION_CODES code applied to the outputs."""
+    output rows a tile (toeplitz_out_rows); block_m: tiles a program. activation: a code
+    of _geometry.ACTIVATION_CODES, applied to the outputs."""
     x = nchw_copy(x)
     out_rows = out_rows or toeplitz_out_rows(geom, x)
     block_m, num_stages = block_m or toeplitz_block_m(x), num_stages or tuned().toeplitz_num_stages

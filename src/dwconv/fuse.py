@@ -1,0 +1,255 @@
+"""The fused depthwise block for inference: `convert(model, fuse=True)` finds each converted
+depthwise layer followed by a BatchNorm2d and/or an activation, and while the BatchNorm is in eval
+mode the layer computes all three in one pass: the BatchNorm folded into its weight and bias, the
+activation in the kernel's epilogue (no gradient wanted) or PyTorch's function after it (one wanted).
+The BatchNorm and activation modules then pass their input through. In training mode the block
+runs as it was (BatchNorm on the batch's statistics, updating its running ones).
+
+Nothing is replaced: the three modules keep their identity, parameters, buffers and state_dict
+keys; only their classes change (FusedDepthwiseConv2d, and subclasses of the norm's and the
+activation's own classes: `folded_class`). A block is fused only where it is proven to be one: the layer's
+output goes to the BatchNorm and nowhere else, the BatchNorm's to the activation (torch.fx traces of
+the parent module's forward, in training and in eval mode, with its children as leaves), each module
+is used once in the model and has no hooks, and the BatchNorm keeps running statistics.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .activations import FUNCTIONS, activation_of
+from .functional import _gradient_wanted, depthwise_conv2d
+from .modules import DepthwiseConv2d
+
+Block = Tuple[DepthwiseConv2d, Optional[nn.BatchNorm2d], Optional[nn.Module], str]  # conv, norm, activation module, name
+
+
+# ---- the modules of a fused block --------------------------------------------------------------
+
+class FusedDepthwiseConv2d(DepthwiseConv2d):
+    """A DepthwiseConv2d computing the BatchNorm2d after it (`dwconv_norm`, or None) and the
+    activation after that (`dwconv_activation`, a name of dwconv.activations.FUNCTIONS) wherever
+    the BatchNorm is in eval mode (without one: always)."""
+
+    dwconv_norm: Optional[nn.BatchNorm2d] = None
+    dwconv_activation: str = "identity"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        norm = self.dwconv_norm
+        if norm is not None and norm.training:
+            return super().forward(input)  # (the block as it was: the BatchNorm and activation run)
+        weight, bias = (self.weight, self.bias) if norm is None else _folded(self, norm)
+        activation = None if self.dwconv_activation == "identity" else self.dwconv_activation
+        return depthwise_conv2d(input, weight, bias, self.stride, self.padding, self.dilation, activation)
+
+    def extra_repr(self) -> str:
+        fused = ([f"norm={type(self.dwconv_norm).__mro__[2].__name__}"] if self.dwconv_norm is not None
+                 else []) + [f"activation={self.dwconv_activation!r}"]
+        return super().extra_repr() + ", fused: " + ", ".join(fused)
+
+
+class _FoldedNorm:
+    """A BatchNorm2d folded into the depthwise layer before it (`folded_class`): in eval mode its input
+    passes through (the layer applied it, and the activation after it where this module held one,
+    as timm's BatchNormAct2d does); in training mode it runs as its own class did."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return input
+        return super().forward(input)
+
+
+class _FusedActivation:
+    """An activation module computed by the depthwise layer of its block (`folded_class`): its input
+    passes through where the block's BatchNorm (`dwconv_norm`, or None: always) is in eval mode;
+    otherwise it runs as its own class did."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        norm = self.dwconv_norm
+        if norm is None or not norm.training:
+            return input
+        return super().forward(input)
+
+    def extra_repr(self) -> str:
+        return "computed by its depthwise layer" + (", " + super().extra_repr() if super().extra_repr() else "")
+
+
+_ROLES = {"norm": _FoldedNorm, "activation": _FusedActivation}
+
+
+@functools.lru_cache(maxsize=None)
+def folded_class(role: str, cls: type) -> type:
+    """cls with a fused block's role (a subclass, so its own forward, super() calls and isinstance
+    hold), one class for each: "norm" or "activation". Pickled and copied by role and class."""
+    return type(("Folded" if role == "norm" else "Fused") + cls.__name__, (_ROLES[role], cls),
+                {"__reduce_ex__": _reduce, "__module__": __name__, "dwconv_role": role})
+
+
+def _reduce(module: nn.Module, protocol: int):
+    cls = type(module)
+    return _rebuild, (cls.dwconv_role, cls.__mro__[2]), module.__dict__.copy()
+
+
+def _rebuild(role: str, cls: type) -> nn.Module:
+    fused = folded_class(role, cls)
+    return fused.__new__(fused)
+
+
+def fold_batch_norm(weight: torch.Tensor, bias: Optional[torch.Tensor], norm: nn.BatchNorm2d
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(weight, bias) of the convolution followed by norm in eval mode: y = (conv(x) + b - mean) *
+    gamma / sqrt(var + eps) + beta, per output channel (differentiable in every parameter)."""
+    scale = torch.rsqrt(norm.running_var + norm.eps)
+    if norm.weight is not None:
+        scale = scale * norm.weight
+    shift = -norm.running_mean * scale if bias is None else (bias - norm.running_mean) * scale
+    if norm.bias is not None:
+        shift = shift + norm.bias
+    return weight * scale.to(weight.dtype).view(-1, 1, 1, 1), shift.to(weight.dtype)
+
+
+def _folded(conv: FusedDepthwiseConv2d, norm: nn.BatchNorm2d) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fold_batch_norm of the layer and its norm: kept between calls while no gradient or transform
+    needs it computed each call and none of the tensors changed (in place: their version counters;
+    moved or cast: their storage and dtype)."""
+    tensors = (conv.weight, conv.bias, norm.weight, norm.bias, norm.running_mean, norm.running_var)
+    if not _cacheable(tensors):
+        return fold_batch_norm(conv.weight, conv.bias, norm)
+    key = (norm.eps,) + tuple(None if t is None else (t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
+    cached = conv.__dict__.get("_dwconv_folded")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, *fold_batch_norm(conv.weight, conv.bias, norm))
+        conv.__dict__["_dwconv_folded"] = cached
+    return cached[1], cached[2]
+
+
+def _cacheable(tensors) -> bool:
+    """Whether a folded weight computed before may stand for this call's: not when autograd (either
+    mode) would differentiate through the parameters, under torch.compile, torch.jit.trace or
+    torch.func's transforms (which must see the computation), or for tensors that dispatch in Python
+    (fake tensors, subclasses)."""
+    present = [t for t in tensors if t is not None]
+    return not (torch.compiler.is_compiling() or torch._C._is_tracing() or _gradient_wanted(*present)
+                or torch._C._functorch.peek_interpreter_stack() is not None
+                or any(type(t) not in (torch.Tensor, nn.Parameter) for t in present))
+
+
+# ---- finding blocks -------------------------------------------------------------------------------
+
+class _ChildrenAsLeaves(torch.fx.Tracer):
+    def __init__(self, parent: nn.Module):
+        super().__init__()
+        self.children_ids = {id(child) for child in parent.children()}
+
+    def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
+        return id(m) in self.children_ids or super().is_leaf_module(m, qualified_name)
+
+
+def _dataflow(parent: nn.Module) -> Optional[Dict[str, Tuple[str, ...]]]:
+    """For each child called exactly once in parent.forward (traced by torch.fx with the children as
+    leaves): the children that alone take its output as their only argument, in order (a chain
+    conv -> norm -> act). None where the forward does not trace."""
+    try:
+        graph = _ChildrenAsLeaves(parent).trace(parent)
+    except Exception:  # (control flow on values, unsupported calls: nothing is proven)
+        return None
+    calls = collections.Counter(node.target for node in graph.nodes if node.op == "call_module")
+    flow = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or calls[node.target] != 1:
+            continue
+        users = list(node.users)
+        if len(users) == 1 and users[0].op == "call_module" and calls[users[0].target] == 1 \
+                and users[0].args == (node,) and not users[0].kwargs:
+            flow[node.target] = (users[0].target,)
+        else:
+            flow[node.target] = ()
+    return flow
+
+
+def _in_both_modes(parent: nn.Module) -> Optional[Dict[str, Tuple[str, ...]]]:
+    """_dataflow with parent.training False and True (a forward may branch on it); None unless the same."""
+    was = parent.training
+    flows = []
+    for mode in (False, True):
+        parent.training = mode  # (this module's flag only: its children are leaves)
+        flows.append(_dataflow(parent))
+    parent.training = was
+    return flows[0] if flows[0] == flows[1] else None
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None))
+
+
+def _foldable_norm(module: nn.Module, conv: DepthwiseConv2d) -> Tuple[bool, str]:
+    """(whether module is a BatchNorm2d that folds into conv, the activation inside it: timm's
+    BatchNormAct2d applies one)."""
+    inner = "identity"
+    if type(module) is not nn.BatchNorm2d:
+        if not (isinstance(module, nn.BatchNorm2d) and type(module).__name__ == "BatchNormAct2d"
+                and type(getattr(module, "drop", None)) is nn.Identity and activation_of(module.act)):
+            return False, inner
+        inner = activation_of(module.act)
+    ok = (module.track_running_stats and module.running_mean is not None
+          and module.num_features == conv.out_channels and not _hooked(module))
+    return ok, inner
+
+
+def find_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
+    """The fusable blocks of model's converted depthwise layers, and why the other layers are not."""
+    uses = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    blocks, left = [], collections.Counter()
+    for parent_name, parent in model.named_modules():
+        children = dict(parent.named_children())
+        convs = {name: child for name, child in children.items() if type(child) is DepthwiseConv2d}
+        if not convs:
+            continue
+        flow = _in_both_modes(parent)
+        for name, conv in convs.items():
+            if flow is None:
+                left["its module's forward does not trace with torch.fx"] += 1
+                continue
+            if uses[id(conv)] > 1 or _hooked(conv) or conv.activation is not None:
+                left["used twice, hooked or already activated"] += 1
+                continue
+            chain = [name]
+            while len(chain) < 3 and flow.get(chain[-1]):
+                chain.append(flow[chain[-1]][0])
+            modules = [children[n] for n in chain[1:] if n in children]
+            norm, activation, activation_module = None, "identity", None
+            if modules:
+                ok, inner = _foldable_norm(modules[0], conv)
+                if ok and uses[id(modules[0])] == 1:
+                    norm, activation = modules.pop(0), inner
+            if modules and activation == "identity" and activation_of(modules[0]) \
+                    and uses[id(modules[0])] == 1 and not _hooked(modules[0]):
+                activation_module, activation = modules[0], activation_of(modules[0])
+            if norm is None and activation_module is None:
+                left["followed by neither a BatchNorm2d nor an activation module"] += 1
+                continue
+            blocks.append((conv, norm, activation_module, activation))
+    return blocks, left
+
+
+def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
+    """Makes each block find_blocks proves a fused one (the modules' classes change); returns them
+    and why other converted layers are not fused."""
+    blocks, left = find_blocks(model)
+    for conv, norm, activation_module, activation in blocks:
+        # (the norm as a plain attribute, not a submodule: its parameters stay where they were, once)
+        conv.__class__ = FusedDepthwiseConv2d
+        conv.__dict__.update(dwconv_norm=norm, dwconv_activation=activation)
+        if norm is not None:
+            norm.__class__ = folded_class("norm", type(norm))
+        if activation_module is not None:
+            activation_module.__dict__["dwconv_norm"] = norm
+            activation_module.__class__ = folded_class("activation", type(activation_module))
+    return blocks, left
