@@ -350,3 +350,51 @@ def test_fused_model_under_torch_compile(mode):
     x = randn(2, 8, 9, 11)
     with torch.no_grad():
         assert_close(compiled(x), fused(x), torch.float32, "compiled")
+
+
+def test_fx_trace_of_a_fused_model_decides_when_it_runs():
+    """torch.fx records each module of a fused block as one call: the GraphModule folds in eval
+    mode and trains as the stock block in training mode, whichever mode it was traced in."""
+    stock = torch.nn.Sequential(_block(), Residual()).eval()
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    traced = torch.fx.symbolic_trace(fused)
+    calls = [node.target for node in traced.graph.nodes if node.op == "call_module"]
+    assert calls[:3] == ["0.0", "0.1", "0.2"], calls
+    x = randn(2, 8, 9, 11)
+    _assert_same_model(stock, traced, x, "traced, eval")
+    traced.train(), stock.train()
+    assert_close(traced(x), stock(x), torch.float32, "traced, training")
+
+
+def test_opcheck_activated_op():
+    """The forward op with an activation (what a compiled graph holds where no gradient is wanted)."""
+    from dwconv._library import conv_arguments
+
+    x, weight, bias = randn(1, 3, 6, 11), randn(6, 1, 3, 3), randn(6)
+    conv = conv_arguments(conv_geometry(x, weight, bias, 2, 1, 1))
+    for code in (2, 3):
+        torch.library.opcheck(torch.ops.dwconv.conv2d_activated.default, (x, weight, bias, *conv, code),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+        out = torch.ops.dwconv.conv2d_activated(x, weight, bias, *conv, code)
+        ref = FUNCTIONS[["relu6", "silu"][code - 2]](reference_conv(x, weight, bias, 2, 1, 1))
+        assert_close(out, ref, torch.float32)
+    with pytest.raises(ValueError, match="activation must be a code"):
+        torch.ops.dwconv.conv2d_activated(x, weight, bias, *conv, 99)
+
+
+def test_compiled_eval_graph_holds_the_activated_op():
+    """Compiled without gradients, a fused block is one dwconv op with its activation (no separate
+    activation pass); with gradients, conv2d and the activation after it."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    stock = _block(torch.nn.SiLU).eval()
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    backend = EagerAndRecordGraphs()
+    compiled = torch.compile(fused, fullgraph=True, backend=backend)
+    x = randn(2, 8, 9, 11)
+    with torch.no_grad():
+        out = compiled(x)
+    _assert_same_model(stock, fused, x, "eager")
+    assert_close(out, fused(x).detach(), torch.float32, "compiled")
+    code = backend.graphs[0].code
+    assert "dwconv.conv2d_activated" in code and "silu" not in code, code

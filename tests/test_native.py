@@ -378,7 +378,7 @@ def test_registered_ops_served_from_cpp(monkeypatch):
     and arguments seen before replays its recorded program: the same values as the ops' Python, every
     op and output kind (a tensor, a list, a pair); bad arguments still raise the checks' own error;
     a differentiable call keeps the ops' Python autograd kernel; forget_layers gives every call back
-    to Python."""
+    to Python. The activated forward's activation is part of a call's key."""
     from dwconv import replay
     from dwconv._library import conv_arguments
 
@@ -392,9 +392,13 @@ def test_registered_ops_served_from_cpp(monkeypatch):
     calls += [(ops.conv2d_grad_input.default, (grad_out, x, weight)),
               (ops.conv2d_grad_weight.default, (grad_out, x, weight)),
               (ops.conv2d_grad_input_weight.default, (grad_out, x, weight))]
+    # (the activated forward: the same tensors with two activations, two programs)
+    calls += [(ops.conv2d_activated.default, (x, weight, bias, 2)), (ops.conv2d_activated.default, (x, weight, bias, 3))]
 
     def run(op, tensors):
         extra = (True,) if op is ops.conv2d_grad_weight.default else ()
+        if op is ops.conv2d_activated.default:
+            tensors, extra = tensors[:3], tensors[3:]
         out = op(*tensors, *args, *extra)
         return [out] if isinstance(out, torch.Tensor) else list(out)
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import dispatch as _dispatch
 from . import replay
-from ._geometry import ConvGeometry, activation_code, conv_geometry
+from ._geometry import ACTIVATION_CODES, ConvGeometry, activation_code, conv_geometry
 from .dispatch import conv_forward
 from .kernels._shared import output_memory_format
 from .kernels.layout import nchw_copy
@@ -85,7 +85,7 @@ def _autograd_kernels() -> dict:
     except ImportError:
         return {}
     ops = {"conv2d": conv2d, "conv2d_grad_input": conv2d_grad_input, "conv2d_grad_weight": conv2d_grad_weight,
-           "conv2d_grad_input_weight": conv2d_grad_input_weight}
+           "conv2d_grad_input_weight": conv2d_grad_input_weight, "conv2d_activated": conv2d_activated}
     return {name: make_autograd_impl(op._opoverload, op) for name, op in ops.items()}
 
 
@@ -101,6 +101,29 @@ def conv2d(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[i
 @conv2d.register_fake
 def _(input, weight, bias, stride, padding, dilation):
     return _like(input, _geometry(input, weight, bias, stride, padding, dilation).output_shape)
+
+
+@_op("dwconv::conv2d_activated")
+def conv2d_activated(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
+                     dilation: List[int], activation: int) -> Tensor:
+    """conv2d through an activation (its code in _geometry.ACTIVATION_CODES) in the kernel's
+    epilogue. Forward only: depthwise_conv2d calls it where no gradient is wanted (it has no
+    backward; where one is wanted, conv2d and PyTorch's activation run)."""
+    _served_from_cpp(input)
+    geom = _geometry(input, weight, bias, stride, padding, dilation)
+    return conv_forward(plain(input), plain(weight), plain(bias), geom, activation=_checked_code(activation))
+
+
+@conv2d_activated.register_fake
+def _(input, weight, bias, stride, padding, dilation, activation):
+    _checked_code(activation)
+    return _like(input, _geometry(input, weight, bias, stride, padding, dilation).output_shape)
+
+
+def _checked_code(activation: int) -> int:
+    if activation not in ACTIVATION_CODES.values():
+        raise ValueError(f"activation must be a code of {ACTIVATION_CODES}, got {activation!r}")
+    return activation
 
 
 def _grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry) -> Tensor:
@@ -385,5 +408,6 @@ def eager_conv(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: Conv
     return _differentiable_forward(input, weight, bias, geom) if out is None else out
 
 
-__all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_input_weight", "conv_arguments",
+__all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_input_weight", "conv2d_activated",
+           "conv_arguments",
            "DepthwiseConv2dFunction", "eager_conv"]

@@ -119,18 +119,18 @@ def _door(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 
 
 def _pytorch(input, weight, bias, geom, arguments):
-    return _activated(F.conv2d(input, weight, bias, *arguments[:3], groups=geom.in_channels), arguments)
+    out = F.conv2d(input, weight, bias, *arguments[:3], groups=geom.in_channels)
+    return FUNCTIONS[arguments[3]](out) if len(arguments) > 3 else out
 
 
 def _registered_op(input, weight, bias, geom, arguments):
     from ._library import conv_arguments
 
-    return _activated(torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom)), arguments)
+    if len(arguments) > 3:  # (an activation: no gradient is wanted)
+        return torch.ops.dwconv.conv2d_activated(input, weight, bias, *conv_arguments(geom),
+                                                 activation_code(arguments[3]))
+    return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
 
-
-def _activated(out: torch.Tensor, arguments: tuple) -> torch.Tensor:
-    """out through the activation at the end of a call's arguments, if there is one."""
-    return FUNCTIONS[arguments[3]](out) if len(arguments) > 3 else out
 
 
 def _eager(input, weight, bias, geom, arguments):

@@ -26,7 +26,8 @@ from .activations import FUNCTIONS, activation_of
 from .functional import _gradient_wanted, depthwise_conv2d
 from .modules import DepthwiseConv2d
 
-Block = Tuple[DepthwiseConv2d, Optional[nn.BatchNorm2d], Optional[nn.Module], str]  # conv, norm, activation module, name
+# a block: the layer, its BatchNorm2d, its activation module, the activation's name
+Block = Tuple[DepthwiseConv2d, Optional[nn.BatchNorm2d], Optional[nn.Module], str]
 
 
 # ---- the modules of a fused block --------------------------------------------------------------
@@ -40,6 +41,8 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
     dwconv_activation: str = "identity"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return _traced_as_a_call(self, input)
         norm = self.dwconv_norm
         if norm is not None and norm.training:
             return super().forward(input)  # (the block as it was: the BatchNorm and activation run)
@@ -59,6 +62,8 @@ class _FoldedNorm:
     as timm's BatchNormAct2d does); in training mode it runs as its own class did."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return _traced_as_a_call(self, input)
         if not self.training:
             return input
         return super().forward(input)
@@ -70,6 +75,8 @@ class _FusedActivation:
     otherwise it runs as its own class did."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return _traced_as_a_call(self, input)
         norm = self.dwconv_norm
         if norm is None or not norm.training:
             return input
@@ -77,6 +84,12 @@ class _FusedActivation:
 
     def extra_repr(self) -> str:
         return "computed by its depthwise layer" + (", " + super().extra_repr() if super().extra_repr() else "")
+
+
+def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Proxy:
+    """Under torch.fx's symbolic trace: one call of the module, so that the traced graph decides
+    between the fused and the plain block when it runs (a trace would keep one mode's branch)."""
+    return input.tracer.create_proxy("call_module", input.tracer.path_of_module(module), (input,), {})
 
 
 _ROLES = {"norm": _FoldedNorm, "activation": _FusedActivation}
