@@ -11,7 +11,8 @@
 #              COLDSTART_IMAGE=1: also a container image's build without the GPU and a first step from its cache
 #   models     whole models' steady state, stock against converted (MODELS, PRECISION, MODEL_BATCH,
 #              MODEL_COMPILE no|default|all, MODEL_EAGER yes|no: no for the compiled paths alone,
-#              MODEL_ITERS steps a path, default 100: fewer for the large-kernel net, whose stock step is 0.4 s)
+#              MODEL_ITERS steps a path, default 100: fewer for the large-kernel net, whose stock step is 0.4 s;
+#              MODEL_FUSE=1: also the model converted with fuse=True)
 #   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
 #              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference)
 #   compiled   where compiled models' steps go, stock against converted (benchmarks/compiled_profile.py,
@@ -56,7 +57,8 @@ for step in "$@"; do
            for model in ${MODELS:-mobilenet_v2}; do
              python3 -m dwconv bench --model "$model" --model-precision "${PRECISION:-bf16}" --cold-start $mode \
                --model-batch "${MODEL_BATCH:-64}" --model-compile "${MODEL_COMPILE:-default}" \
-               --model-eager "${MODEL_EAGER:-yes}" --iters "${MODEL_ITERS:-100}" ${image[@]+"${image[@]}"} --csv "$OUT/${step}_${model}_$(date +%F)_$commit.csv" 2>&1
+               --model-eager "${MODEL_EAGER:-yes}" --iters "${MODEL_ITERS:-100}" ${image[@]+"${image[@]}"} \
+               ${MODEL_FUSE:+--fuse} --csv "$OUT/${step}_${model}_$(date +%F)_$commit.csv" 2>&1
            done ;;
     profile) for model in ${MODELS:-mobilenet_v2}; do
                python3 benchmarks/model_profile.py --model "$model" --precision "${PRECISION:-bf16}" \

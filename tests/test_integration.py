@@ -687,9 +687,9 @@ def test_bench_model_times_every_path():
     graph paths captured one at a time after the others), each with a time and a ratio to stock."""
     from dwconv.bench_models import COMPILE_MODES, bench_model, model_paths
 
-    rows = bench_model("tiny", 2, 32, warmup=1, iters=2, compile_modes="no", precisions="bf16", rounds=2)
+    rows = bench_model("tiny", 2, 32, warmup=1, iters=2, compile_modes="no", precisions="bf16", rounds=2, fuse=True)
     timed = {(r["path"], r["mode"]): r for r in rows if r["suite"] == "model"}
-    assert set(timed) == {(label, step) for label, *_ in model_paths(COMPILE_MODES["no"])
+    assert set(timed) == {(label, step) for label, *_ in model_paths(COMPILE_MODES["no"], fuse=True)
                           for step in ("train step", "inference")}
     assert all(r["ms"] > 0 and r["vs_stock"] > 0 for r in timed.values())
 
@@ -710,6 +710,12 @@ def test_model_paths_compare_with_stock_of_the_same_compilation():
         "stock compiled", "dwconv compiled", "stock compiled max-autotune-no-cudagraphs",
         "dwconv compiled max-autotune-no-cudagraphs", "stock compiled reduce-overhead",
         "dwconv compiled reduce-overhead"]
+    fused = model_paths(COMPILE_MODES["default"], fuse=True)
+    assert [label for label, variant, *_ in fused if variant == "fused"] == [
+        "dwconv fused eager", "dwconv fused eager, CUDA graph", "dwconv fused compiled"]
+    for label, variant, mode, native in fused:
+        base = next(p for p in fused if p[0] == stock_path(label))
+        assert base[1] == "stock" and base[2] == mode
 
 
 def test_launched_kernels_from_profiler_events():

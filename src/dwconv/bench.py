@@ -163,6 +163,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                         "training step and inference, eager and compiled, float32 and bf16 autocast channels_last "
                         "(repeatable; overrides the layer flags)")
     p.add_argument("--model-batch", type=int, default=64)
+    p.add_argument("--fuse", action="store_true",
+                   help="--model: also the model converted with fuse=True (BatchNorm folded, activation fused in "
+                        "eval mode: the inference rows)")
     p.add_argument("--model-precision", choices=["float32", "bf16", "all"], default="all",
                    help="--model: float32 NCHW, bf16 autocast channels_last, or both")
     p.add_argument("--image", type=int, default=224)
@@ -478,7 +481,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                                     min(args.iters, 20),
                                                                     compile_modes=args.model_compile,
                                                                     precisions=args.model_precision,
-                                                                    eager=args.model_eager == "yes")]
+                                                                    eager=args.model_eager == "yes",
+                                                                    fuse=args.fuse)]
             print_model_table(steady)
             rows += steady
         write_csv(args.csv, rows)

@@ -301,25 +301,31 @@ COMPILE_MODES = {"no": [], "default": ["default"],
 CUDA_GRAPH = "CUDA graph"  # (a path's "mode": the eager step captured whole in a CUDA graph and replayed)
 
 
-def model_paths(compile_modes: List[str], eager: bool = True) -> List[tuple]:
+def model_paths(compile_modes: List[str], eager: bool = True, fuse: bool = False) -> List[tuple]:
     """(path label, model, mode, DWCONV_NATIVE for the timing or None): stock and converted eager,
     the converted model's eager calls also through the Python path (the C++ replayer off: whether
     it wins on whole models), both eager steps captured in a CUDA graph (GPU time alone: the host
     issues nothing), and each torch.compile mode for both. Without eager: the compiled paths alone
-    (a device call's time for torch.compile's compiles)."""
+    (a device call's time for torch.compile's compiles). fuse: the model converted with fuse=True too
+    (its BatchNorms folded and activations fused in eval mode: its inference rows), in eager, in a
+    CUDA graph and compiled."""
     paths = [("stock eager", "stock", None, None), ("dwconv eager", "dwconv", None, None),
              ("dwconv eager, Python path", "dwconv", None, "0"),
              (f"stock eager, {CUDA_GRAPH}", "stock", CUDA_GRAPH, None),
              (f"dwconv eager, {CUDA_GRAPH}", "dwconv", CUDA_GRAPH, None)] if eager else []
+    if eager and fuse:
+        paths += [("dwconv fused eager", "fused", None, None), (f"dwconv fused eager, {CUDA_GRAPH}", "fused", CUDA_GRAPH,
+                                                                 None)]
     for mode in compile_modes:
         label = "compiled" if mode == "default" else f"compiled {mode}"
         paths += [(f"stock {label}", "stock", mode, None), (f"dwconv {label}", "dwconv", mode, None)]
+        paths += [(f"dwconv fused {label}", "fused", mode, None)] if fuse else []
     return paths
 
 
 def stock_path(path: str) -> str:
     """The stock path a path is compared with: the same compilation."""
-    return path.replace("dwconv", "stock").replace(", Python path", "")
+    return path.replace("dwconv fused", "stock").replace("dwconv", "stock").replace(", Python path", "")
 
 
 class native_setting:
@@ -339,7 +345,7 @@ class native_setting:
 
 
 def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_modes: str = "default",
-                precisions: str = "all", rounds: int = 10, eager: bool = True) -> List[Dict]:
+                precisions: str = "all", rounds: int = 10, eager: bool = True, fuse: bool = False) -> List[Dict]:
     """Steady state of every path (model_paths) for each precision, training step and inference.
     The paths are timed in turn, `rounds` times over (iters / rounds steps a path each round, after
     one untimed), and each path's median taken over all its steps: the GPU machine's host speed
@@ -354,10 +360,15 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     stock = build_model(name).cuda()
     converted = convert(stock, verbose=False)
     models = {"stock": stock, "dwconv": converted}
+    if fuse:
+        models["fused"] = convert(stock, verbose=True, fuse=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(batch, 3, image, image, device="cuda", generator=gen)
     y = torch.randint(0, 10, (batch,), device="cuda", generator=gen)
     rel = compare_outputs(stock, converted, x[:8])
+    if fuse:
+        print(f"{name}: fused model's eval outputs differ from stock's by "
+              f"{compare_outputs(stock, models['fused'], x[:8]):.2e} (relative, float32)", flush=True)
     grad_rel = compare_gradients(stock, converted, x[:8])
     print(f"{name}: {converted.dwconv_converted} depthwise layers converted; eval outputs differ by {rel:.2e}, "
           f"parameter gradients by {grad_rel:.2e} (relative, float32)"
@@ -369,7 +380,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
         inputs = x.contiguous(memory_format=memory_format)
         timed = []  # (path, step, native setting, fn, model run): built, warmed and profiled first, then timed in turns
         captured = []  # the same for the CUDA-graph paths: captured and timed after the others, one at a time
-        for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes], eager):
+        for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes], eager, fuse):
             model = copy.deepcopy(models[variant]).to(memory_format=memory_format)
             run = torch.compile(model, mode=mode) if mode and mode != CUDA_GRAPH else model
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
