@@ -398,3 +398,22 @@ def test_compiled_eval_graph_holds_the_activated_op():
     assert_close(out, fused(x).detach(), torch.float32, "compiled")
     code = backend.graphs[0].code
     assert "dwconv.conv2d_activated" in code and "silu" not in code, code
+
+
+@pytest.mark.parametrize("family", ["tile", "nhwc_pixels"])
+def test_activations_keep_nan(family):
+    """A NaN input reaches the outputs it feeds through every activation, as PyTorch's do (relu's and
+    clamp's NaN-propagating min and max)."""
+    config, layout, kernel, stride, padding = FAMILIES[family]
+    x = randn(1, 8, 7, 9)
+    x[0, 3, 2, 4] = float("nan")
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = randn(8, 1, kernel, kernel)
+    geom = conv_geometry(x, weight, None, stride, padding, 1)
+    for activation in ACTIVATIONS:
+        out = poisoned(geom.output_shape, x.dtype, memory_format=output_memory_format(x)).zero_()
+        out = conv_forward(x, weight, None, geom, config=config, out=out, activation=activation_code(activation))
+        ref = FUNCTIONS[activation](reference_conv(x, weight, None, stride, padding, 1))
+        assert torch.equal(out.isnan().cpu(), ref.isnan()), f"{family} {activation}: NaN positions differ"
+        assert ref.isnan().sum() == 9
