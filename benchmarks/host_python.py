@@ -66,10 +66,13 @@ def pieces() -> list:
         spelling = repr((1, 1, 1))
         rows += [("stock: F.conv2d, bfloat16 weight", False, lambda: F.conv2d(x, half_weight, None, 1, 1, 1, channels)),
                  ("stock: the nn.Conv2d's call under bfloat16 autocast", True, lambda: stock(x))]
-    else:  # (the lookup answers at once: what is left is the Python around it)
+    else:  # (the lookup and the launcher answer at once: what is left is the Python around them)
+        from dwconv import _library
+
         out = torch.empty_like(x)
         replay.native._DEFAULT_MODULE[:] = [type("StubbedLookup", (), {"conv_known": staticmethod(lambda *a: out)})()]
         replay.native.has_known_layers = lambda: True
+        _library.conv_forward = lambda *args, **kwargs: out
     rows += [("depthwise_conv2d, bfloat16 weight", False, lambda: dwconv.depthwise_conv2d(x, half_weight, None, 1, 1, 1)),
              ("  of which the lookup's checks (_known_layer)", False,
               lambda: functional._known_layer(x, half_weight, None, 1, 1, 1))]
@@ -94,6 +97,15 @@ def pieces() -> list:
               lambda: dwconv.depthwise_conv2d(x, weight, None, layer.stride, layer.padding, layer.dilation)),
              ("the full path's casts (_autocast)", True, lambda: functional._autocast(x, weight, None)),
              ("  of which the weight's cast", True, lambda: weight.to(torch.bfloat16))]
+    # the depthwise block of MobileNetV2 (conv, BatchNorm2d, ReLU6) in eval mode, stock and fused
+    block = torch.nn.Sequential(torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False),
+                                torch.nn.BatchNorm2d(channels), torch.nn.ReLU6()).to(device).eval()
+    fused = dwconv.convert(block, fuse=True, verbose=False, precompile=False)
+    if CUDA:
+        rows.append(("stock block (conv, BatchNorm2d, ReLU6) in eval, bfloat16 autocast", True, lambda: block(x)))
+    rows += [("fused block (convert(fuse=True)) in eval, bfloat16 autocast", True, lambda: fused(x)),
+             ("  of which depthwise_conv2d(activation='relu6')", False,
+              lambda: dwconv.depthwise_conv2d(x, half_weight, None, 1, 1, 1, "relu6"))]
     return rows
 
 

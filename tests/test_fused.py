@@ -11,7 +11,7 @@ from dwconv.activations import FUNCTIONS, activation_code
 from dwconv.dispatch import ForwardConfig, conv_forward
 from dwconv.kernels import large_fma
 from dwconv.kernels._shared import output_memory_format
-from helpers import assert_close, poisoned, randn, reference_conv
+from helpers import DEVICE, assert_close, poisoned, randn, reference_conv
 
 ACTIVATIONS = sorted(FUNCTIONS)
 
@@ -417,3 +417,20 @@ def test_activations_keep_nan(family):
         ref = FUNCTIONS[activation](reference_conv(x, weight, None, stride, padding, 1))
         assert torch.equal(out.isnan().cpu(), ref.isnan()), f"{family} {activation}: NaN positions differ"
         assert ref.isnan().sum() == 9
+
+
+def test_eval_calls_follow_shapes_autocast_and_dtypes():
+    """The eval block's prepared call (folded weights, geometry) is redone for another input
+    layout, autocast's dtype, or the model in another dtype."""
+    stock = _block(torch.nn.Hardswish, bias=True).eval()
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    small, large = randn(2, 8, 9, 11), randn(3, 8, 12, 7).contiguous(memory_format=torch.channels_last)
+    for x in (small, large, small):
+        _assert_same_model(stock, fused, x, f"input {tuple(x.shape)}")
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = fused(small)
+    assert out.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert_close(out, stock.double()(small.double()), torch.bfloat16, "bfloat16 autocast")
+        fused.double()
+        assert_close(fused(small.double()), stock(small.double()), torch.float64, "float64 model")

@@ -22,7 +22,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .activations import FUNCTIONS, activation_of
+from . import functional
+from ._geometry import conv_geometry
+from .activations import activation_of
 from .functional import _gradient_wanted, depthwise_conv2d
 from .modules import DepthwiseConv2d
 
@@ -46,8 +48,12 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
         norm = self.dwconv_norm
         if norm is not None and norm.training:
             return super().forward(input)  # (the block as it was: the BatchNorm and activation run)
-        weight, bias = (self.weight, self.bias) if norm is None else _folded(self, norm)
         activation = None if self.dwconv_activation == "identity" else self.dwconv_activation
+        call = _prepared_call(self, norm, input)
+        if call is not None:  # (an eager call like the one before, nothing differentiated: no checks again)
+            arguments = (self.stride, self.padding, self.dilation) + ((activation,) if activation else ())
+            return functional._DOORS["eager"](*call, arguments)
+        weight, bias = (self.weight, self.bias) if norm is None else fold_batch_norm(self.weight, self.bias, norm)
         return depthwise_conv2d(input, weight, bias, self.stride, self.padding, self.dilation, activation)
 
     def extra_repr(self) -> str:
@@ -126,31 +132,37 @@ def fold_batch_norm(weight: torch.Tensor, bias: Optional[torch.Tensor], norm: nn
     return weight * scale.to(weight.dtype).view(-1, 1, 1, 1), shift.to(weight.dtype)
 
 
-def _folded(conv: FusedDepthwiseConv2d, norm: nn.BatchNorm2d) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fold_batch_norm of the layer and its norm: kept between calls while no gradient or transform
-    needs it computed each call and none of the tensors changed (in place: their version counters;
-    moved or cast: their storage and dtype)."""
-    tensors = (conv.weight, conv.bias, norm.weight, norm.bias, norm.running_mean, norm.running_var)
-    if not _cacheable(tensors):
-        return fold_batch_norm(conv.weight, conv.bias, norm)
-    key = (norm.eps,) + tuple(None if t is None else (t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
-    cached = conv.__dict__.get("_dwconv_folded")
+def _prepared_call(conv: FusedDepthwiseConv2d, norm: Optional[nn.BatchNorm2d], input: torch.Tensor):
+    """(input as the kernels take it, the folded weight and bias, the geometry) of an eager call that
+    nothing differentiates, the arguments of the eager door: computed and checked at the first such
+    call of an input layout (and autocast dtype) and kept while the parameters and statistics stay
+    (version counters, storage, dtypes: a load_state_dict, a .to(), a training step change one).
+    None where the call takes depthwise_conv2d's full path: torch.compile, jit.trace and torch.func
+    must see the folding; autograd (either mode) differentiates it; subclasses and fake tensors
+    dispatch in Python; PyTorch computes tensors the kernels cannot read."""
+    tensors = [t for t in (conv.weight, conv.bias) + ((norm.weight, norm.bias, norm.running_mean, norm.running_var)
+                                                       if norm is not None else ()) if t is not None]
+    if (type(input) is not torch.Tensor or not functional.uses_triton(input) or torch.compiler.is_compiling()
+            or torch._C._is_tracing() or _gradient_wanted(input, *tensors)
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors)):
+        return None
+    device = input.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    if autocast is not None and input.is_floating_point() and input.dtype not in (autocast, torch.float64):
+        input = input.to(autocast)  # (as autocast casts F.conv2d's input)
+    key = (input.shape, input.stride(), input.dtype, input.device, autocast, norm.eps if norm is not None else None,
+           *[(t._version, t.data_ptr(), t.dtype) for t in tensors])
+    cached = conv.__dict__.get("_dwconv_call")
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            cached = (key, *fold_batch_norm(conv.weight, conv.bias, norm))
-        conv.__dict__["_dwconv_folded"] = cached
-    return cached[1], cached[2]
-
-
-def _cacheable(tensors) -> bool:
-    """Whether a folded weight computed before may stand for this call's: not when autograd (either
-    mode) would differentiate through the parameters, under torch.compile, torch.jit.trace or
-    torch.func's transforms (which must see the computation), or for tensors that dispatch in Python
-    (fake tensors, subclasses)."""
-    present = [t for t in tensors if t is not None]
-    return not (torch.compiler.is_compiling() or torch._C._is_tracing() or _gradient_wanted(*present)
-                or torch._C._functorch.peek_interpreter_stack() is not None
-                or any(type(t) not in (torch.Tensor, nn.Parameter) for t in present))
+            weight, bias = (conv.weight, conv.bias) if norm is None else fold_batch_norm(conv.weight, conv.bias, norm)
+            if autocast is not None:
+                _, weight, bias = functional._autocast(input, weight, bias)
+            geom = conv_geometry(input, weight, bias, conv.stride, conv.padding, conv.dilation)
+        cached = (key, weight, bias, geom)
+        conv.__dict__["_dwconv_call"] = cached
+    return input, cached[1], cached[2], cached[3]
 
 
 # ---- finding blocks -------------------------------------------------------------------------------
