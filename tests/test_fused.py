@@ -94,7 +94,7 @@ def test_functional_activation_without_and_with_gradients(activation, layout):
 
 
 def test_module_activation_and_bad_names():
-    layer = dwconv.DepthwiseConv2d(4, 8, 3, padding=1, activation="gelu")
+    layer = dwconv.DepthwiseConv2d(4, 8, 3, padding=1, activation="gelu").to(DEVICE)
     assert "activation='gelu'" in repr(layer)
     x = randn(1, 4, 7, 5)
     with torch.no_grad():
@@ -128,7 +128,7 @@ def test_warmup_compiles_the_activated_forward(tmp_path, monkeypatch):
     from dwconv.precompile import compile_calls, layer_calls
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    model = torch.nn.Sequential(dwconv.DepthwiseConv2d(4, 4, 3, padding=1, activation="relu6")).eval()
+    model = torch.nn.Sequential(dwconv.DepthwiseConv2d(4, 4, 3, padding=1, activation="relu6")).eval().to(DEVICE)
     with torch.no_grad():
         calls = layer_calls(model, randn(2, 4, 8, 8))
     assert [call.arguments for call in calls] == [((1, 1), (1, 1), (1, 1), "relu6")]
@@ -177,7 +177,7 @@ def _assert_same_model(stock, fused, x, what):
 
 @pytest.mark.parametrize("activation", [torch.nn.ReLU6, torch.nn.SiLU, torch.nn.Hardswish, torch.nn.Identity])
 def test_fused_block_in_eval_mode(activation, capsys):
-    stock = torch.nn.Sequential(_block(activation, bias=True), _block(activation, stride=2)).eval()
+    stock = torch.nn.Sequential(_block(activation, bias=True), _block(activation, stride=2)).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False)
     printed = capsys.readouterr().out
     activations = 0 if activation is torch.nn.Identity else 2
@@ -197,7 +197,7 @@ def test_fused_block_in_eval_mode(activation, capsys):
 def test_fused_block_trains_as_the_stock_block():
     """Training mode: BatchNorm on the batch's statistics, running statistics updated, gradients
     of every parameter as stock's; then eval on the updated statistics."""
-    stock = torch.nn.Sequential(_block(), Residual()).train()
+    stock = torch.nn.Sequential(_block(), Residual()).train().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     assert type(fused[1].conv_dw).__name__ == "FusedDepthwiseConv2d"  # (the traced residual block)
     x = randn(4, 8, 9, 11)
@@ -218,7 +218,7 @@ def test_fused_block_trains_as_the_stock_block():
 def test_fused_block_in_eval_mode_with_gradients():
     """Eval mode with gradients (frozen statistics, fine-tuning): the folding is differentiated,
     parameters of the layer and of the BatchNorm get stock's gradients."""
-    stock = _block(torch.nn.SiLU, bias=True).eval()
+    stock = _block(torch.nn.SiLU, bias=True).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     x = randn(2, 8, 9, 11).requires_grad_()
     out, ref = fused(x), stock(x)
@@ -247,8 +247,8 @@ class BatchNormAct2d(torch.nn.BatchNorm2d):
 
 def test_timm_batch_norm_act_folds_with_its_activation():
     norm = BatchNormAct2d(8)
-    norm.load_state_dict(_bn(8).state_dict())
-    stock = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), norm).eval()
+    norm.load_state_dict(_bn(8).state_dict())  # (then moved with the model)
+    stock = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), norm).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     assert fused[0].dwconv_activation == "hardswish"
     _assert_same_model(stock, fused, randn(2, 8, 7, 9), "eval")
@@ -288,7 +288,7 @@ def test_what_cannot_be_proven_is_left_alone(capsys):
     hooked = _block()
     hooked[1].register_forward_hook(lambda module, args, out: out * 2)
     functional_act = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8))
-    stock = torch.nn.Sequential(Shared(), Branching(), hooked, functional_act).eval()
+    stock = torch.nn.Sequential(Shared(), Branching(), hooked, functional_act).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False)
     printed = capsys.readouterr().out
     # only Branching's inner Sequential block fuses; its own conv -> bn is not proven
@@ -303,7 +303,7 @@ def test_fused_model_saves_copies_and_loads(tmp_path):
     import copy
     import io
 
-    stock = torch.nn.Sequential(_block(torch.nn.ReLU), Residual()).eval()
+    stock = torch.nn.Sequential(_block(torch.nn.ReLU), Residual()).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     x = randn(2, 8, 9, 11)
     with torch.no_grad():
@@ -316,7 +316,7 @@ def test_fused_model_saves_copies_and_loads(tmp_path):
         with torch.no_grad():
             assert_close(other(x), expected, torch.float32)
     # the fused model's state_dict loads into the stock model
-    plain = torch.nn.Sequential(_block(torch.nn.ReLU), Residual()).eval()
+    plain = torch.nn.Sequential(_block(torch.nn.ReLU), Residual()).eval().to(DEVICE)
     plain.load_state_dict(fused.state_dict())
     _assert_same_model(plain, fused, x, "stock with the fused model's state")
 
@@ -326,7 +326,7 @@ def test_eval_block_runs_one_activated_kernel(monkeypatch):
     folded weights computed once and kept while nothing changes."""
     from dwconv import _library, fuse
 
-    stock = _block(torch.nn.Hardswish).eval()
+    stock = _block(torch.nn.Hardswish).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     activations, folds = [], []
     forward, fold = _library.conv_forward, fuse.fold_batch_norm
@@ -344,7 +344,7 @@ def test_fused_model_under_torch_compile(mode):
     """fullgraph=True: the folding and the activation traced (no graph break), the same values as eager."""
     from test_integration import BACKEND
 
-    stock = torch.nn.Sequential(_block(), Residual()).train(mode == "train")
+    stock = torch.nn.Sequential(_block(), Residual()).train(mode == "train").to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     compiled = torch.compile(fused, fullgraph=True, backend=BACKEND)
     x = randn(2, 8, 9, 11)
@@ -355,7 +355,7 @@ def test_fused_model_under_torch_compile(mode):
 def test_fx_trace_of_a_fused_model_decides_when_it_runs():
     """torch.fx records each module of a fused block as one call: the GraphModule folds in eval
     mode and trains as the stock block in training mode, whichever mode it was traced in."""
-    stock = torch.nn.Sequential(_block(), Residual()).eval()
+    stock = torch.nn.Sequential(_block(), Residual()).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     traced = torch.fx.symbolic_trace(fused)
     calls = [node.target for node in traced.graph.nodes if node.op == "call_module"]
@@ -387,7 +387,7 @@ def test_compiled_eval_graph_holds_the_activated_op():
     activation pass); with gradients, conv2d and the activation after it."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
-    stock = _block(torch.nn.SiLU).eval()
+    stock = _block(torch.nn.SiLU).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     backend = EagerAndRecordGraphs()
     compiled = torch.compile(fused, fullgraph=True, backend=backend)
@@ -422,7 +422,7 @@ def test_activations_keep_nan(family):
 def test_eval_calls_follow_shapes_autocast_and_dtypes():
     """The eval block's prepared call (folded weights, geometry) is redone for another input
     layout, autocast's dtype, or the model in another dtype."""
-    stock = _block(torch.nn.Hardswish, bias=True).eval()
+    stock = _block(torch.nn.Hardswish, bias=True).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     small, large = randn(2, 8, 9, 11), randn(3, 8, 12, 7).contiguous(memory_format=torch.channels_last)
     for x in (small, large, small):
@@ -434,3 +434,33 @@ def test_eval_calls_follow_shapes_autocast_and_dtypes():
         assert_close(out, stock.double()(small.double()), torch.bfloat16, "bfloat16 autocast")
         fused.double()
         assert_close(fused(small.double()), stock(small.double()), torch.float64, "float64 model")
+
+
+def test_warmup_of_a_fused_model_records_the_fused_forward():
+    """A fused model's warmup (its fake run) records the block's call as it will run in eval
+    mode without gradients: one activated forward, with the layer's weight shape."""
+    from dwconv.precompile import layer_calls
+
+    fused = dwconv.convert(_block(torch.nn.SiLU).eval().to(DEVICE), fuse=True, precompile=False, verbose=False)
+    with torch.no_grad():
+        calls = layer_calls(fused, randn(2, 8, 9, 11))
+    assert [(call.arguments[3:], call.tensors[1][0], call.grads) for call in calls] == [
+        (("silu",), (8, 1, 3, 3), (False, False, False))]
+    fused.train()
+    calls = layer_calls(fused, randn(2, 8, 9, 11))  # (training: the plain layer's forward and backward)
+    assert [(call.arguments[3:], call.grads) for call in calls] == [((), (False, True, False))]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real sizes on the GPU")
+@pytest.mark.parametrize("activation", [torch.nn.ReLU6, torch.nn.SiLU, torch.nn.Hardswish])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_fused_mobilenet_blocks_at_real_sizes(activation, stride):
+    """MobileNetV2's and EfficientNet's block sizes, bfloat16 autocast, channels_last, eval: the fused
+    block against the stock block in float64 within bfloat16's tolerance."""
+    stock = _block(activation, channels=144, stride=stride).eval().to(DEVICE)
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    x = randn(64, 144, 56, 56).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out = fused(x)
+    with torch.no_grad():
+        assert_close(out, stock.double()(x.double()), torch.bfloat16, "fused block")
