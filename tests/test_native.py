@@ -471,3 +471,33 @@ def test_compiled_graph_calls_served_ops(monkeypatch, setting):
         if turn:  # (turn 0 starts serving mid-graph: its calls may be recorded at the next turn)
             served_batches.add(batch)
     assert programs[-1] >= 2 * len(set(batches))  # (a forward and a backward op a batch)
+
+
+def test_native_activated_calls_are_layers_of_their_own(monkeypatch):
+    """An activated call (no gradient wanted) is recorded and then known to the C++ path like any
+    other, under its activation: the same tensors with another activation, or none, are other
+    layers (never one's program for the other's); a call that wants a gradient takes the plain
+    layer and PyTorch's activation."""
+    from dwconv import functional
+
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    checks = []
+    real = functional.conv_geometry
+    monkeypatch.setattr(functional, "conv_geometry", lambda *args: checks.append(args) or real(*args))
+    x, weight, bias = 3 * randn(2, 3, 7, 8), randn(3, 1, 3, 3), randn(3)
+    plain = torch.nn.functional.conv2d(x.double(), weight.double(), bias.double(), 1, 1, 1, 3)
+    functions = {None: lambda t: t, "relu6": torch.nn.functional.relu6, "silu": torch.nn.functional.silu}
+    with torch.no_grad():
+        for turn in range(3):
+            for activation, fn in functions.items():
+                checks.clear()
+                out = dwconv.depthwise_conv2d(x, weight, bias, 1, 1, 1, activation)
+                assert_close(out, fn(plain), torch.float32, f"{activation}, turn {turn}")
+                assert bool(checks) == (turn == 0), (activation, turn)  # (known from the second call on)
+    leaf = x.clone().requires_grad_()
+    out = dwconv.depthwise_conv2d(leaf, weight, bias, 1, 1, 1, "silu")
+    (grad,) = torch.autograd.grad(out.sum(), leaf)
+    leaf64 = x.double().requires_grad_()
+    (ref,) = torch.autograd.grad(functions["silu"](torch.nn.functional.conv2d(leaf64, weight.double(), bias.double(),
+                                                                              1, 1, 1, 3)).sum(), leaf64)
+    assert_close(grad, ref, torch.float32, "gradient through an activated call")

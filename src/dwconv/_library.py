@@ -17,6 +17,7 @@ conv_geometry, so a direct call with bad ones raises as well.
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -392,6 +393,21 @@ def _eager_backward(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvG
 REPLAY_PASSES = (conv_forward, _eager_backward, backward_for_autograd)
 
 
+@functools.lru_cache(maxsize=None)
+def _activated_passes(code: int) -> tuple:
+    """REPLAY_PASSES of a forward with an activation in its epilogue (one set a code: a layer of its
+    own to the C++ path). Recorded only where no gradient is wanted; a backward through it would
+    lack the activation's derivative, so it raises."""
+    def forward(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: ConvGeometry) -> Tensor:
+        return conv_forward(input, weight, bias, geom, activation=code)
+
+    def no_backward(*args):
+        raise RuntimeError("dwconv: a forward with a fused activation has no backward (depthwise_conv2d runs "
+                           "the activation after the convolution where a gradient is wanted)")
+
+    return forward, no_backward, no_backward
+
+
 def eager_conv(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: ConvGeometry,
                arguments: tuple) -> Tensor:
     """An eager call on tensors the kernels read: under forward-mode AD the Python Function (its jvp
@@ -401,7 +417,10 @@ def eager_conv(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: Conv
     the forward with the activation in its epilogue."""
     input, weight, bias = plain(input), plain(weight), plain(bias)
     if len(arguments) > 3:
-        return conv_forward(input, weight, bias, geom, activation=activation_code(arguments[3]))
+        code = activation_code(arguments[3])
+        out = replay.conv(input, weight, bias, geom, _activated_passes(code), arguments) if replay.enabled(input) \
+            else None
+        return conv_forward(input, weight, bias, geom, activation=code) if out is None else out
     if forward_ad._current_level >= 0:
         return DepthwiseConv2dFunction.apply(input, weight, bias, geom)
     out = replay.conv(input, weight, bias, geom, REPLAY_PASSES, arguments) if replay.enabled(input) else None

@@ -56,7 +56,7 @@ def depthwise_conv2d(
     if fused and _gradient_wanted(input, weight, bias):
         return FUNCTIONS[activation](depthwise_conv2d(input, weight, bias, stride, padding, dilation))
     # (seen before: no checks again, and autocast's casts made in C++)
-    out = None if fused else _known_layer(input, weight, bias, stride, padding, dilation)
+    out = _known_layer(input, weight, bias, stride, padding, dilation, *([activation] if fused else []))
     if out is None:
         if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
             input, weight, bias = _autocast(input, weight, bias)
@@ -93,13 +93,13 @@ def trace_suspended():
         torch._C._set_tracing_state(tracing)
 
 
-def _known_layer(input, weight, bias, stride, padding, dilation) -> Optional[torch.Tensor]:
-    """The C++ path's answer for a call whose tensors (after autocast's casts) and arguments were
-    recorded before, or None."""
+def _known_layer(input, weight, bias, stride, padding, dilation, *activation) -> Optional[torch.Tensor]:
+    """The C++ path's answer for a call whose tensors (after autocast's casts) and arguments (an
+    activation after them: a call that no gradient is wanted of) were recorded before, or None."""
     # (is_compiling first: Dynamo must not trace into the registry; torch 2.11's cannot trace bool(dict))
     if not torch.compiler.is_compiling() and replay.native.has_known_layers() and isinstance(input, torch.Tensor) \
             and forward_ad._current_level < 0 and not torch._C._is_tracing() and replay.enabled(input):
-        return replay.conv_known(input, weight, bias, stride, padding, dilation)
+        return replay.conv_known(input, weight, bias, stride, padding, dilation, *activation)
     return None
 
 

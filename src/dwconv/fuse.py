@@ -51,8 +51,10 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
         activation = None if self.dwconv_activation == "identity" else self.dwconv_activation
         call = _prepared_call(self, norm, input)
         if call is not None:  # (an eager call like the one before, nothing differentiated: no checks again)
+            x, weight, bias, geom = call
             arguments = (self.stride, self.padding, self.dilation) + ((activation,) if activation else ())
-            return functional._DOORS["eager"](*call, arguments)
+            out = functional._known_layer(x, weight, bias, *arguments)  # (the C++ path's, where it knows the call)
+            return functional._DOORS["eager"](x, weight, bias, geom, arguments) if out is None else out
         weight, bias = (self.weight, self.bias) if norm is None else fold_batch_norm(self.weight, self.bias, norm)
         return depthwise_conv2d(input, weight, bias, self.stride, self.padding, self.dilation, activation)
 

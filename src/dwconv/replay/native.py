@@ -422,15 +422,16 @@ def has_known_layers() -> bool:
     return bool(_KNOWN)
 
 
-def conv_known(input, weight, bias, stride, padding, dilation) -> Optional[torch.Tensor]:
+def conv_known(input, weight, bias, stride, padding, dilation, *activation) -> Optional[torch.Tensor]:
     """The C++ path for a call whose tensors (shapes, strides, dtypes, devices, alignment) and
     arguments are those of an earlier call that passed the checks and was recorded: no checks or
     geometry again, and the lookup itself in C++ (the tensors' key in Python cost 5 of a small
     layer's 14.5 us of host time on the CPU machine). Under autocast the tensors are cast first, in
     C++, as F.conv2d's autocast casts them. None for any other call, and for tensor subclasses that
-    dispatch in Python: the caller takes the full path."""
+    dispatch in Python: the caller takes the full path. activation: the name of an activated call's
+    (spelled in its arguments, as `conv` was given them)."""
     try:
-        return _DEFAULT_MODULE[0].conv_known(input, weight, bias, repr((stride, padding, dilation)))
+        return _DEFAULT_MODULE[0].conv_known(input, weight, bias, repr((stride, padding, dilation, *activation)))
     except TypeError:  # (not tensors: the full path decides)
         return None
 
@@ -445,7 +446,7 @@ def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     called back (forward(x, w, b, geom), backward(grad_out, x, w, geom, want_input, want_weight,
     want_bias), differentiable_backward(same)), given by the autograd layer (dwconv._library)."""
     tensors_key = program_key((input, weight, bias))
-    key = (tensors_key, geom)
+    key = (tensors_key, geom, passes)  # (another set of passes, such as an activated forward's: another layer)
     entry = _LAYERS.get(key)
     if entry is None:
         try:
