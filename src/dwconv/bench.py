@@ -149,6 +149,11 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--channels-last", action="store_true",
                    help="also time dwconv on channels_last tensors (path dwconv_cl; compare with cudnn_cl)")
     p.add_argument("--backward", action="store_true", help="time forward+backward and backward instead of forward")
+    p.add_argument("--block", metavar="ACTIVATION",
+                   help="time the depthwise block in eval mode instead of the convolution: stock's convolution, "
+                        "BatchNorm2d on running statistics and this activation (a name of dwconv.activations."
+                        "FUNCTIONS) against dwconv's one fused call (the BatchNorm folded, as convert(fuse=True) "
+                        "does); forward only")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time each call replayed from a CUDA graph (no host time: the kernels' own)")
     p.add_argument("--iters", type=int, default=100)
@@ -291,6 +296,8 @@ def check_values(out: torch.Tensor, x, weight, bias, case: Case) -> float:
 def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: float) -> List[Dict]:
     import dwconv
 
+    if args.block:
+        return measure_block(case, args, timer, copy_gbps)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x, weight, bias = make_inputs(case, gen)
     conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
@@ -356,6 +363,76 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
     for row in rows:
         ours = next(r["ms"] for r in rows if r["path"] == "dwconv" and r["pass"] == row["pass"])
         row["dwconv_speedup"] = row["ms"] / ours
+    return rows
+
+
+def measure_block(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: float) -> List[Dict]:
+    """The depthwise block in eval mode: stock's three kernels (F.conv2d, F.batch_norm on running
+    statistics, the activation), NCHW and channels_last, and torch.compile of them with --compile,
+    against dwconv's one call with the BatchNorm folded into the weight and bias (as a model
+    converted with fuse=True runs it) and the activation in the kernel. The bytes: the input read
+    and the output written once, the block's floor."""
+    import dwconv
+
+    from .activations import FUNCTIONS
+    from .fuse import fold_batch_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, weight, bias = make_inputs(case, gen)
+    channels = weight.shape[0]
+    norm = torch.nn.BatchNorm2d(channels).cuda().eval()
+    with torch.no_grad():
+        norm.running_mean.normal_(0, 0.1, generator=gen)
+        norm.running_var.uniform_(0.5, 1.5, generator=gen)
+        norm.weight.normal_(generator=gen)
+        norm.bias.normal_(generator=gen)
+        folded = [t.to(x.dtype) for t in fold_batch_norm(weight.float(), None if bias is None else bias.float(), norm)]
+    activation, conv = FUNCTIONS[args.block], dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
+
+    def stock(x):
+        out = F.conv2d(x, weight, bias, groups=case.c, **conv)
+        return activation(F.batch_norm(out, norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0,
+                                       norm.eps))
+
+    def fused(x):
+        return dwconv.depthwise_conv2d(x, *folded, activation=args.block, **conv)
+
+    layer = f"{case.label} +bn+{args.block}"
+    max_err = 0.0
+    for layout in (torch.contiguous_format, torch.channels_last):
+        xl = x.contiguous(memory_format=layout)
+        with torch.no_grad():
+            out = fused(xl)
+            ref = activation(F.batch_norm(F.conv2d(xl.double(), weight.double(), None if bias is None else
+                                                   bias.double(), groups=case.c, **conv),
+                                          *[t.double() for t in (norm.running_mean, norm.running_var, norm.weight,
+                                                                 norm.bias)], False, 0.0, norm.eps))
+        err, scale = (out.double() - ref).abs().max().item(), max(ref.abs().max().item(), 1.0)
+        tol = 1e-4 * scale if case.dtype == "float32" else 4 * torch.finfo(DTYPES[case.dtype]).eps * scale
+        if not err <= tol:
+            raise SystemExit(f"FAILED: {layer}: max abs error {err:.3g} exceeds {tol:.3g}")
+        max_err = max(max_err, err)
+    nbytes = x.numel() * x.element_size() + out.numel() * out.element_size()
+    del out, ref
+    paths = {"dwconv": (fused, torch.contiguous_format), "eager": (stock, torch.contiguous_format),
+             "dwconv_cl": (fused, torch.channels_last), "cudnn_cl": (stock, torch.channels_last)}
+    if args.compile:
+        paths["compile"] = (torch.compile(stock), torch.channels_last)
+    rows = []
+    for name, (fn, layout) in paths.items():
+        xl = x.contiguous(memory_format=layout)
+        progress(f"{layer}: timing {name}")
+        with torch.no_grad():
+            times = timer(graphed(lambda: fn(xl)) if args.cuda_graphs else lambda: fn(xl))
+        mean = statistics.fmean(times)
+        gbps = nbytes / mean / 1e6
+        rows.append(dict(layer=layer, dtype=case.dtype, path=name, **{"pass": "block forward"}, ms=mean,
+                         std=statistics.pstdev(times), median=statistics.median(times), gbps=gbps,
+                         pct_copy=100 * gbps / copy_gbps, tflops=case.flops(backward=False) / mean / 1e9,
+                         peak_mb=float("nan"), max_err=max_err if name.startswith("dwconv") else float("nan"),
+                         cuda_graph=bool(args.cuda_graphs)))
+    for row in rows:
+        row["dwconv_speedup"] = row["ms"] / next(r["ms"] for r in rows if r["path"] == "dwconv")
     return rows
 
 
@@ -495,7 +572,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cases = [case for case in cases_from_args(args) if case.label not in done]
     # the models suite: both layouts and both passes in one run
     runs = ([argparse.Namespace(**{**vars(args), "channels_last": True, "backward": b}) for b in (False, True)]
-            if args.suite in FULL_SUITES else [args])
+            if args.suite in FULL_SUITES and not args.block else [args])
     for i, case in enumerate(cases):
         progress(f"{progress_bar(i, len(cases))} {case.label}")
         for run_args in runs:
