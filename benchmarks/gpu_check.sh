@@ -18,6 +18,8 @@
 #   compiled   where compiled models' steps go, stock against converted (benchmarks/compiled_profile.py,
 #              torch.compile default; MODELS, PROFILE_MODE train|inference), and Inductor's generated code
 #              for both (output_code_MODEL_MODE.txt.xz)
+#   blocks     the models suite's layers as eval-mode blocks (conv, BatchNorm2d, activation: BLOCK_ACTIVATIONS,
+#              DTYPES), stock's kernels and torch.compile of them against dwconv's fused call (bench --block)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
 #   host       host time per eager call, .ab_old/src against src (benchmarks/host_time.py)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
@@ -49,6 +51,12 @@ for step in "$@"; do
                iters=100; [ "$suite" = large ] && iters=40
                python3 -m dwconv bench --suite "$suite" --dtype "$dtype" --iters $iters \
                  --csv "$OUT/${suite}_${dtype}_$(date +%F)_$commit.csv" 2>&1 | tail -40
+             done
+           done ;;
+    blocks) for activation in ${BLOCK_ACTIVATIONS:-relu6 silu hardswish}; do
+             for dtype in ${DTYPES:-bfloat16 float32}; do
+               python3 -m dwconv bench --suite models --dtype "$dtype" --block "$activation" --compile --iters 100 \
+                 --csv "$OUT/blocks_${activation}_${dtype}_$(date +%F)_$commit.csv" 2>&1 | tail -30
              done
            done ;;
     coldstart|models)
