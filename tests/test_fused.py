@@ -54,11 +54,12 @@ def test_every_family_applies_every_activation(family, activation):
     assert_close(out, ref, torch.float32, f"{family} {activation}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_half_precision_activates_before_rounding(activation):
-    """bfloat16: one rounding, after the activation (the channels_last pixel tiles, bfloat16 pairs)."""
-    out, ref = activated_forward("nhwc_pixels", activation, torch.bfloat16)
-    assert_close(out, ref, torch.bfloat16, activation)
+def test_half_precision_activates_before_rounding(activation, dtype):
+    """Half precision: one rounding, after the activation (the channels_last pixel tiles, bfloat16 pairs)."""
+    out, ref = activated_forward("nhwc_pixels", activation, dtype)
+    assert_close(out, ref, dtype, activation)
 
 
 @pytest.mark.parametrize("family", ["tile", "rows", "nhwc"])
@@ -464,3 +465,36 @@ def test_fused_mobilenet_blocks_at_real_sizes(activation, stride):
         out = fused(x)
     with torch.no_grad():
         assert_close(out, stock.double()(x.double()), torch.bfloat16, "fused block")
+
+
+@pytest.mark.parametrize("options", [dict(affine=False), dict(eps=1e-3, momentum=None), dict(momentum=0.3)],
+                         ids=["no-affine", "eps-cumulative", "momentum"])
+def test_batch_norm_options(options):
+    """BatchNorm2d's options: eval folds them all; training keeps stock's running statistics and
+    num_batches_tracked over several steps (cumulative averages included)."""
+    def model():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False),
+                                   torch.nn.BatchNorm2d(8, **options), torch.nn.SiLU()).to(DEVICE)
+
+    stock, fused = model(), dwconv.convert(model(), fuse=True, precompile=False, verbose=False)
+    assert type(fused[1]).__name__ == "FoldedBatchNorm2d"
+    for step in range(3):
+        x = randn(4, 8, 7, 9)
+        assert_close(fused(x), stock(x), torch.float32, f"training step {step}")
+    for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
+        if b.is_floating_point():
+            assert_close(b, b_ref, torch.float32, name)
+        else:
+            assert torch.equal(b, b_ref) and int(b) == 3, name  # (num_batches_tracked)
+    fused.eval(), stock.eval()
+    _assert_same_model(stock, fused, randn(2, 8, 7, 9), "eval")
+
+
+def test_batch_norm_without_running_statistics_is_not_folded(capsys):
+    """track_running_stats=False: eval uses the batch's statistics, which no weight can hold."""
+    stock = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8),
+                                torch.nn.BatchNorm2d(8, track_running_stats=False)).eval().to(DEVICE)
+    fused = dwconv.convert(stock, fuse=True, precompile=False)
+    assert "fused 0 depthwise block(s)" in capsys.readouterr().out
+    assert type(fused[1]) is torch.nn.BatchNorm2d
