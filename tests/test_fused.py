@@ -289,13 +289,15 @@ def test_what_cannot_be_proven_is_left_alone(capsys):
     hooked = _block()
     hooked[1].register_forward_hook(lambda module, args, out: out * 2)
     functional_act = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8))
-    stock = torch.nn.Sequential(Shared(), Branching(), hooked, functional_act).eval().to(DEVICE)
+    reflect = torch.nn.Sequential(dwconv.DepthwiseConv2d(8, 8, 3, padding=1, padding_mode="reflect"), _bn(8))
+    stock = torch.nn.Sequential(Shared(), Branching(), hooked, functional_act, reflect).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False)
     printed = capsys.readouterr().out
     # only Branching's inner Sequential block fuses; its own conv -> bn is not proven
     assert "fused 1 depthwise block(s)" in printed, printed
     assert "not fused (its module's forward does not trace with torch.fx)" in printed
     assert "not fused (followed by neither a BatchNorm2d nor an activation module)" in printed
+    assert "1 not fused (used twice, hooked, already activated or padding other than zeros)" in printed
     assert [type(m).__name__ for m in fused.modules()].count("FusedDepthwiseConv2d") == 1
     _assert_same_model(stock, fused, randn(2, 8, 9, 11), "eval")
 

@@ -244,8 +244,8 @@ def find_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
             if flow is None:
                 left["its module's forward does not trace with torch.fx"] += 1
                 continue
-            if uses[id(conv)] > 1 or _hooked(conv) or conv.activation is not None:
-                left["used twice, hooked or already activated"] += 1
+            if uses[id(conv)] > 1 or _hooked(conv) or conv.activation is not None or conv.padding_mode != "zeros":
+                left["used twice, hooked, already activated or padding other than zeros"] += 1
                 continue
             chain = [name]
             while len(chain) < 3 and flow.get(chain[-1]):
