@@ -500,3 +500,39 @@ def test_batch_norm_without_running_statistics_is_not_folded(capsys):
     fused = dwconv.convert(stock, fuse=True, precompile=False)
     assert "fused 0 depthwise block(s)" in capsys.readouterr().out
     assert type(fused[1]) is torch.nn.BatchNorm2d
+
+
+def test_hooks_see_the_stock_blocks_values():
+    """A hook registered on a fused block's module after convert (an activation recorder, a
+    calibration observer, Grad-CAM), or on every module, sees the values stock's would: the block
+    then runs unfused while the hook is there, and fused again once it is removed."""
+    stock = _block(torch.nn.SiLU).eval().to(DEVICE)
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    x = randn(2, 8, 9, 11)
+    for where in ("conv", "norm", "global"):
+        seen = {}
+        hook = lambda name: lambda module, args, out: seen.setdefault(name, []).append(out.detach())  # noqa: E731
+        if where == "global":
+            handles = [torch.nn.modules.module.register_module_forward_hook(hook("any"))]
+        else:
+            index = 0 if where == "conv" else 1
+            handles = [model[index].register_forward_hook(hook(name)) for model, name in ((fused, "fused"),
+                                                                                         (stock, "stock"))]
+        with torch.no_grad():
+            out, ref = fused(x), stock(x)
+        for handle in handles:
+            handle.remove()
+        assert_close(out, ref.double(), torch.float32, f"output, {where} hook")
+        if where == "global":
+            assert len(seen["any"]) == 8  # (each model and each of its three modules, once)
+            for got, want in zip(seen["any"][:4], seen["any"][4:]):
+                assert_close(got, want.double(), torch.float32, "a global hook's value")
+        else:
+            assert_close(seen["fused"][0], seen["stock"][0].double(), torch.float32, f"the {where}'s output")
+    assert fused_now_all(fused)
+
+
+def fused_now_all(model):
+    from dwconv.fuse import fused_now
+
+    return all(fused_now(m.dwconv_block) for m in model.modules() if hasattr(m, "dwconv_block"))

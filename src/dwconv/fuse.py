@@ -37,7 +37,7 @@ Block = Tuple[DepthwiseConv2d, Optional[nn.BatchNorm2d], Optional[nn.Module], st
 class FusedDepthwiseConv2d(DepthwiseConv2d):
     """A DepthwiseConv2d computing the BatchNorm2d after it (`dwconv_norm`, or None) and the
     activation after that (`dwconv_activation`, a name of dwconv.activations.FUNCTIONS) wherever
-    the BatchNorm is in eval mode (without one: always)."""
+    its block is fused at the call (`fused_now`)."""
 
     dwconv_norm: Optional[nn.BatchNorm2d] = None
     dwconv_activation: str = "identity"
@@ -45,9 +45,9 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.fx.Proxy):
             return _traced_as_a_call(self, input)
-        norm = self.dwconv_norm
-        if norm is not None and norm.training:
+        if not fused_now(self.dwconv_block):
             return super().forward(input)  # (the block as it was: the BatchNorm and activation run)
+        norm = self.dwconv_norm
         activation = None if self.dwconv_activation == "identity" else self.dwconv_activation
         call = _prepared_call(self, norm, input)
         if call is not None:  # (an eager call like the one before, nothing differentiated: no checks again)
@@ -65,33 +65,47 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
 
 
 class _FoldedNorm:
-    """A BatchNorm2d folded into the depthwise layer before it (`folded_class`): in eval mode its input
-    passes through (the layer applied it, and the activation after it where this module held one,
-    as timm's BatchNormAct2d does); in training mode it runs as its own class did."""
+    """A BatchNorm2d folded into the depthwise layer before it (`folded_class`): where its block is
+    fused at the call its input passes through (the layer applied it, and the activation after it
+    where this module held one, as timm's BatchNormAct2d does); otherwise it runs as its own class did."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.fx.Proxy):
             return _traced_as_a_call(self, input)
-        if not self.training:
+        if fused_now(self.dwconv_block):
             return input
         return super().forward(input)
 
 
 class _FusedActivation:
     """An activation module computed by the depthwise layer of its block (`folded_class`): its input
-    passes through where the block's BatchNorm (`dwconv_norm`, or None: always) is in eval mode;
-    otherwise it runs as its own class did."""
+    passes through where the block is fused at the call; otherwise it runs as its own class did."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.fx.Proxy):
             return _traced_as_a_call(self, input)
-        norm = self.dwconv_norm
-        if norm is None or not norm.training:
+        if fused_now(self.dwconv_block):
             return input
         return super().forward(input)
 
     def extra_repr(self) -> str:
         return "computed by its depthwise layer" + (", " + super().extra_repr() if super().extra_repr() else "")
+
+
+def fused_now(block: tuple) -> bool:
+    """Whether a block (its layer, BatchNorm2d or None, activation module or None) computes as one at
+    this call: its BatchNorm in eval mode, and no hook, on its modules or on every module, that
+    would see a value inside it (the layer's or the BatchNorm's output, which the fused call never
+    makes). Each of the three modules asks at each call and gets the same answer: no state passes
+    between them (threads, re-entrant calls)."""
+    norm = block[1]
+    if norm is not None and norm.training:
+        return False
+    module = nn.modules.module
+    if module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks \
+            or getattr(module, "_global_backward_pre_hooks", None):
+        return False
+    return not any(m is not None and _hooked(m) for m in block)
 
 
 def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Proxy:
@@ -272,11 +286,13 @@ def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
     blocks, left = find_blocks(model)
     for conv, norm, activation_module, activation in blocks:
         # (the norm as a plain attribute, not a submodule: its parameters stay where they were, once)
+        block = (conv, norm, activation_module)  # (each member asks fused_now of the whole block)
         conv.__class__ = FusedDepthwiseConv2d
-        conv.__dict__.update(dwconv_norm=norm, dwconv_activation=activation)
+        conv.__dict__.update(dwconv_norm=norm, dwconv_activation=activation, dwconv_block=block)
         if norm is not None:
+            norm.__dict__["dwconv_block"] = block
             norm.__class__ = folded_class("norm", type(norm))
         if activation_module is not None:
-            activation_module.__dict__["dwconv_norm"] = norm
+            activation_module.__dict__["dwconv_block"] = block
             activation_module.__class__ = folded_class("activation", type(activation_module))
     return blocks, left
