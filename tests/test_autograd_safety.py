@@ -342,7 +342,7 @@ def test_layer_registry_is_bounded(retune, monkeypatch):
     assert len(native._LAYERS) == 3 and native.extension().layer_count() == 3
     live = {number for number, *_ in native._LAYERS.values()}
     assert all(number in live for _, number in native._KNOWN.values()), "a known call names an evicted layer"
-    assert any(geom.in_w == 5 for (_, geom) in native._LAYERS)
+    assert any(geom.in_w == 5 for (_, geom, _) in native._LAYERS)
     grad_out = randn(*kept_out.shape)
     kept_out.backward(grad_out)
     _, ref_grads = reference_grads([kept[0], weight], grad_out, padding=1)

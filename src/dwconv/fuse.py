@@ -168,7 +168,7 @@ def _prepared_call(conv: FusedDepthwiseConv2d, norm: Optional[nn.BatchNorm2d], i
     if autocast is not None and input.is_floating_point() and input.dtype not in (autocast, torch.float64):
         input = input.to(autocast)  # (as autocast casts F.conv2d's input)
     key = (input.shape, input.stride(), input.dtype, input.device, autocast, norm.eps if norm is not None else None,
-           *[(t._version, t.data_ptr(), t.dtype) for t in tensors])
+           conv.stride, conv.padding, conv.dilation, *[(t._version, t.data_ptr(), t.dtype) for t in tensors])
     cached = conv.__dict__.get("_dwconv_call")
     if cached is None or cached[0] != key:
         with torch.no_grad():
