@@ -47,9 +47,16 @@ def activated_forward(family, activation, dtype, has_bias=True):
     return out, FUNCTIONS[activation](reference_conv(x, weight, bias, stride, padding, 1))
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_family_applies_every_activation(family, activation):
+def test_every_family_applies_the_activation(family):
+    """Each family's epilogue (the activation's arithmetic is one helper: one activation here)."""
+    out, ref = activated_forward(family, "hardswish", torch.float32)
+    assert_close(out, ref, torch.float32, family)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("family", ["tile", "nhwc_pixels"])
+def test_every_activation(family, activation):
     out, ref = activated_forward(family, activation, torch.float32)
     assert_close(out, ref, torch.float32, f"{family} {activation}")
 
