@@ -64,22 +64,11 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
         return super().extra_repr() + ", fused: " + ", ".join(fused)
 
 
-class _FoldedNorm:
-    """A BatchNorm2d folded into the depthwise layer before it (`folded_class`): where its block is
-    fused at the call its input passes through (the layer applied it, and the activation after it
-    where this module held one, as timm's BatchNormAct2d does); otherwise it runs as its own class did."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if isinstance(input, torch.fx.Proxy):
-            return _traced_as_a_call(self, input)
-        if fused_now(self.dwconv_block):
-            return input
-        return super().forward(input)
-
-
-class _FusedActivation:
-    """An activation module computed by the depthwise layer of its block (`folded_class`): its input
-    passes through where the block is fused at the call; otherwise it runs as its own class did."""
+class _PassedThrough:
+    """The BatchNorm2d or the activation module of a fused block (`folded_class`): where the block is
+    fused at the call its input passes through (its layer computed it: the BatchNorm folded into its
+    weight and bias, the activation in its kernel, timm's BatchNormAct2d's own activation too);
+    otherwise it runs as its own class did."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.fx.Proxy):
@@ -114,14 +103,11 @@ def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Prox
     return input.tracer.create_proxy("call_module", input.tracer.path_of_module(module), (input,), {})
 
 
-_ROLES = {"norm": _FoldedNorm, "activation": _FusedActivation}
-
-
 @functools.lru_cache(maxsize=None)
 def folded_class(role: str, cls: type) -> type:
     """cls with a fused block's role (a subclass, so its own forward, super() calls and isinstance
     hold), one class for each: "norm" or "activation". Pickled and copied by role and class."""
-    return type(("Folded" if role == "norm" else "Fused") + cls.__name__, (_ROLES[role], cls),
+    return type(("Folded" if role == "norm" else "Fused") + cls.__name__, (_PassedThrough, cls),
                 {"__reduce_ex__": _reduce, "__module__": __name__, "dwconv_role": role})
 
 
