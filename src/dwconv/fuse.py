@@ -94,7 +94,10 @@ def fused_now(block: tuple) -> bool:
     if module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks \
             or getattr(module, "_global_backward_pre_hooks", None):
         return False
-    return not any(m is not None and _hooked(m) for m in block)
+    for m in block:
+        if m is not None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks):
+            return False
+    return True
 
 
 def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Proxy:
@@ -142,19 +145,25 @@ def _prepared_call(conv: FusedDepthwiseConv2d, norm: Optional[nn.BatchNorm2d], i
     None where the call takes depthwise_conv2d's full path: torch.compile, jit.trace and torch.func
     must see the folding; autograd (either mode) differentiates it; subclasses and fake tensors
     dispatch in Python; PyTorch computes tensors the kernels cannot read."""
-    tensors = [t for t in (conv.weight, conv.bias) + ((norm.weight, norm.bias, norm.running_mean, norm.running_var)
-                                                       if norm is not None else ()) if t is not None]
+    # (from the modules' own dicts: this runs every call, and Module.__getattr__ costs a few us here)
+    parameters = conv._parameters
+    tensors = [parameters["weight"], parameters["bias"]]
+    if norm is not None:
+        tensors += [norm._parameters["weight"], norm._parameters["bias"], norm._buffers["running_mean"],
+                    norm._buffers["running_var"]]
+    tensors = [t for t in tensors if t is not None]
     if (type(input) is not torch.Tensor or not functional.uses_triton(input) or torch.compiler.is_compiling()
             or torch._C._is_tracing() or _gradient_wanted(input, *tensors)
             or torch._C._functorch.peek_interpreter_stack() is not None
-            or any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors)):
+            or any(type(t) is not torch.Tensor and type(t) is not nn.Parameter for t in tensors)):
         return None
     device = input.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     if autocast is not None and input.is_floating_point() and input.dtype not in (autocast, torch.float64):
         input = input.to(autocast)  # (as autocast casts F.conv2d's input)
+    # (a cast or a move gives a tensor new storage: its data pointer stands for its dtype and device)
     key = (input.shape, input.stride(), input.dtype, input.device, autocast, norm.eps if norm is not None else None,
-           conv.stride, conv.padding, conv.dilation, *[(t._version, t.data_ptr(), t.dtype) for t in tensors])
+           conv.stride, conv.padding, conv.dilation, *[t._version for t in tensors], *[t.data_ptr() for t in tensors])
     cached = conv.__dict__.get("_dwconv_call")
     if cached is None or cached[0] != key:
         with torch.no_grad():
