@@ -56,8 +56,10 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     fuse: each converted layer followed by a BatchNorm2d and/or an activation (ReLU, ReLU6, SiLU,
     GELU, Hardswish, Hardsigmoid; timm's BatchNormAct2d) computes them itself while the BatchNorm
     is in eval mode: the BatchNorm folded into its weight and bias, the activation in the kernel's
-    epilogue (dwconv.fuse). Training mode runs every module as before. Parameters, buffers and
-    state_dict keys stay the same; the blocks fused and the layers left are printed when verbose."""
+    epilogue (dwconv.fuse). Training mode, and a block one of whose modules has a hook (or while a
+    global module hook is registered), runs every module as before, so hooks see stock's values.
+    Parameters, buffers and state_dict keys stay the same; the blocks fused and the layers left are
+    printed when verbose."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not inplace:
