@@ -20,8 +20,6 @@ Padding = Union[int, Sequence[int], str]
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are jit functions: calling them
-# from Python costs ~9 us each, more than the rest of a launcher's arithmetic.
 # The activations a forward's epilogue can apply (its ACTIVATION constexpr): name -> code.
 ACTIVATION_CODES = {"identity": 0, "relu": 1, "relu6": 2, "silu": 3, "gelu": 4, "gelu_tanh": 5, "hardswish": 6,
                     "hardsigmoid": 7}
@@ -36,6 +34,8 @@ def activation_code(name: Optional[str]) -> int:
     return ACTIVATION_CODES[name]
 
 
+# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are jit functions: calling them
+# from Python costs ~9 us each, more than the rest of a launcher's arithmetic.
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

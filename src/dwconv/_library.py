@@ -428,5 +428,4 @@ def eager_conv(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: Conv
 
 
 __all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_input_weight", "conv2d_activated",
-           "conv_arguments",
-           "DepthwiseConv2dFunction", "eager_conv"]
+           "conv_arguments", "DepthwiseConv2dFunction", "eager_conv"]

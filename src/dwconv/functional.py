@@ -12,8 +12,8 @@ from torch.fx import Proxy
 
 from . import replay
 from ._env import triton_interpreter_enabled
-from .activations import FUNCTIONS, activation_code
 from ._geometry import IntOrPair, Padding, conv_geometry
+from .activations import FUNCTIONS, activation_code
 
 
 def uses_triton(x: torch.Tensor) -> bool:
@@ -130,7 +130,6 @@ def _registered_op(input, weight, bias, geom, arguments):
         return torch.ops.dwconv.conv2d_activated(input, weight, bias, *conv_arguments(geom),
                                                  activation_code(arguments[3]))
     return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
-
 
 
 def _eager(input, weight, bias, geom, arguments):

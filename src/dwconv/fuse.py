@@ -37,10 +37,12 @@ Block = Tuple[DepthwiseConv2d, Optional[nn.BatchNorm2d], Optional[nn.Module], st
 class FusedDepthwiseConv2d(DepthwiseConv2d):
     """A DepthwiseConv2d computing the BatchNorm2d after it (`dwconv_norm`, or None) and the
     activation after that (`dwconv_activation`, a name of dwconv.activations.FUNCTIONS) wherever
-    its block is fused at the call (`fused_now`)."""
+    its block (`dwconv_block`: this layer, the BatchNorm, the activation module) is fused at the
+    call (`fused_now`)."""
 
-    dwconv_norm: Optional[nn.BatchNorm2d] = None
-    dwconv_activation: str = "identity"
+    @property
+    def dwconv_norm(self) -> Optional[nn.BatchNorm2d]:
+        return self.dwconv_block[1]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.fx.Proxy):
@@ -283,7 +285,7 @@ def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
         # (the norm as a plain attribute, not a submodule: its parameters stay where they were, once)
         block = (conv, norm, activation_module)  # (each member asks fused_now of the whole block)
         conv.__class__ = FusedDepthwiseConv2d
-        conv.__dict__.update(dwconv_norm=norm, dwconv_activation=activation, dwconv_block=block)
+        conv.__dict__.update(dwconv_activation=activation, dwconv_block=block)
         if norm is not None:
             norm.__dict__["dwconv_block"] = block
             norm.__class__ = folded_class("norm", type(norm))
