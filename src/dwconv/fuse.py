@@ -1,9 +1,10 @@
-"""The fused depthwise block for inference: `convert(model, fuse=True)` finds each converted
-depthwise layer followed by a BatchNorm2d and/or an activation, and while the BatchNorm is in eval
-mode the layer computes all three in one pass: the BatchNorm folded into its weight and bias, the
-activation in the kernel's epilogue (no gradient wanted) or PyTorch's function after it (one wanted).
-The BatchNorm and activation modules then pass their input through. In training mode the block
-runs as it was (BatchNorm on the batch's statistics, updating its running ones).
+"""The fused depthwise block: `convert(model, fuse=True)` finds each converted depthwise layer
+followed by a BatchNorm2d and/or an activation, and the layer computes all three; the BatchNorm and
+activation modules then pass their input through. With the BatchNorm in eval mode, in one pass: the
+BatchNorm folded into the layer's weight and bias, the activation in the kernel's epilogue (no
+gradient wanted) or PyTorch's function after it (one wanted). In training mode, the convolution
+and then BatchNorm (the batch's statistics, the running ones updated) with the activation in two
+passes forward and two backward (dwconv.batch_norm).
 
 Nothing is replaced: the three modules keep their identity, parameters, buffers and state_dict
 keys; only their classes change (FusedDepthwiseConv2d, and subclasses of the norm's and the
@@ -20,10 +21,13 @@ import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn as nn
 
 from . import functional
 from ._geometry import conv_geometry
+from .batch_norm import batch_norm_activation
+from .batch_norm import reference as batch_norm_reference
 from .activations import activation_of
 from .functional import _gradient_wanted, depthwise_conv2d
 from .modules import DepthwiseConv2d
@@ -50,6 +54,8 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
         if not fused_now(self.dwconv_block):
             return super().forward(input)  # (the block as it was: the BatchNorm and activation run)
         norm = self.dwconv_norm
+        if norm is not None and norm.training:
+            return _normalized_in_training(self, super().forward(input))
         activation = None if self.dwconv_activation == "identity" else self.dwconv_activation
         call = _prepared_call(self, norm, input)
         if call is not None:  # (an eager call like the one before, nothing differentiated: no checks again)
@@ -85,13 +91,10 @@ class _PassedThrough:
 
 def fused_now(block: tuple) -> bool:
     """Whether a block (its layer, BatchNorm2d or None, activation module or None) computes as one at
-    this call: its BatchNorm in eval mode, and no hook, on its modules or on every module, that
-    would see a value inside it (the layer's or the BatchNorm's output, which the fused call never
+    this call (the layer computes it, in the BatchNorm's mode): no hook, on its modules or on every
+    module, that would see a value inside it (the layer's or the BatchNorm's output, which the fused call never
     makes). Each of the three modules asks at each call and gets the same answer: no state passes
     between them (threads, re-entrant calls)."""
-    norm = block[1]
-    if norm is not None and norm.training:
-        return False
     module = nn.modules.module
     if module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks \
             or getattr(module, "_global_backward_pre_hooks", None):
@@ -100,6 +103,23 @@ def fused_now(block: tuple) -> bool:
         if m is not None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks):
             return False
     return True
+
+
+def _normalized_in_training(conv: FusedDepthwiseConv2d, y: torch.Tensor) -> torch.Tensor:
+    """The block's BatchNorm (training) and activation after its convolution's output y: on the
+    kernels of dwconv.batch_norm where they read y and nothing would see inside the call (autograd of
+    any order is fine; forward-mode AD, torch.func, torch.compile, tracing, subclasses are not), else
+    the modules' own forwards."""
+    _, norm, activation_module = conv.dwconv_block
+    parameters = (norm.weight, norm.bias, norm.running_mean, norm.running_var)
+    if (type(y) is torch.Tensor and y.dim() == 4 and functional.uses_triton(y) and y.is_floating_point()
+            and not torch.compiler.is_compiling() and not torch._C._is_tracing()
+            and not functional._pytorch_must_run(y, *parameters) and forward_ad._current_level < 0
+            and norm.track_running_stats and norm.running_mean is not None and norm.running_var is not None
+            and all(t is None or (t.device == y.device and type(t) in (torch.Tensor, nn.Parameter))
+                    for t in parameters)):
+        return batch_norm_activation(y, norm, conv.dwconv_activation)
+    return batch_norm_reference(y, norm, activation_module)
 
 
 def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Proxy:

@@ -40,6 +40,32 @@ def _activate(v, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _activation_slope(z, ACTIVATION: tl.constexpr):
+    """The derivative of _activate at z, with PyTorch's conventions at the kinks and for NaN (its
+    backward formulas: relu and relu6 pass a NaN's gradient, as `z <= 0 ? 0 : g` does)."""
+    slope = tl.full(z.shape, 1.0, z.dtype)
+    if ACTIVATION == 1:  # relu
+        slope = tl.where(z <= 0.0, 0.0, slope)
+    elif ACTIVATION == 2:  # relu6
+        slope = tl.where((z <= 0.0) | (z >= 6.0), 0.0, slope)
+    elif ACTIVATION == 3:  # silu
+        sigmoid = 1.0 / (1.0 + tl.exp(-z))
+        slope = sigmoid * (1.0 + z * (1.0 - sigmoid))
+    elif ACTIVATION == 4:  # gelu, erf form
+        slope = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476)) + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
+    elif ACTIVATION == 5:  # gelu, tanh form
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        tanh_u = 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
+        slope = 0.5 * (1.0 + tanh_u) + 0.5 * z * (1.0 - tanh_u * tanh_u) * 0.7978845608028654 * (
+            1.0 + 3.0 * 0.044715 * z * z)
+    elif ACTIVATION == 6:  # hardswish
+        slope = tl.where(z < -3.0, 0.0, tl.where(z <= 3.0, z / 3.0 + 0.5, slope))
+    elif ACTIVATION == 7:  # hardsigmoid
+        slope = tl.where((z > -3.0) & (z < 3.0), 1.0 / 6.0, 0.0)
+    return slope
+
+
+@triton.jit
 def _lane(v, i: tl.constexpr, VEC: tl.constexpr):
     """Lane i of each thread's vector: v [R, G, VEC] -> [R, G], VEC 4 or 8 (register moves only)."""
     if VEC == 8:  # lane k = 2q + c: keep the half with c = i % 2, then lane q = i // 2 of it

@@ -1,0 +1,93 @@
+"""BatchNorm2d in training mode with the activation after it, as one autograd Function on dwconv's
+kernels (kernels/batch_norm.py): what a fused depthwise block computes after its convolution while
+its BatchNorm trains. In reading order: the reference (the stock modules), the Function, the call
+that stands for `activation(norm(y))`.
+
+Forward: two passes over y (the statistics; the normalisation and activation), the running
+statistics and num_batches_tracked updated as nn.BatchNorm2d updates them. Only y and the batch's
+statistics are saved (stock keeps the normalised tensor as well, for the activation's backward).
+Backward: two passes (the sums BatchNorm's gradient needs; grad_y), the activation's derivative
+recomputed from y; under create_graph=True, PyTorch's own ops recompute the block and autograd
+differentiates them, so gradients of any order are PyTorch's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .activations import FUNCTIONS, activation_code
+
+
+def reference(y: Tensor, norm: nn.BatchNorm2d, activation_module: Optional[nn.Module]) -> Tensor:
+    """The stock modules' computation (their own classes' forward, without the fused block's
+    pass-through): what the Function replaces, and what runs where its kernels cannot."""
+    y = _own_class(norm).forward(norm, y)
+    return y if activation_module is None else _own_class(activation_module).forward(activation_module, y)
+
+
+def _own_class(module: nn.Module) -> type:
+    """The class a fused block's module had before (fuse.folded_class made a subclass of it)."""
+    cls = type(module)
+    return cls.__mro__[2] if hasattr(cls, "dwconv_role") else cls
+
+
+class BatchNormActivationFunction(torch.autograd.Function):
+    """activation(batch_norm(y, training=True)) on the kernels; the running statistics, where given,
+    updated in place."""
+
+    @staticmethod
+    def forward(ctx, y, weight, bias, running_mean, running_var, momentum: float, eps: float, activation: str):
+        from .kernels.batch_norm import batch_norm_forward
+
+        out, mean, invstd = batch_norm_forward(y, weight, bias, running_mean, running_var, momentum, eps,
+                                               activation_code(activation))
+        ctx.save_for_backward(y, weight, bias, mean, invstd)
+        ctx.eps, ctx.activation = eps, activation
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weight, bias, mean, invstd = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # (create_graph=True: PyTorch's ops, which autograd differentiates again)
+            return (*_differentiable_backward(grad, y, weight, bias, ctx.eps, ctx.activation, wanted),
+                    None, None, None, None, None)
+        from .kernels.batch_norm import batch_norm_backward
+
+        grad_y, grad_weight, grad_bias = batch_norm_backward(grad, y, weight, bias, mean, invstd, ctx.eps,
+                                                             activation_code(ctx.activation))
+        return (grad_y if wanted[0] else None, grad_weight if wanted[1] else None, grad_bias if wanted[2] else None,
+                None, None, None, None, None)
+
+
+def _differentiable_backward(grad, y, weight, bias, eps, activation, wanted):
+    """The gradients as PyTorch computes them, through ops autograd records (the block recomputed
+    from the saved y: the batch's statistics are functions of it)."""
+    inputs = [t for t, w in zip((y, weight, bias), wanted) if w]
+    with torch.enable_grad():
+        out = FUNCTIONS[activation](torch.nn.functional.batch_norm(y, None, None, weight, bias, True, 0.0, eps))
+        grads = iter(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if w else None for w in wanted)
+
+
+def batch_norm_activation(y: Tensor, norm: nn.BatchNorm2d, activation: str) -> Tensor:
+    """FUNCTIONS[activation](norm(y)) for norm in training mode with running statistics, on the
+    kernels: the call of nn.BatchNorm2d.forward (num_batches_tracked, momentum or its cumulative
+    average, the check that a channel has more than one value)."""
+    if y.dim() != 4:
+        raise ValueError(f"expected 4D input (got {y.dim()}D input)")
+    if y.numel() // y.shape[1] <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {y.size()}")
+    momentum = 0.0 if norm.momentum is None else norm.momentum
+    if norm.num_batches_tracked is not None:
+        norm.num_batches_tracked.add_(1)
+        if norm.momentum is None:  # (a cumulative average: PyTorch reads the count back too)
+            momentum = 1.0 / float(norm.num_batches_tracked)
+    if not (y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last)):
+        y = y.contiguous()  # (the kernels read NCHW or dense channels_last; the convolution gives those)
+    return BatchNormActivationFunction.apply(y, norm.weight, norm.bias, norm.running_mean, norm.running_var,
+                                             momentum, norm.eps, activation)

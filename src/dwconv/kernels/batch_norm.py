@@ -1,0 +1,382 @@
+"""BatchNorm2d in training mode with the activation after it, for the fused depthwise block in
+training: the batch's statistics, the normalisation and the activation in two passes over the
+convolution's output (stock: BatchNorm's two or three and the activation's two), and the backward's
+activation and BatchNorm gradients in two (stock: the activation's three, BatchNorm's five).
+
+Forward:  statistics_kernel      per program, (mean, M2) of its chunk of each channel (Chan's
+                                 update of tile after tile: no cancellation, as Welford's)
+          statistics_sums_kernel the chunks combined in a fixed order (deterministic): mean,
+                                 1 / sqrt(var + eps), the running statistics updated as
+                                 nn.BatchNorm2d updates them (unbiased variance)
+          normalize_kernel       out = act(y * scale + shift), scale = gamma / sqrt(var + eps)
+Backward: gradient_sums_kernel   per program, sums of g = grad * act'(z) and of g * xhat
+          gradient_totals_kernel the chunks added in a fixed order: grad_weight, grad_bias
+          grad_input_kernel      grad_y = scale * (g - mean(g) - xhat * mean(g * xhat))
+
+z = y * scale + shift is recomputed from y (the only activation saved, with the statistics), in
+the same arithmetic as the forward's. Each tensor is read as [outer, channels, inner]: NCHW
+(outer = N, inner = H*W, unit steps along inner) or channels_last (outer = 1, inner = N*H*W, unit
+steps along channels); a program takes `chunk` inner positions of BLOCK_C channels, a tile of
+BLOCK_S x BLOCK_C at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .._geometry import cdiv, next_power_of_2
+from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, plan_cache
+from ._shared import _activate, _activation_slope
+
+# (the chunk and the counts change with the batch and image size: runtime values, never
+# specialised, so one binary serves every batch and image size of a layer)
+_RUNTIME = ["inner", "chunk", "chunks", "outer_stride"]
+
+
+@triton.jit
+def _chunk_tiles(part, chunks, chunk, inner, outer_stride):
+    """Program `part`'s first inner position, its end, and the offset of its image."""
+    start = (part % chunks) * chunk
+    stop = tl.minimum(start + chunk, inner)
+    return start, stop, (part // chunks).to(tl.int64) * outer_stride
+
+
+@triton.jit
+def _tile(base, s, stop, c, channels, inner_stride, channel_stride):
+    """A [BLOCK_S, BLOCK_C] tile's offsets and mask (every tensor of a launch has the same strides)."""
+    mask = (s < stop)[:, None] & (c < channels)[None, :]
+    return base + s[:, None].to(tl.int64) * inner_stride + c[None, :] * channel_stride, mask
+
+
+@triton.jit
+def _scale_shift(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, AFFINE: tl.constexpr):
+    """Per channel: mean, invstd, and the normalisation as one multiply-add, z = y * scale + shift
+    (the forward and the backward compute z alike)."""
+    c_ok = c < channels
+    mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+    invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+    scale = invstd
+    shift = -mean * invstd
+    if AFFINE:
+        weight = tl.load(weight_ptr + c, mask=c_ok, other=0.0).to(mean.dtype)
+        scale = invstd * weight
+        shift = tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(mean.dtype) - mean * scale
+    return mean, invstd, scale, shift
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def statistics_kernel(y_ptr, partial_ptr, channels, inner, chunk, chunks, outer_stride, inner_stride, channel_stride,
+                      BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    part = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start, stop, base = _chunk_tiles(part, chunks, chunk, inner, outer_stride)
+    acc: tl.constexpr = partial_ptr.dtype.element_ty
+    count = tl.zeros([], dtype=acc)
+    mean = tl.zeros([BLOCK_C], dtype=acc)
+    m2 = tl.zeros([BLOCK_C], dtype=acc)
+    for first in range(start, stop, BLOCK_S):
+        s = first + tl.arange(0, BLOCK_S)
+        offsets, mask = _tile(base, s, stop, c, channels, inner_stride, channel_stride)
+        y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(acc)
+        tile_count = tl.minimum(stop - first, BLOCK_S).to(acc)
+        tile_mean = tl.sum(y, axis=0) / tile_count
+        centred = tl.where(mask, y - tile_mean[None, :], 0.0)
+        tile_m2 = tl.sum(centred * centred, axis=0)
+        total = count + tile_count
+        delta = tile_mean - mean
+        mean += delta * (tile_count / total)
+        m2 += tile_m2 + delta * delta * (count * tile_count / total)
+        count = total
+    c_ok = c < channels
+    tl.store(partial_ptr + part * 2 * channels + c, mean, mask=c_ok)
+    tl.store(partial_ptr + (part * 2 + 1) * channels + c, m2, mask=c_ok)
+
+
+@triton.jit(do_not_specialize=_RUNTIME[:3] + ["parts", "momentum", "eps"])
+def statistics_sums_kernel(partial_ptr, mean_ptr, invstd_ptr, running_mean_ptr, running_var_ptr,
+                           channels, inner, chunk, chunks, parts, momentum, eps,
+                           UPDATE_RUNNING: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    acc: tl.constexpr = partial_ptr.dtype.element_ty
+    count = tl.zeros([], dtype=acc)
+    mean = tl.zeros([BLOCK_C], dtype=acc)
+    m2 = tl.zeros([BLOCK_C], dtype=acc)
+    for first in range(0, parts, BLOCK_P):
+        p = first + tl.arange(0, BLOCK_P)
+        p_ok = p < parts
+        start = (p % chunks) * chunk
+        part_count = tl.where(p_ok, tl.minimum(inner - start, chunk), 0).to(acc)
+        mask = p_ok[:, None] & c_ok[None, :]
+        offsets = (p * 2 * channels)[:, None] + c[None, :]
+        part_mean = tl.load(partial_ptr + offsets, mask=mask, other=0.0)
+        part_m2 = tl.load(partial_ptr + offsets + channels, mask=mask, other=0.0)
+        # (BLOCK_P parts at once: their mean, and M2 about it, exactly; then Chan's update)
+        tile_count = tl.sum(part_count, axis=0)
+        tile_mean = tl.sum(part_count[:, None] * part_mean, axis=0) / tile_count
+        spread = part_mean - tile_mean[None, :]
+        tile_m2 = tl.sum(part_m2 + part_count[:, None] * spread * spread, axis=0)
+        total = count + tile_count
+        delta = tile_mean - mean
+        mean += delta * (tile_count / total)
+        m2 += tile_m2 + delta * delta * (count * tile_count / total)
+        count = total
+    if acc == tl.float64:
+        invstd = 1.0 / tl.sqrt(m2 / count + eps)  # (float64's are correctly rounded)
+    else:
+        invstd = tl.math.div_rn(1.0, tl.sqrt_rn(m2 / count + eps))
+    tl.store(mean_ptr + c, mean, mask=c_ok)
+    tl.store(invstd_ptr + c, invstd, mask=c_ok)
+    if UPDATE_RUNNING:
+        running_mean = tl.load(running_mean_ptr + c, mask=c_ok).to(acc)
+        running_var = tl.load(running_var_ptr + c, mask=c_ok).to(acc)
+        running_mean = momentum * mean + (1.0 - momentum) * running_mean
+        running_var = momentum * (m2 / (count - 1.0)) + (1.0 - momentum) * running_var
+        tl.store(running_mean_ptr + c, running_mean.to(running_mean_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(running_var_ptr + c, running_var.to(running_var_ptr.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def normalize_kernel(y_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                     channels, inner, chunk, chunks, outer_stride, inner_stride, channel_stride,
+                     AFFINE: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    part = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start, stop, base = _chunk_tiles(part, chunks, chunk, inner, outer_stride)
+    _, _, scale, shift = _scale_shift(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, AFFINE)
+    for first in range(start, stop, BLOCK_S):
+        s = first + tl.arange(0, BLOCK_S)
+        offsets, mask = _tile(base, s, stop, c, channels, inner_stride, channel_stride)
+        y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(scale.dtype)
+        out = _activate(y * scale[None, :] + shift[None, :], ACTIVATION)
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _slope_and_xhat(grad_ptr, y_ptr, offsets, mask, mean, invstd, scale, shift, ACTIVATION: tl.constexpr):
+    """g = grad * act'(z) and xhat = (y - mean) * invstd of a tile."""
+    y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(mean.dtype)
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(mean.dtype)
+    g = grad
+    if ACTIVATION != 0:
+        g = grad * _activation_slope(y * scale[None, :] + shift[None, :], ACTIVATION)
+    return g, (y - mean[None, :]) * invstd[None, :]
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def gradient_sums_kernel(grad_ptr, y_ptr, partial_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                         channels, inner, chunk, chunks, outer_stride, inner_stride, channel_stride,
+                         AFFINE: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    part = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start, stop, base = _chunk_tiles(part, chunks, chunk, inner, outer_stride)
+    mean, invstd, scale, shift = _scale_shift(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, AFFINE)
+    sum_g = tl.zeros([BLOCK_C], dtype=partial_ptr.dtype.element_ty)
+    sum_g_xhat = tl.zeros([BLOCK_C], dtype=partial_ptr.dtype.element_ty)
+    for first in range(start, stop, BLOCK_S):
+        s = first + tl.arange(0, BLOCK_S)
+        offsets, mask = _tile(base, s, stop, c, channels, inner_stride, channel_stride)
+        g, xhat = _slope_and_xhat(grad_ptr, y_ptr, offsets, mask, mean, invstd, scale, shift, ACTIVATION)
+        g = tl.where(mask, g, 0.0)
+        sum_g += tl.sum(g, axis=0)
+        sum_g_xhat += tl.sum(g * xhat, axis=0)
+    c_ok = c < channels
+    tl.store(partial_ptr + part * 2 * channels + c, sum_g, mask=c_ok)
+    tl.store(partial_ptr + (part * 2 + 1) * channels + c, sum_g_xhat, mask=c_ok)
+
+
+@triton.jit(do_not_specialize=["parts"])
+def gradient_totals_kernel(partial_ptr, totals_ptr, grad_weight_ptr, grad_bias_ptr, channels, parts,
+                           AFFINE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    sum_g = tl.zeros([BLOCK_P, BLOCK_C], dtype=partial_ptr.dtype.element_ty)
+    sum_g_xhat = tl.zeros([BLOCK_P, BLOCK_C], dtype=partial_ptr.dtype.element_ty)
+    for first in range(0, parts, BLOCK_P):
+        p = first + tl.arange(0, BLOCK_P)
+        mask = (p < parts)[:, None] & c_ok[None, :]
+        offsets = (p * 2 * channels)[:, None] + c[None, :]
+        sum_g += tl.load(partial_ptr + offsets, mask=mask, other=0.0)
+        sum_g_xhat += tl.load(partial_ptr + offsets + channels, mask=mask, other=0.0)
+    sum_g = tl.sum(sum_g, axis=0)
+    sum_g_xhat = tl.sum(sum_g_xhat, axis=0)
+    tl.store(totals_ptr + c, sum_g, mask=c_ok)
+    tl.store(totals_ptr + channels + c, sum_g_xhat, mask=c_ok)
+    if AFFINE:
+        tl.store(grad_weight_ptr + c, sum_g_xhat.to(grad_weight_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(grad_bias_ptr + c, sum_g.to(grad_bias_ptr.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit(do_not_specialize=_RUNTIME + ["count"])
+def grad_input_kernel(grad_ptr, y_ptr, grad_y_ptr, totals_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                      channels, inner, chunk, chunks, outer_stride, inner_stride, channel_stride, count,
+                      AFFINE: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    part = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start, stop, base = _chunk_tiles(part, chunks, chunk, inner, outer_stride)
+    mean, invstd, scale, shift = _scale_shift(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, AFFINE)
+    c_ok = c < channels
+    mean_g = tl.load(totals_ptr + c, mask=c_ok, other=0.0) / count
+    mean_g_xhat = tl.load(totals_ptr + channels + c, mask=c_ok, other=0.0) / count
+    for first in range(start, stop, BLOCK_S):
+        s = first + tl.arange(0, BLOCK_S)
+        offsets, mask = _tile(base, s, stop, c, channels, inner_stride, channel_stride)
+        g, xhat = _slope_and_xhat(grad_ptr, y_ptr, offsets, mask, mean, invstd, scale, shift, ACTIVATION)
+        grad_y = scale[None, :] * (g - mean_g[None, :] - xhat * mean_g_xhat[None, :])
+        tl.store(grad_y_ptr + offsets, grad_y.to(grad_y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- launchers -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Split:
+    """How a [outer, channels, inner] tensor is split among programs (one a layout)."""
+    channels: int
+    inner: int
+    chunk: int
+    chunks: int
+    parts: int  # programs along the tensor: outer x chunks (the partial sums' rows)
+    strides: Tuple[int, int, int]  # outer, inner, channel
+    block_s: int
+    block_c: int
+    gpu: bool
+
+    @property
+    def grid(self) -> Tuple[int, int]:
+        return self.parts, cdiv(self.channels, self.block_c)
+
+    @property
+    def scalars(self) -> tuple:
+        return (self.channels, self.inner, self.chunk, self.chunks, *self.strides)
+
+    def tiles(self, name: str, **constants) -> LaunchPlan:
+        return LaunchPlan(name, self.grid, self.scalars, dict(
+            constants, BLOCK_S=self.block_s, BLOCK_C=self.block_c, num_warps=4 if self.gpu else 1))
+
+    def reduction(self, name: str, scalars: tuple, **constants) -> LaunchPlan:
+        """A launch over the channels that combines the parts' partial sums."""
+        block_c = 32 if self.gpu else next_power_of_2(min(self.channels, 256))
+        block_p = 64 if self.gpu else next_power_of_2(min(self.parts, 64))
+        return LaunchPlan(name, (cdiv(self.channels, block_c),), scalars,
+                          dict(constants, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4 if self.gpu else 1))
+
+
+def _channel_block(channels: int, limit: int) -> int:
+    """The largest power of two up to limit that divides channels (no masked lanes), at least 16."""
+    block = limit
+    while block > 16 and channels % block:
+        block //= 2
+    return min(block, next_power_of_2(channels))
+
+
+def _split(y: torch.Tensor) -> _Split:
+    n, channels, h, w = y.shape
+    gpu = gpu_plan(y.device)
+    if channels_last(y):  # [1, C, N*H*W]: a row of channels each position
+        outer, inner, strides = 1, n * h * w, (0, channels, 1)
+        block_c = _channel_block(channels, 64)
+        block_s = 2048 // block_c if gpu else 64
+    else:
+        outer, inner, strides = n, h * w, (channels * h * w, 1, h * w)
+        block_s = min(1024 if gpu else 256, next_power_of_2(inner))
+        block_c = max(1, min(next_power_of_2(channels), (1024 if gpu else 256) // block_s))
+    # enough programs to fill the GPU (about 16 a multiprocessor), each a whole number of tiles
+    wanted = cdiv(2048 if gpu else 4, cdiv(channels, block_c) * outer)
+    chunk = max(block_s, cdiv(cdiv(inner, wanted), block_s) * block_s)
+    chunks = cdiv(inner, chunk)
+    return _Split(channels, inner, chunk, chunks, outer * chunks, strides, block_s, block_c, gpu)
+
+
+def channels_last(y: torch.Tensor) -> bool:
+    """Whether the kernels read y as channels_last (unit steps along channels), else as NCHW."""
+    return y.stride(1) == 1 and y.shape[1] > 1
+
+
+@dataclass(frozen=True)
+class _Plans:
+    split: _Split
+    statistics: LaunchPlan
+    statistics_sums: LaunchPlan
+    normalize: LaunchPlan
+    gradient_sums: LaunchPlan
+    gradient_totals: LaunchPlan
+    grad_input: LaunchPlan
+
+
+def _plans(y: torch.Tensor, affine: bool, update: bool, momentum: float, eps: float, activation: int) -> _Plans:
+    split = _split(y)
+    tiles = dict(AFFINE=affine, ACTIVATION=activation)
+    return _Plans(
+        split,
+        split.tiles("batch_norm_statistics"),
+        split.reduction("batch_norm_statistics_sums", (split.channels, split.inner, split.chunk, split.chunks,
+                                                       split.parts, momentum, eps), UPDATE_RUNNING=update),
+        split.tiles("batch_norm_normalize", **tiles),
+        split.tiles("batch_norm_gradient_sums", **tiles),
+        split.reduction("batch_norm_gradient_totals", (split.channels, split.parts), AFFINE=affine),
+        LaunchPlan("batch_norm_grad_input", split.grid, split.scalars + (y.numel() // split.channels,),
+                   split.tiles("", **tiles).constants))
+
+
+_PLANS = plan_cache()
+
+
+def plans(y: torch.Tensor, affine: bool, update: bool, momentum: float, eps: float, activation: int) -> _Plans:
+    """The six launches' plans for a tensor's layout and the BatchNorm's options."""
+    key = (layout_key(y), affine, update, momentum, eps, activation)
+    return cached_plan(_PLANS, key, lambda: _plans(y, affine, update, momentum, eps, activation))
+
+
+def _like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """t with like's strides (the kernels index both alike): itself where it has them, else a copy."""
+    if t.stride() == like.stride():
+        return t
+    return t.contiguous(memory_format=torch.channels_last if channels_last(like) else torch.contiguous_format)
+
+
+def batch_norm_forward(y: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                       running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                       momentum: float, eps: float, activation: int
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(act(batch_norm(y)) in y's dtype and strides, the batch's mean, 1 / sqrt(var + eps)) for y
+    NCHW or dense channels_last (_like); the running statistics, where given, updated in place
+    (momentum: the weight of the batch's). Statistics in float32 (float64 for float64 y)."""
+    affine, update = weight is not None, running_mean is not None
+    plan = plans(y, affine, update, momentum, eps, activation)
+    channels, device = y.shape[1], y.device
+    statistics = torch.float64 if y.dtype == torch.float64 else torch.float32
+    partial = torch.empty((plan.split.parts, 2, channels), device=device, dtype=statistics)
+    launch(statistics_kernel, plan.statistics, y, partial)
+    mean = torch.empty(channels, device=device, dtype=statistics)
+    invstd = torch.empty_like(mean)
+    launch(statistics_sums_kernel, plan.statistics_sums, partial, mean, invstd,
+           running_mean if update else mean, running_var if update else invstd)
+    out = torch.empty_like(y)
+    launch(normalize_kernel, plan.normalize, y, out, mean, invstd, *((weight, bias) if affine else (mean, mean)))
+    return out, mean, invstd
+
+
+def batch_norm_backward(grad: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor],
+                        bias: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor, eps: float,
+                        activation: int) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(grad_y, grad_weight, grad_bias) of batch_norm_forward's output (the latter two None
+    without weight); grad_y in y's strides."""
+    affine = weight is not None
+    plan = plans(y, affine, False, 0.0, eps, activation)
+    grad = _like(grad, y)
+    parameters = (weight, bias) if affine else (mean, mean)
+    partial = torch.empty((plan.split.parts, 2, y.shape[1]), device=y.device, dtype=mean.dtype)
+    launch(gradient_sums_kernel, plan.gradient_sums, grad, y, partial, mean, invstd, *parameters)
+    totals = torch.empty((2, y.shape[1]), device=y.device, dtype=mean.dtype)
+    grad_weight = torch.empty_like(weight) if affine else None
+    grad_bias = torch.empty_like(bias) if affine else None
+    launch(gradient_totals_kernel, plan.gradient_totals, partial, totals,
+           *((grad_weight, grad_bias) if affine else (totals, totals)))
+    grad_y = torch.empty_like(y)
+    launch(grad_input_kernel, plan.grad_input, grad, y, grad_y, totals, mean, invstd, *parameters)
+    return grad_y, grad_weight, grad_bias
