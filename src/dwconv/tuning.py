@@ -68,7 +68,7 @@ class Tuning:
     weight_sums_max_parts: int = 2048  # partial sums a channel may have for the Triton summing pass
     # ---- checks and launching
     fast_launch: bool = switch("DWCONV_FAST_LAUNCH") is not False  # repeat launches skip Triton's dispatch
-    poison_partials: bool = False  # tests: NaN-fill partial sums so that an unwritten one shows
+    poison_partials: bool = False  # tests: NaN-fill partial sums and BatchNorm's outputs, so an unwritten one shows
     plan_as_gpu: bool = False  # compile checks: CPU tensors get the GPU's kernels and blocks
     replay_layer_capacity: int = 512  # layers the C++ path keeps recorded (least recently used go)
     replay_build_timeout_s: float = 600.0  # the C++ replayer's build never waits longer (stale locks too)

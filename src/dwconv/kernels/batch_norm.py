@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .._geometry import cdiv, next_power_of_2
+from ..tuning import tuned
 from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, layout_key, plan_cache
 from ._shared import _activate, _activation_slope
 
@@ -339,6 +340,13 @@ def _like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last if channels_last(like) else torch.contiguous_format)
 
 
+def _new(like: torch.Tensor, shape: Optional[tuple] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """empty_like(like), or an empty tensor of shape on like's device; NaN-filled under
+    tuned().poison_partials (the tests: a value no program wrote then shows)."""
+    t = torch.empty_like(like, dtype=dtype) if shape is None else torch.empty(shape, device=like.device, dtype=dtype)
+    return t.fill_(float("nan")) if tuned().poison_partials else t
+
+
 def batch_norm_forward(y: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                        running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
                        momentum: float, eps: float, activation: int
@@ -348,15 +356,14 @@ def batch_norm_forward(y: torch.Tensor, weight: Optional[torch.Tensor], bias: Op
     (momentum: the weight of the batch's). Statistics in float32 (float64 for float64 y)."""
     affine, update = weight is not None, running_mean is not None
     plan = plans(y, affine, update, momentum, eps, activation)
-    channels, device = y.shape[1], y.device
+    channels = y.shape[1]
     statistics = torch.float64 if y.dtype == torch.float64 else torch.float32
-    partial = torch.empty((plan.split.parts, 2, channels), device=device, dtype=statistics)
+    partial = _new(y, (plan.split.parts, 2, channels), statistics)
     launch(statistics_kernel, plan.statistics, y, partial)
-    mean = torch.empty(channels, device=device, dtype=statistics)
-    invstd = torch.empty_like(mean)
+    mean, invstd = _new(y, (channels,), statistics), _new(y, (channels,), statistics)
     launch(statistics_sums_kernel, plan.statistics_sums, partial, mean, invstd,
            running_mean if update else mean, running_var if update else invstd)
-    out = torch.empty_like(y)
+    out = _new(y)
     launch(normalize_kernel, plan.normalize, y, out, mean, invstd, *((weight, bias) if affine else (mean, mean)))
     return out, mean, invstd
 
@@ -370,13 +377,13 @@ def batch_norm_backward(grad: torch.Tensor, y: torch.Tensor, weight: Optional[to
     plan = plans(y, affine, False, 0.0, eps, activation)
     grad = _like(grad, y)
     parameters = (weight, bias) if affine else (mean, mean)
-    partial = torch.empty((plan.split.parts, 2, y.shape[1]), device=y.device, dtype=mean.dtype)
+    partial = _new(y, (plan.split.parts, 2, y.shape[1]), mean.dtype)
     launch(gradient_sums_kernel, plan.gradient_sums, grad, y, partial, mean, invstd, *parameters)
-    totals = torch.empty((2, y.shape[1]), device=y.device, dtype=mean.dtype)
-    grad_weight = torch.empty_like(weight) if affine else None
-    grad_bias = torch.empty_like(bias) if affine else None
+    totals = _new(y, (2, y.shape[1]), mean.dtype)
+    grad_weight = _new(weight) if affine else None
+    grad_bias = _new(bias) if affine else None
     launch(gradient_totals_kernel, plan.gradient_totals, partial, totals,
            *((grad_weight, grad_bias) if affine else (totals, totals)))
-    grad_y = torch.empty_like(y)
+    grad_y = _new(y)
     launch(grad_input_kernel, plan.grad_input, grad, y, grad_y, totals, mean, invstd, *parameters)
     return grad_y, grad_weight, grad_bias

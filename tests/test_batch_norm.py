@@ -1,0 +1,283 @@
+"""BatchNorm2d in training mode with its activation on dwconv's kernels (dwconv.batch_norm, the
+fused depthwise block in training): the kernels against float64 F.batch_norm and PyTorch's
+activations (outputs, running statistics, every gradient), the Function under autograd's features
+(double backward, saved-tensor hooks, threads), and the fused block in training against stock."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dwconv
+from dwconv.activations import ACTIVATION_CODES, FUNCTIONS
+from dwconv.batch_norm import BatchNormActivationFunction
+from dwconv.kernels.batch_norm import batch_norm_backward, batch_norm_forward
+from helpers import DEVICE, assert_close, randn
+
+LAYOUTS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
+# odd and prime sizes; channels past one block and not a multiple of it; 1x1 images; many programs
+SHAPES = [(3, 5, 7, 9), (2, 67, 5, 3), (5, 16, 1, 1), (2, 3, 2, 1), (4, 24, 13, 11)]
+
+
+def _inputs(shape, dtype, layout, offset=1.5, spread=3.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    y = (torch.randn(shape, generator=gen) * spread + offset).to(DEVICE, dtype)
+    channels = shape[1]
+    weight = randn(channels, generator=gen).to(dtype if dtype == torch.float64 else torch.float32)
+    bias = randn(channels, generator=gen).to(weight.dtype)
+    return y.contiguous(memory_format=LAYOUTS[layout]), weight, bias
+
+
+def _reference(y, weight, bias, running_mean, running_var, momentum, eps, activation, grad):
+    """float64 F.batch_norm + PyTorch's activation on the same values: output, running statistics
+    after the update, gradients of y, weight and bias."""
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (y, weight, bias)]
+    mean, var = running_mean.double().cpu(), running_var.double().cpu()
+    out = FUNCTIONS[activation](F.batch_norm(leaves[0], mean, var, leaves[1], leaves[2], True, momentum, eps))
+    grads = torch.autograd.grad(out, leaves, grad.double().cpu())
+    return out, mean, var, grads
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernels_against_float64(shape, dtype, layout):
+    """Every value the kernels give (into NaN-poisoned buffers: conftest) against float64."""
+    y, weight, bias = _inputs(shape, dtype, layout)
+    running_mean, running_var = randn(shape[1]), randn(shape[1]).abs() + 0.5
+    grad = randn(*shape, dtype=dtype).contiguous(memory_format=LAYOUTS[layout])
+    ref, ref_mean, ref_var, ref_grads = _reference(y, weight, bias, running_mean, running_var, 0.1, 1e-5, "relu6",
+                                                   grad)
+    out, mean, invstd = batch_norm_forward(y, weight, bias, running_mean, running_var, 0.1, 1e-5,
+                                           ACTIVATION_CODES["relu6"])
+    assert out.dtype == dtype and out.stride() == y.stride()
+    assert_close(out, ref, dtype, "output")
+    stats_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert_close(running_mean, ref_mean, torch.float32, "running_mean")  # (float32 buffers)
+    assert_close(running_var, ref_var, torch.float32, "running_var")
+    grads = batch_norm_backward(grad, y, weight, bias, mean, invstd, 1e-5, ACTIVATION_CODES["relu6"])
+    assert grads[0].stride() == y.stride()
+    for name, got, expected in zip(("grad_y", "grad_weight", "grad_bias"), grads, ref_grads):
+        assert_close(got, expected, dtype if name == "grad_y" else stats_dtype, name)
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATION_CODES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_activation_and_its_derivative(activation, layout):
+    shape = (3, 20, 5, 7)
+    y, weight, bias = _inputs(shape, torch.float32, layout)
+    running_mean, running_var = randn(20), randn(20).abs() + 0.5
+    grad = randn(*shape)
+    ref, ref_mean, _, ref_grads = _reference(y, weight, bias, running_mean, running_var, 0.1, 1e-5, activation, grad)
+    code = ACTIVATION_CODES[activation]
+    out, mean, invstd = batch_norm_forward(y, weight, bias, running_mean, running_var, 0.1, 1e-5, code)
+    assert_close(out, ref, torch.float32, activation)
+    grads = batch_norm_backward(grad, y, weight, bias, mean, invstd, 1e-5, code)
+    for name, got, expected in zip(("grad_y", "grad_weight", "grad_bias"), grads, ref_grads):
+        assert_close(got, expected, torch.float32, f"{activation}: {name}")
+
+
+def test_statistics_keep_their_precision_far_from_zero():
+    """Values of mean 1000 and spread 1 in float32: the variance from sums of squares would lose
+    about 2 of its digits to cancellation; Chan's updates keep float32's."""
+    y, weight, bias = _inputs((8, 16, 9, 7), torch.float32, "channels_last", offset=1000.0, spread=1.0)
+    running_mean, running_var = torch.zeros(16, device=DEVICE), torch.ones(16, device=DEVICE)
+    out, mean, invstd = batch_norm_forward(y, weight, bias, running_mean, running_var, 1.0, 1e-5, 0)
+    y64 = y.double()
+    var = y64.var(dim=(0, 2, 3), unbiased=False)
+    assert_close(mean, y64.mean(dim=(0, 2, 3)), torch.float32, "mean")
+    assert ((invstd.double() - (var + 1e-5).rsqrt()).abs() / (var + 1e-5).rsqrt()).max() < 1e-5
+    assert_close(running_var, y64.var(dim=(0, 2, 3)), torch.float32, "running_var")
+
+
+def test_without_affine_and_running_statistics():
+    y, _, _ = _inputs((4, 6, 5, 5), torch.float32, "nchw")
+    grad = randn(4, 6, 5, 5)
+    leaf = y.double().cpu().requires_grad_()
+    ref = F.silu(F.batch_norm(leaf, None, None, None, None, True, 0.1, 1e-3))
+    ref.backward(grad.double().cpu())
+    out, mean, invstd = batch_norm_forward(y, None, None, None, None, 0.1, 1e-3, ACTIVATION_CODES["silu"])
+    assert_close(out, ref, torch.float32)
+    grad_y, grad_weight, grad_bias = batch_norm_backward(grad, y, None, None, mean, invstd, 1e-3,
+                                                         ACTIVATION_CODES["silu"])
+    assert grad_weight is None and grad_bias is None
+    assert_close(grad_y, leaf.grad, torch.float32, "grad_y")
+
+
+def test_gradient_of_another_layout_and_expanded():
+    """A gradient whose strides are not y's (NCHW for a channels_last y; expanded, as sum() gives)."""
+    y, weight, bias = _inputs((2, 8, 4, 5), torch.float32, "channels_last")
+    for grad in (randn(2, 8, 4, 5), torch.ones(1, device=DEVICE).expand(2, 8, 4, 5)):
+        ref_grads = _reference(y, weight, bias, torch.zeros(8), torch.ones(8), 0.1, 1e-5, "silu", grad)[3]
+        out, mean, invstd = batch_norm_forward(y, weight, bias, None, None, 0.1, 1e-5, ACTIVATION_CODES["silu"])
+        grads = batch_norm_backward(grad, y, weight, bias, mean, invstd, 1e-5, ACTIVATION_CODES["silu"])
+        for name, got, expected in zip(("grad_y", "grad_weight", "grad_bias"), grads, ref_grads):
+            assert_close(got, expected, torch.float32, name)
+
+
+# ---- the Function under autograd's features ----------------------------------------------------------
+
+def _leaves(shape=(2, 3, 3, 4), dtype=torch.float64):
+    y, weight, bias = _inputs(shape, dtype, "channels_last")
+    return [t.detach().clone().requires_grad_() for t in (y, weight, bias)]
+
+
+def _function(activation):
+    return lambda y, w, b: BatchNormActivationFunction.apply(y, w, b, None, None, 0.1, 1e-5, activation)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gradcheck_and_gradgradcheck(activation):
+    """First derivatives from the kernels, second (create_graph=True) from PyTorch's ops: both
+    against finite differences in float64."""
+    leaves = _leaves()
+    assert torch.autograd.gradcheck(_function(activation), leaves)
+    assert torch.autograd.gradgradcheck(_function(activation), leaves)
+
+
+def test_gradient_penalty_reaches_the_convolution():
+    """Double backward through the whole fused block (convolution, BatchNorm, activation): the
+    penalty's gradient of the convolution's weight equals stock's."""
+    def model():
+        torch.manual_seed(5)
+        return torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False),
+                                   torch.nn.BatchNorm2d(4), torch.nn.SiLU()).to(DEVICE).double()
+
+    stock, fused = model(), dwconv.convert(model(), fuse=True, precompile=False, verbose=False)
+    x = randn(2, 4, 5, 6, dtype=torch.float64)
+    results = []
+    for net in (stock, fused):
+        xx = x.clone().requires_grad_()
+        out = net(xx)
+        (grad_x,) = torch.autograd.grad(out.square().sum(), xx, create_graph=True)
+        penalty = grad_x.square().sum()
+        results.append(torch.autograd.grad(penalty, [net[0].weight, net[1].weight]))
+    for got, expected in zip(results[1], results[0]):
+        assert_close(got, expected, torch.float64, "penalty gradient")
+
+
+def test_saved_tensor_hooks_see_and_restore_the_saved_tensors():
+    """What the Function saves goes through the hooks (offloading wrappers), and the gradients
+    computed from the unpacked copies are the same."""
+    leaves = _leaves(dtype=torch.float32)
+    grad = randn(*leaves[0].shape)
+    expected = torch.autograd.grad(_function("relu6")(*leaves), leaves, grad)
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t.detach().cpu().clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.to(DEVICE)):
+        out = _function("relu6")(*leaves)
+    assert tuple(leaves[0].shape) in [tuple(s) for s in packed]
+    for got, want in zip(torch.autograd.grad(out, leaves, grad), expected):
+        assert torch.equal(got, want)
+
+
+def test_threads_train_their_own_blocks():
+    """Blocks trained on several threads at once give what each gives alone."""
+    def model(seed):
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False),
+                                  torch.nn.BatchNorm2d(6), torch.nn.ReLU6())
+        return dwconv.convert(net.to(DEVICE), fuse=True, precompile=False, verbose=False)
+
+    def step(net, x):
+        out = net(x)
+        out.backward(torch.ones_like(out))
+        return out.detach(), net[0].weight.grad.clone(), net[1].running_var.clone()
+
+    inputs = [randn(2, 6, 7, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    alone = [step(model(i), inputs[i]) for i in range(3)]
+    results, models = [None] * 3, [model(i) for i in range(3)]  # (built here: manual_seed is process-wide)
+
+    def run(i):
+        results[i] = step(models[i], inputs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(3):
+        for got, want in zip(results[i], alone[i]):
+            assert torch.equal(got, want), f"thread {i}"
+
+
+# ---- the fused block in training -------------------------------------------------------------------
+
+def _stock_and_fused(activation, channels=8, layout="nchw", options=None):
+    def model():
+        torch.manual_seed(3)
+        net = torch.nn.Sequential(torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False),
+                                  torch.nn.BatchNorm2d(channels, **(options or {})), activation())
+        return net.to(DEVICE).to(memory_format=LAYOUTS[layout])
+
+    return model(), dwconv.convert(model(), fuse=True, precompile=False, verbose=False)
+
+
+def test_training_block_runs_on_the_kernels(monkeypatch):
+    """In training the fused block calls the Function (no stock BatchNorm), and its gradients,
+    running statistics and num_batches_tracked are stock's over several steps."""
+    stock, fused = _stock_and_fused(torch.nn.Hardswish, layout="channels_last")
+    calls = []
+    original = BatchNormActivationFunction.forward
+
+    def counted(ctx, *args):
+        calls.append(args[-1])
+        return original(ctx, *args)
+
+    monkeypatch.setattr(BatchNormActivationFunction, "forward", staticmethod(counted))
+    stock_calls = []
+    batch_norm = F.batch_norm
+    monkeypatch.setattr(F, "batch_norm", lambda *a, **k: stock_calls.append(1) or batch_norm(*a, **k))
+    for step in range(3):
+        x = randn(4, 8, 6, 5).contiguous(memory_format=torch.channels_last)
+        out = fused(x)
+        assert not stock_calls, "stock BatchNorm ran"
+        ref = stock(x)
+        stock_calls.clear()
+        assert_close(out, ref, torch.float32, f"step {step}")
+        grad = randn(*out.shape)
+        out.backward(grad)
+        ref.backward(grad)
+    assert calls == ["hardswish"] * 3
+    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
+        assert_close(p.grad, p_ref.grad, torch.float32, f"grad of {name}")
+    for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
+        assert torch.equal(b, b_ref) if not b.is_floating_point() else True, name
+        if b.is_floating_point():
+            assert_close(b, b_ref, torch.float32, name)
+
+
+def test_training_block_in_bfloat16_autocast():
+    """Under bfloat16 autocast (the convolution's output bfloat16, BatchNorm's parameters float32),
+    within half precision's error of float64 stock."""
+    stock, fused = _stock_and_fused(torch.nn.ReLU6, layout="channels_last")
+    x = randn(4, 8, 9, 7).contiguous(memory_format=torch.channels_last)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = fused(x)
+    ref = stock.double()(x.double())
+    assert out.dtype == torch.bfloat16
+    assert_close(out, ref, torch.bfloat16, "output")
+
+
+def test_training_block_with_one_value_a_channel_raises():
+    _, fused = _stock_and_fused(torch.nn.SiLU)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        fused(randn(1, 8, 1, 1))
+
+
+def test_training_block_under_forward_mode_ad_runs_stock():
+    """Forward-mode AD sees PyTorch's ops (the Function has no jvp): tangents as stock's."""
+    import torch.autograd.forward_ad as fwAD
+
+    stock, fused = _stock_and_fused(torch.nn.SiLU)
+    x, tangent = randn(2, 8, 5, 5), randn(2, 8, 5, 5)
+    results = []
+    for net in (stock, fused):
+        with fwAD.dual_level():
+            results.append(fwAD.unpack_dual(net(fwAD.make_dual(x, tangent))).tangent)
+    assert_close(results[1], results[0], torch.float32, "tangent")
