@@ -18,8 +18,9 @@
 #   compiled   where compiled models' steps go, stock against converted (benchmarks/compiled_profile.py,
 #              torch.compile default; MODELS, PROFILE_MODE train|inference), and Inductor's generated code
 #              for both (output_code_MODEL_MODE.txt.xz)
-#   blocks     the models suite's layers as eval-mode blocks (conv, BatchNorm2d, activation: BLOCK_ACTIVATIONS,
-#              DTYPES), stock's kernels and torch.compile of them against dwconv's fused call (bench --block)
+#   blocks     the models suite's layers as blocks (conv, BatchNorm2d, activation: BLOCK_ACTIVATIONS, DTYPES) in
+#              eval mode and in a training step, stock's kernels and torch.compile of them against dwconv's
+#              (bench --block; BLOCK_COMPILE=no: without torch.compile's paths)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
 #   host       host time per eager call, .ab_old/src against src (benchmarks/host_time.py)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
@@ -55,7 +56,8 @@ for step in "$@"; do
            done ;;
     blocks) for activation in ${BLOCK_ACTIVATIONS:-relu6 silu hardswish}; do
              for dtype in ${DTYPES:-bfloat16 float32}; do
-               python3 -m dwconv bench --suite models --dtype "$dtype" --block "$activation" --compile --iters 100 \
+               compile=(--compile); [ "${BLOCK_COMPILE:-yes}" = no ] && compile=()
+               python3 -m dwconv bench --suite models --dtype "$dtype" --block "$activation" "${compile[@]}" --iters 100 \
                  --csv "$OUT/blocks_${activation}_${dtype}_$(date +%F)_$commit.csv" 2>&1 | tail -30
              done
            done ;;

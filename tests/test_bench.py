@@ -57,8 +57,8 @@ def test_bench_with_cuda_graphs(capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU")
 def test_bench_block(capsys, tmp_path):
-    """--block: the eval-mode block (conv, BatchNorm, activation), stock's kernels against dwconv's
-    fused call, both layouts, with its values checked against float64 first."""
+    """--block: the block (conv, BatchNorm, activation) in eval mode and in a training step, stock's
+    kernels against dwconv's, both layouts, with its values checked against float64 first."""
     from dwconv.bench import main, read_csv_rows
 
     csv = tmp_path / "block.csv"
@@ -66,7 +66,8 @@ def test_bench_block(capsys, tmp_path):
                  "--block", "hardswish", "--iters", "3", "--warmup", "1", "--csv", str(csv)]) == 0
     rows = read_csv_rows(str(csv))
     assert {r["path"] for r in rows} == {"dwconv", "eager", "dwconv_cl", "cudnn_cl"}
-    assert all(r["pass"] == "block forward" and "+bn+hardswish" in r["layer"] for r in rows)
+    assert {r["pass"] for r in rows} == {"block forward", "block train step"}
+    assert all("+bn+hardswish" in r["layer"] for r in rows) and len(rows) == 8
 
 
 def fake_rows():

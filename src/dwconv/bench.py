@@ -150,10 +150,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    help="also time dwconv on channels_last tensors (path dwconv_cl; compare with cudnn_cl)")
     p.add_argument("--backward", action="store_true", help="time forward+backward and backward instead of forward")
     p.add_argument("--block", metavar="ACTIVATION",
-                   help="time the depthwise block in eval mode instead of the convolution: stock's convolution, "
-                        "BatchNorm2d on running statistics and this activation (a name of dwconv.activations."
-                        "FUNCTIONS) against dwconv's one fused call (the BatchNorm folded, as convert(fuse=True) "
-                        "does); forward only")
+                   help="time the depthwise block instead of the convolution: stock's convolution, BatchNorm2d "
+                        "and this activation (a name of dwconv.activations.FUNCTIONS) against dwconv's, as "
+                        "convert(fuse=True) runs it: eval mode (one fused call, the BatchNorm folded) and a "
+                        "training step (the convolution, then BatchNorm and the activation on dwconv's kernels)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time each call replayed from a CUDA graph (no host time: the kernels' own)")
     p.add_argument("--iters", type=int, default=100)
@@ -367,14 +367,18 @@ def measure_case(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: 
 
 
 def measure_block(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps: float) -> List[Dict]:
-    """The depthwise block in eval mode: stock's three kernels (F.conv2d, F.batch_norm on running
-    statistics, the activation), NCHW and channels_last, and torch.compile of them with --compile,
-    against dwconv's one call with the BatchNorm folded into the weight and bias (as a model
-    converted with fuse=True runs it) and the activation in the kernel. The bytes: the input read
-    and the output written once, the block's floor."""
+    """The depthwise block (convolution, BatchNorm2d, activation), stock's kernels (NCHW and
+    channels_last, and torch.compile of them with --compile) against dwconv's, as a model converted
+    with fuse=True runs it: in eval mode ("block forward") stock's three kernels against one call,
+    the BatchNorm folded into the weight and bias and the activation in the kernel's epilogue; in
+    training ("block train step": forward, then the gradients of the input, the convolution's weight
+    and the BatchNorm's weight and bias) stock's against the convolution and dwconv.batch_norm's
+    passes. The bytes, the block's floor: eval the input read and the output written once; training
+    as much again backward (the output's gradient read, the input read again, its gradient written)."""
     import dwconv
 
     from .activations import FUNCTIONS
+    from .batch_norm import BatchNormActivationFunction
     from .fuse import fold_batch_norm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -388,6 +392,9 @@ def measure_block(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps:
         norm.bias.normal_(generator=gen)
         folded = [t.to(x.dtype) for t in fold_batch_norm(weight.float(), None if bias is None else bias.float(), norm)]
     activation, conv = FUNCTIONS[args.block], dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
+    running = [norm.running_mean.clone(), norm.running_var.clone()]  # (training updates its own copies)
+    gamma, beta = norm.weight.detach().clone().requires_grad_(), norm.bias.detach().clone().requires_grad_()
+    trained_weight = weight.detach().clone().requires_grad_()
 
     def stock(x):
         out = F.conv2d(x, weight, bias, groups=case.c, **conv)
@@ -397,42 +404,81 @@ def measure_block(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps:
     def fused(x):
         return dwconv.depthwise_conv2d(x, *folded, activation=args.block, **conv)
 
+    def stock_train(x):
+        out = F.conv2d(x, trained_weight, bias, groups=case.c, **conv)
+        return activation(F.batch_norm(out, *running, gamma, beta, True, 0.1, norm.eps))
+
+    def fused_train(x):
+        out = dwconv.depthwise_conv2d(x, trained_weight, bias, **conv)
+        return BatchNormActivationFunction.apply(out, gamma, beta, *running, 0.1, norm.eps, args.block)
+
     layer = f"{case.label} +bn+{args.block}"
-    max_err = 0.0
+    max_err = {"block forward": 0.0, "block train step": 0.0}
+    tol_scale = 1e-4 if case.dtype == "float32" else 4 * torch.finfo(DTYPES[case.dtype]).eps
     for layout in (torch.contiguous_format, torch.channels_last):
         xl = x.contiguous(memory_format=layout)
+        x64, w64, b64 = xl.double(), weight.double(), None if bias is None else bias.double()
         with torch.no_grad():
             out = fused(xl)
-            ref = activation(F.batch_norm(F.conv2d(xl.double(), weight.double(), None if bias is None else
-                                                   bias.double(), groups=case.c, **conv),
+            ref = activation(F.batch_norm(F.conv2d(x64, w64, b64, groups=case.c, **conv),
                                           *[t.double() for t in (norm.running_mean, norm.running_var, norm.weight,
                                                                  norm.bias)], False, 0.0, norm.eps))
-        err, scale = (out.double() - ref).abs().max().item(), max(ref.abs().max().item(), 1.0)
-        tol = 1e-4 * scale if case.dtype == "float32" else 4 * torch.finfo(DTYPES[case.dtype]).eps * scale
-        if not err <= tol:
-            raise SystemExit(f"FAILED: {layer}: max abs error {err:.3g} exceeds {tol:.3g}")
-        max_err = max(max_err, err)
-    nbytes = x.numel() * x.element_size() + out.numel() * out.element_size()
-    del out, ref
-    paths = {"dwconv": (fused, torch.contiguous_format), "eager": (stock, torch.contiguous_format),
-             "dwconv_cl": (fused, torch.channels_last), "cudnn_cl": (stock, torch.channels_last)}
-    if args.compile:
-        paths["compile"] = (torch.compile(stock), torch.channels_last)
-    rows = []
-    for name, (fn, layout) in paths.items():
-        xl = x.contiguous(memory_format=layout)
-        progress(f"{layer}: timing {name}")
+        checks = [("block forward", out, ref)]
+        # (training: BatchNorm and the activation checked from the convolution's own output, so that a
+        # ReLU6 kink falls alike; the convolution's gradients are checked by --backward)
         with torch.no_grad():
-            times = timer(graphed(lambda: fn(xl)) if args.cuda_graphs else lambda: fn(xl))
-        mean = statistics.fmean(times)
-        gbps = nbytes / mean / 1e6
-        rows.append(dict(layer=layer, dtype=case.dtype, path=name, **{"pass": "block forward"}, ms=mean,
-                         std=statistics.pstdev(times), median=statistics.median(times), gbps=gbps,
-                         pct_copy=100 * gbps / copy_gbps, tflops=case.flops(backward=False) / mean / 1e9,
-                         peak_mb=float("nan"), max_err=max_err if name.startswith("dwconv") else float("nan"),
-                         cuda_graph=bool(args.cuda_graphs)))
+            y = dwconv.depthwise_conv2d(xl, trained_weight, bias, **conv).requires_grad_()
+        out = BatchNormActivationFunction.apply(y, gamma, beta, *running, 0.1, norm.eps, args.block)
+        grad = torch.randn(out.shape, device="cuda", generator=gen, dtype=out.dtype)
+        (grad_y,) = torch.autograd.grad(out, [y], grad)
+        y64 = y.detach().double().requires_grad_()
+        ref = activation(F.batch_norm(y64, None, None, gamma.double(), beta.double(), True, 0.0, norm.eps))
+        (ref_grad_y,) = torch.autograd.grad(ref, [y64], grad.double())
+        checks += [("block train step", out, ref), ("block train step", grad_y, ref_grad_y)]
+        for what, got, expected in checks:
+            err = (got.double() - expected).abs().max().item()
+            tol = tol_scale * max(expected.abs().max().item(), 1.0)
+            if not err <= tol:
+                raise SystemExit(f"FAILED: {layer} ({what}): max abs error {err:.3g} exceeds {tol:.3g}")
+            max_err[what] = max(max_err[what], err)
+    in_bytes, out_bytes = x.numel() * x.element_size(), out.numel() * out.element_size()
+    del out, ref, grad_y, ref_grad_y, y, y64
+    rows = []
+    for step, nbytes, paths in (
+            ("block forward", in_bytes + out_bytes, {"dwconv": (fused, 0), "eager": (stock, 0),
+                                                     "dwconv_cl": (fused, 1), "cudnn_cl": (stock, 1)}),
+            ("block train step", 3 * in_bytes + 2 * out_bytes, {"dwconv": (fused_train, 0), "eager": (stock_train, 0),
+                                                                "dwconv_cl": (fused_train, 1),
+                                                                "cudnn_cl": (stock_train, 1)})):
+        if args.compile:
+            paths["compile"] = (torch.compile(stock if step == "block forward" else stock_train), 1)
+        training = step != "block forward"
+        for name, (fn, channels_last) in paths.items():
+            xl = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+            xl.requires_grad_(training)
+            grad = torch.randn(fn(xl).shape, device="cuda", dtype=x.dtype).contiguous(
+                memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+            def call(fn=fn, xl=xl, grad=grad):
+                if training:
+                    torch.autograd.grad(fn(xl), [xl, trained_weight, gamma, beta], grad)
+                else:
+                    with torch.no_grad():
+                        fn(xl)
+
+            progress(f"{layer}: timing {step} {name}")
+            times = timer(graphed(call) if args.cuda_graphs else call)
+            mean = statistics.fmean(times)
+            gbps = nbytes / mean / 1e6
+            rows.append(dict(layer=layer, dtype=case.dtype, path=name, **{"pass": step}, ms=mean,
+                             std=statistics.pstdev(times), median=statistics.median(times), gbps=gbps,
+                             pct_copy=100 * gbps / copy_gbps,
+                             tflops=case.flops(backward=training) / mean / 1e9, peak_mb=float("nan"),
+                             max_err=max_err[step] if name.startswith("dwconv") else float("nan"),
+                             cuda_graph=bool(args.cuda_graphs)))
     for row in rows:
-        row["dwconv_speedup"] = row["ms"] / next(r["ms"] for r in rows if r["path"] == "dwconv")
+        row["dwconv_speedup"] = row["ms"] / next(r["ms"] for r in rows if r["path"] == "dwconv"
+                                                 and r["pass"] == row["pass"])
     return rows
 
 
