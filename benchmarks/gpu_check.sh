@@ -57,7 +57,7 @@ for step in "$@"; do
     blocks) for activation in ${BLOCK_ACTIVATIONS:-relu6 silu hardswish}; do
              for dtype in ${DTYPES:-bfloat16 float32}; do
                compile=(--compile); [ "${BLOCK_COMPILE:-yes}" = no ] && compile=()
-               python3 -m dwconv bench --suite models --dtype "$dtype" --block "$activation" "${compile[@]}" --iters 100 \
+               python3 -m dwconv bench --suite models --dtype "$dtype" --block "$activation" ${compile[@]+"${compile[@]}"} --iters 100 \
                  --csv "$OUT/blocks_${activation}_${dtype}_$(date +%F)_$commit.csv" 2>&1 | tail -30
              done
            done ;;

@@ -201,6 +201,26 @@ CASES = [
 ]
 
 
+def batch_norm(shape, dtype, activation, layout=torch.contiguous_format, affine=True):
+    """BatchNorm's training kernels with the activation, forward and backward (dwconv.batch_norm)."""
+    from dwconv.kernels.batch_norm import batch_norm_backward, batch_norm_forward
+
+    y = torch.randn(shape).to(dtype).contiguous(memory_format=layout)
+    channels = shape[1]
+    weight, bias = (torch.randn(channels), torch.randn(channels)) if affine else (None, None)
+    out, mean, invstd = batch_norm_forward(y, weight, bias, torch.zeros(channels), torch.ones(channels), 0.1, 1e-5,
+                                           activation)
+    batch_norm_backward(torch.randn_like(out), y, weight, bias, mean, invstd, 1e-5, activation)
+
+
+CASES += [
+    ("batch_norm training, bfloat16 channels_last, relu6", batch_norm, ((4, 96, 14, 14), bf16, 2), dict(layout=CL)),
+    ("batch_norm training, float32 NCHW, silu", batch_norm, ((4, 96, 14, 14), f32, 3), {}),
+    ("batch_norm training, float16 NCHW 7x7, gelu, no affine", batch_norm, ((4, 36, 7, 7), f16, 4), dict(affine=False)),
+    *[(f"batch_norm training, float32 channels_last, activation {code}", batch_norm, ((2, 40, 5, 5), f32, code),
+       dict(layout=CL)) for code in (0, 1, 5, 6, 7)],
+]
+
 def main():
     failed = 0
     for name, run, args, conv in CASES:
