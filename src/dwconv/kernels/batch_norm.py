@@ -3,8 +3,8 @@ training: the batch's statistics, the normalisation and the activation in two pa
 convolution's output (stock: BatchNorm's two or three and the activation's two), and the backward's
 activation and BatchNorm gradients in two (stock: the activation's three, BatchNorm's five).
 
-Forward:  statistics_kernel      per program, (mean, M2) of its chunk of each channel (Chan's
-                                 update of tile after tile: no cancellation, as Welford's)
+Forward:  statistics_kernel      per program, (mean, M2) of its chunk of each channel (sums of
+                                 the values less a shift near their mean: no cancellation)
           statistics_sums_kernel the chunks combined in a fixed order (deterministic): mean,
                                  1 / sqrt(var + eps), the running statistics updated as
                                  nn.BatchNorm2d updates them (unbiased variance)
@@ -77,25 +77,26 @@ def statistics_kernel(y_ptr, partial_ptr, channels, inner, chunk, chunks, outer_
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     start, stop, base = _chunk_tiles(part, chunks, chunk, inner, outer_stride)
     acc: tl.constexpr = partial_ptr.dtype.element_ty
-    count = tl.zeros([], dtype=acc)
-    mean = tl.zeros([BLOCK_C], dtype=acc)
-    m2 = tl.zeros([BLOCK_C], dtype=acc)
-    for first in range(start, stop, BLOCK_S):
+    # Sums of y - shift and of its square, each thread its own lanes (one reduction at the end); the
+    # shift, the first tile's mean, keeps M2 = sum(d^2) - sum(d)^2 / n from cancelling.
+    s = start + tl.arange(0, BLOCK_S)
+    offsets, mask = _tile(base, s, stop, c, channels, inner_stride, channel_stride)
+    y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(acc)
+    shift = tl.sum(y, axis=0) / tl.minimum(stop - start, BLOCK_S).to(acc)
+    d = tl.where(mask, y - shift[None, :], 0.0)
+    sums, squares = d, d * d
+    for first in range(start + BLOCK_S, stop, BLOCK_S):
         s = first + tl.arange(0, BLOCK_S)
         offsets, mask = _tile(base, s, stop, c, channels, inner_stride, channel_stride)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(acc)
-        tile_count = tl.minimum(stop - first, BLOCK_S).to(acc)
-        tile_mean = tl.sum(y, axis=0) / tile_count
-        centred = tl.where(mask, y - tile_mean[None, :], 0.0)
-        tile_m2 = tl.sum(centred * centred, axis=0)
-        total = count + tile_count
-        delta = tile_mean - mean
-        mean += delta * (tile_count / total)
-        m2 += tile_m2 + delta * delta * (count * tile_count / total)
-        count = total
+        d = tl.where(mask, y - shift[None, :], 0.0)
+        sums += d
+        squares += d * d
+    count = (stop - start).to(acc)
+    total = tl.sum(sums, axis=0)
     c_ok = c < channels
-    tl.store(partial_ptr + part * 2 * channels + c, mean, mask=c_ok)
-    tl.store(partial_ptr + (part * 2 + 1) * channels + c, m2, mask=c_ok)
+    tl.store(partial_ptr + part * 2 * channels + c, shift + total / count, mask=c_ok)
+    tl.store(partial_ptr + (part * 2 + 1) * channels + c, tl.sum(squares, axis=0) - total * total / count, mask=c_ok)
 
 
 @triton.jit(do_not_specialize=_RUNTIME[:3] + ["parts", "momentum", "eps"])
@@ -177,18 +178,18 @@ def gradient_sums_kernel(grad_ptr, y_ptr, partial_ptr, mean_ptr, invstd_ptr, wei
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     start, stop, base = _chunk_tiles(part, chunks, chunk, inner, outer_stride)
     mean, invstd, scale, shift = _scale_shift(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, AFFINE)
-    sum_g = tl.zeros([BLOCK_C], dtype=partial_ptr.dtype.element_ty)
-    sum_g_xhat = tl.zeros([BLOCK_C], dtype=partial_ptr.dtype.element_ty)
-    for first in range(start, stop, BLOCK_S):
+    sum_g = tl.zeros([BLOCK_S, BLOCK_C], dtype=partial_ptr.dtype.element_ty)
+    sum_g_xhat = tl.zeros([BLOCK_S, BLOCK_C], dtype=partial_ptr.dtype.element_ty)
+    for first in range(start, stop, BLOCK_S):  # (each thread its own lanes: one reduction at the end)
         s = first + tl.arange(0, BLOCK_S)
         offsets, mask = _tile(base, s, stop, c, channels, inner_stride, channel_stride)
         g, xhat = _slope_and_xhat(grad_ptr, y_ptr, offsets, mask, mean, invstd, scale, shift, ACTIVATION)
         g = tl.where(mask, g, 0.0)
-        sum_g += tl.sum(g, axis=0)
-        sum_g_xhat += tl.sum(g * xhat, axis=0)
+        sum_g += g
+        sum_g_xhat += g * xhat
     c_ok = c < channels
-    tl.store(partial_ptr + part * 2 * channels + c, sum_g, mask=c_ok)
-    tl.store(partial_ptr + (part * 2 + 1) * channels + c, sum_g_xhat, mask=c_ok)
+    tl.store(partial_ptr + part * 2 * channels + c, tl.sum(sum_g, axis=0), mask=c_ok)
+    tl.store(partial_ptr + (part * 2 + 1) * channels + c, tl.sum(sum_g_xhat, axis=0), mask=c_ok)
 
 
 @triton.jit(do_not_specialize=["parts"])
