@@ -457,8 +457,26 @@ def test_warmup_of_a_fused_model_records_the_fused_forward():
     assert [(call.arguments[3:], call.tensors[1][0], call.grads) for call in calls] == [
         (("silu",), (8, 1, 3, 3), (False, False, False))]
     fused.train()
-    calls = layer_calls(fused, randn(2, 8, 9, 11))  # (training: the plain layer's forward and backward)
-    assert [(call.arguments[3:], call.grads) for call in calls] == [((), (False, True, False))]
+    calls = layer_calls(fused, randn(2, 8, 9, 11))  # (training: the plain layer's passes, then BatchNorm's)
+    assert [call.grads for call in calls] == [(False, True, False), (True, True, True)]
+    assert calls[0].arguments[3:] == () and calls[1].arguments == ("batch_norm", "silu", "float32")
+    assert calls[1].batch_norm and not calls[0].batch_norm
+    assert calls[1].tensors[0][0] == (2, 8, 9, 11) and calls[1].tensors[1][0] == (8,)
+
+
+def test_warmup_compiles_the_training_blocks_batch_norm(tmp_path, monkeypatch):
+    """A fused model's warmup in training compiles BatchNorm's kernels (forward and backward) for
+    sm_90 into an empty cache, besides the convolution's."""
+    from dwconv.precompile import compile_calls, layer_calls
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fused = dwconv.convert(_block(torch.nn.ReLU6).train().to(DEVICE), fuse=True, precompile=False, verbose=False)
+    x = randn(2, 8, 9, 11).contiguous(memory_format=torch.channels_last)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        calls = [call for call in layer_calls(fused, x) if call.batch_norm]
+    assert len(calls) == 1 and calls[0].tensors[0][2] == "bfloat16" and calls[0].passes() == ["backward", "forward"]
+    report = compile_calls(calls, 90, workers=1, verbose=False)
+    assert report.errors == [] and report.launches == 6
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real sizes on the GPU")

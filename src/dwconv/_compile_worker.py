@@ -44,6 +44,9 @@ def compile_call(call: dict) -> None:
 
     x, weight, bias = (tensor(spec) for spec in call["tensors"])
     arguments = tuple(tuple(a) if isinstance(a, list) else a for a in call["arguments"])
+    if arguments[0] == "batch_norm":  # (precompile.BATCH_NORM: a fused block's BatchNorm in training)
+        compile_batch_norm(call["pass"], x, weight, bias, *arguments[1:])
+        return
     geom = conv_geometry(x, weight, bias, *arguments[:3])  # (an activation may follow: eager_conv's)
     with torch.no_grad():
         if call["pass"] == "forward":
@@ -51,6 +54,22 @@ def compile_call(call: dict) -> None:
         else:
             grad_out = torch.empty(geom.output_shape, dtype=x.dtype, memory_format=output_memory_format(x))
             backward_for_autograd(grad_out, x, weight, geom, *call["grads"])
+
+
+def compile_batch_norm(pass_: str, y, weight, bias, activation: str, running_dtype: str) -> None:
+    """dwconv.batch_norm's kernels for y: the forward's, or the backward's."""
+    import torch
+
+    from .activations import activation_code
+    from .kernels.batch_norm import batch_norm_backward, batch_norm_forward
+
+    code, channels = activation_code(activation), y.shape[1]
+    if pass_ == "forward":
+        running = [torch.empty(channels, dtype=getattr(torch, running_dtype)) for _ in range(2)]
+        batch_norm_forward(y, weight, bias, *running, 0.1, 1e-5, code)
+    else:
+        statistics = torch.empty(channels, dtype=torch.float64 if y.dtype == torch.float64 else torch.float32)
+        batch_norm_backward(torch.empty_like(y), y, weight, bias, statistics, statistics, 1e-5, code)
 
 
 class LaunchSelector:

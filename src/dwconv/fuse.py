@@ -24,7 +24,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn as nn
 
-from . import functional
+from . import functional, precompile
 from ._geometry import conv_geometry
 from .batch_norm import batch_norm_activation
 from .batch_norm import reference as batch_norm_reference
@@ -112,6 +112,8 @@ def _normalized_in_training(conv: FusedDepthwiseConv2d, y: torch.Tensor) -> torc
     the modules' own forwards."""
     _, norm, activation_module = conv.dwconv_block
     parameters = (norm.weight, norm.bias, norm.running_mean, norm.running_var)
+    if precompile._TRACING.__dict__.get("active") and norm.track_running_stats and norm.running_mean is not None:
+        precompile.record_batch_norm(y, norm, conv.dwconv_activation)  # (a warmup's fake run: compile its kernels)
     if (type(y) is torch.Tensor and y.dim() == 4 and functional.uses_triton(y) and y.is_floating_point()
             and not torch.compiler.is_compiling() and not torch._C._is_tracing()
             and not functional._pytorch_must_run(y, *parameters) and forward_ad._current_level < 0

@@ -51,13 +51,21 @@ class LayerCall:
         return cls(tuple(_spec(t) for t in (input, weight, bias)), tuple(bool(g) for g in grads),
                    tuple(_plain(a) for a in arguments))
 
+    @property
+    def batch_norm(self) -> bool:
+        """Whether this is a fused block's BatchNorm in training (dwconv.batch_norm's kernels on the
+        convolution's output: tensors y, weight, bias; arguments BATCH_NORM, the activation, the
+        running statistics' dtype), not a convolution."""
+        return self.arguments[0] == BATCH_NORM
+
     def without_batch(self) -> "LayerCall":
         """The call as the batch sizes that share its kernel binaries see it: the input's batch size
-        (and its stride) replaced by what the launch plans choose by it (dispatch.batch_choices)."""
+        (and its stride) replaced by what the launch plans choose by it (dispatch.batch_choices;
+        BatchNorm's kernels choose nothing by it)."""
         from .dispatch import batch_choices
 
-        (shape, strides, dtype), (weight_shape, *_), *_ = self.tensors
-        batch = ("any batch", *batch_choices(shape, getattr(torch, dtype), weight_shape))
+        (shape, strides, dtype), weight = self.tensors[:2]
+        batch = ("any batch", *(() if self.batch_norm else batch_choices(shape, getattr(torch, dtype), weight[0])))
         return LayerCall((((batch, *shape[1:]), (0, *strides[1:]), dtype), *self.tensors[1:]), self.grads,
                          self.arguments)
 
@@ -73,9 +81,25 @@ class LayerCall:
     def cost(self, pass_: str) -> tuple:
         """Larger first: a pool's wall time is bounded by the task that starts last. Backward passes,
         channels_last, strides, then kernel size (the unrolled channels_last tiles compile longest)."""
+        if self.batch_norm:
+            return (pass_ == "backward", self.tensors[0][1][1] == 1, 0, 0)
         (_, _, k_h, k_w) = self.tensors[1][0]
         stride = self.arguments[0] if isinstance(self.arguments[0], int) else max(self.arguments[0])
         return (pass_ == "backward", self.tensors[0][1][1] == 1, stride, k_h * k_w)
+
+
+BATCH_NORM = "batch_norm"  # (a LayerCall's first argument: a fused block's BatchNorm in training)
+
+
+def record_batch_norm(y: torch.Tensor, norm: nn.Module, activation: str) -> None:
+    """Under layer_calls' fake run, a fused block's BatchNorm in training (fuse.py calls it where
+    its kernels would run): a call of its own, whose forward and backward compile BatchNorm's."""
+    calls, train = getattr(_TRACING, "calls", None), getattr(_TRACING, "train", False)
+    if calls is None:
+        return
+    grads = tuple(bool(train and t is not None and t.requires_grad) for t in (y, norm.weight, norm.bias))
+    arguments = (BATCH_NORM, activation, str(norm.running_mean.dtype).replace("torch.", ""))
+    calls.setdefault(LayerCall.of(y, norm.weight, norm.bias, arguments, grads), None)
 
 
 def _spec(t: Optional[torch.Tensor]):
@@ -125,7 +149,7 @@ def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict
     flags = {module: module.training for module in model.modules()}  # (each its own: put back as found)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     functional._DOORS["pytorch"] = recording_door
-    _TRACING.active = True
+    _TRACING.active, _TRACING.calls, _TRACING.train = True, calls, train
     hooks = _keep_torch_hooks_only(model)
     try:
         model.train(train)
@@ -143,7 +167,7 @@ def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict
                                         f"call(s): {type(e).__name__}: {e}", list(calls)) from e
     finally:
         functional._DOORS["pytorch"] = pytorch_door
-        _TRACING.active = False
+        _TRACING.active, _TRACING.calls = False, None
         for module, (forward_hooks, pre_hooks) in hooks.items():
             module._forward_hooks, module._forward_pre_hooks = forward_hooks, pre_hooks
         for module, training in flags.items():
