@@ -281,3 +281,24 @@ def test_training_block_under_forward_mode_ad_runs_stock():
         with fwAD.dual_level():
             results.append(fwAD.unpack_dual(net(fwAD.make_dual(x, tangent))).tangent)
     assert_close(results[1], results[0], torch.float32, "tangent")
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_training_block_under_activation_checkpointing(reentrant):
+    """torch.utils.checkpoint recomputes the block in the backward (its saved tensors through
+    checkpoint's hooks): the gradients and running statistics are stock's under the same
+    checkpointing (which updates them again at the recomputation, as stock's BatchNorm does)."""
+    from torch.utils.checkpoint import checkpoint
+
+    stock, fused = _stock_and_fused(torch.nn.ReLU6, layout="channels_last")
+    x = randn(3, 8, 7, 6).contiguous(memory_format=torch.channels_last)
+    grad = randn(3, 8, 7, 6)
+    for net in (stock, fused):
+        xx = x.clone().requires_grad_()
+        checkpoint(net, xx, use_reentrant=reentrant).backward(grad)
+        net.input_grad = xx.grad
+    assert_close(fused.input_grad, stock.input_grad, torch.float32, "input gradient")
+    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
+        assert_close(p.grad, p_ref.grad, torch.float32, f"grad of {name}")
+    for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
+        assert_close(b, b_ref, torch.float32, name)

@@ -54,7 +54,7 @@ def _this_program(chunk, chunks, inner, outer_stride, BLOCK_C: tl.constexpr):
 def _tile(base, s, stop, c, channels, inner_stride, channel_stride):
     """A [BLOCK_S, BLOCK_C] tile's offsets and mask (every tensor of a launch has the same strides)."""
     mask = (s < stop)[:, None] & (c < channels)[None, :]
-    return base + s[:, None].to(tl.int64) * inner_stride + c[None, :] * channel_stride, mask
+    return base + s[:, None].to(tl.int64) * inner_stride + c[None, :].to(tl.int64) * channel_stride, mask
 
 
 @triton.jit
