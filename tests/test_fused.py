@@ -1,6 +1,8 @@
 """The fused depthwise block: activations in the forward kernels' epilogue, against F.conv2d and
 PyTorch's activation in float64."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -189,7 +191,8 @@ def test_fused_block_in_eval_mode(activation, capsys):
     fused = dwconv.convert(stock, fuse=True, precompile=False)
     printed = capsys.readouterr().out
     activations = 0 if activation is torch.nn.Identity else 2
-    assert f"fused 2 depthwise block(s) for eval mode (2 BatchNorm2d folded, {activations} activation(s)" in printed
+    assert (f"fused 2 depthwise block(s) (2 BatchNorm2d folded in eval mode, on dwconv's kernels in training; "
+            f"{activations} activation(s) fused)") in printed
     assert type(fused[0][0]).__name__ == "FusedDepthwiseConv2d" and type(fused[0][1]).__name__ == "FoldedBatchNorm2d"
     assert isinstance(fused[0][1], torch.nn.BatchNorm2d) and isinstance(fused[0][2], activation)
     assert list(fused.state_dict()) == list(stock.state_dict())
@@ -561,3 +564,33 @@ def fused_now_all(model):
     from dwconv.fuse import fused_now
 
     return all(fused_now(m.dwconv_block) for m in model.modules() if hasattr(m, "dwconv_block"))
+
+
+@pytest.mark.parametrize("replaced", ["norm", "activation", "timm act"])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_a_module_swapped_after_convert_unfuses_its_block(replaced, mode):
+    """A tool that swaps a block's module for another after convert (convert_sync_batchnorm,
+    timm's freeze_batch_norm_2d, a user's assignment) leaves the old one in the fused block: the
+    block then runs as the modules now in the model compute it, never the old one's BatchNorm or
+    activation on top of the new's."""
+    if replaced == "timm act":
+        norm = BatchNormAct2d(8)
+        norm.load_state_dict(_bn(8).state_dict())
+        model = lambda: torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False),  # noqa: E731
+                                            copy.deepcopy(norm)).to(DEVICE)
+    else:
+        model = lambda: _block(torch.nn.ReLU6).to(DEVICE)  # noqa: E731
+    stock = model()
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    stock.train(mode == "train"), fused.train(mode == "train")
+    for net in (stock, fused):  # (the same swap in both: a new module of another kind, or the activation's)
+        if replaced == "norm":
+            new = torch.nn.BatchNorm2d(8, eps=0.1).to(DEVICE).train(mode == "train")
+            new.load_state_dict(net[1].state_dict())
+            net[1] = new
+        elif replaced == "activation":
+            net[2] = torch.nn.Tanh()
+        else:
+            net[1].act = torch.nn.Tanh()
+    x = randn(2, 8, 7, 9)
+    assert_close(fused(x), stock(x), torch.float32, f"{replaced} replaced, {mode}")

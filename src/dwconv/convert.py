@@ -82,11 +82,11 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
 
         blocks, not_fused = fuse_blocks(model)
         if verbose:
-            norms = sum(norm is not None for _, norm, _, _ in blocks)
-            activations = sum(activation != "identity" for *_, activation in blocks)
+            norms = sum(norm is not None for _, norm, *_ in blocks)
+            activations = sum(activation != "identity" for *_, activation, _ in blocks)
             why = "".join(f"; {count} not fused ({reason})" for reason, count in sorted(not_fused.items()))
-            print(f"dwconv.convert: fused {len(blocks)} depthwise block(s) for eval mode ({norms} BatchNorm2d "
-                  f"folded, {activations} activation(s) in the kernels){why}")
+            print(f"dwconv.convert: fused {len(blocks)} depthwise block(s) ({norms} BatchNorm2d folded in eval "
+                  f"mode, on dwconv's kernels in training; {activations} activation(s) fused){why}")
     from .precompile import warm_up_on_first_call, warmup
 
     if precompile and layers:

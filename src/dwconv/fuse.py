@@ -32,8 +32,9 @@ from .activations import activation_of
 from .functional import _gradient_wanted, depthwise_conv2d
 from .modules import DepthwiseConv2d
 
-# a block: the layer, its BatchNorm2d, its activation module, the activation's name
-Block = Tuple[DepthwiseConv2d, Optional[nn.BatchNorm2d], Optional[nn.Module], str]
+# a block: the layer, its BatchNorm2d, its activation module, the activation's name, and where the
+# modules are ((owner, attribute name, module): a block whose module another replaced is no longer one)
+Block = Tuple[DepthwiseConv2d, Optional[nn.BatchNorm2d], Optional[nn.Module], str, tuple]
 
 
 # ---- the modules of a fused block --------------------------------------------------------------
@@ -90,16 +91,21 @@ class _PassedThrough:
 
 
 def fused_now(block: tuple) -> bool:
-    """Whether a block (its layer, BatchNorm2d or None, activation module or None) computes as one at
-    this call (the layer computes it, in the BatchNorm's mode): no hook, on its modules or on every
-    module, that would see a value inside it (the layer's or the BatchNorm's output, which the fused call never
-    makes). Each of the three modules asks at each call and gets the same answer: no state passes
-    between them (threads, re-entrant calls)."""
+    """Whether a block (its layer, BatchNorm2d or None, activation module or None, where they are)
+    computes as one at this call (the layer computes it, in the BatchNorm's mode): each module still
+    where it was found (a tool that swaps a module for another, as convert_sync_batchnorm or timm's
+    freeze_batch_norm_2d do, leaves the old one behind: the new one computes, not the old), and no
+    hook, on its modules or on every module, that would see a value inside it (the layer's or the
+    BatchNorm's output, which the fused call never makes). Each of the three modules asks at each
+    call and gets the same answer: no state passes between them (threads, re-entrant calls)."""
+    for owner, name, member in block[3]:
+        if owner._modules.get(name) is not member:
+            return False
     module = nn.modules.module
     if module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks \
             or getattr(module, "_global_backward_pre_hooks", None):
         return False
-    for m in block:
+    for m in block[:3]:
         if m is not None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks):
             return False
     return True
@@ -110,7 +116,7 @@ def _normalized_in_training(conv: FusedDepthwiseConv2d, y: torch.Tensor) -> torc
     kernels of dwconv.batch_norm where they read y and nothing would see inside the call (autograd of
     any order is fine; forward-mode AD, torch.func, torch.compile, tracing, subclasses are not), else
     the modules' own forwards."""
-    _, norm, activation_module = conv.dwconv_block
+    _, norm, activation_module, _ = conv.dwconv_block
     parameters = (norm.weight, norm.bias, norm.running_mean, norm.running_var)
     if precompile._TRACING.__dict__.get("active") and norm.track_running_stats and norm.running_mean is not None:
         precompile.record_batch_norm(y, norm, conv.dwconv_activation)  # (a warmup's fake run: compile its kernels)
@@ -295,7 +301,10 @@ def find_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
             if norm is None and activation_module is None:
                 left["followed by neither a BatchNorm2d nor an activation module"] += 1
                 continue
-            blocks.append((conv, norm, activation_module, activation))
+            places = [(parent, n, children[n]) for n in chain if children[n] in (conv, norm, activation_module)]
+            if norm is not None and type(norm) is not nn.BatchNorm2d:  # (timm's BatchNormAct2d: its own act)
+                places += [(norm, "drop", norm.drop), (norm, "act", norm.act)]
+            blocks.append((conv, norm, activation_module, activation, tuple(places)))
     return blocks, left
 
 
@@ -303,9 +312,9 @@ def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
     """Makes each block find_blocks proves a fused one (the modules' classes change); returns them
     and why other converted layers are not fused."""
     blocks, left = find_blocks(model)
-    for conv, norm, activation_module, activation in blocks:
+    for conv, norm, activation_module, activation, places in blocks:
         # (the norm as a plain attribute, not a submodule: its parameters stay where they were, once)
-        block = (conv, norm, activation_module)  # (each member asks fused_now of the whole block)
+        block = (conv, norm, activation_module, places)  # (each member asks fused_now of the whole block)
         conv.__class__ = FusedDepthwiseConv2d
         conv.__dict__.update(dwconv_activation=activation, dwconv_block=block)
         if norm is not None:
