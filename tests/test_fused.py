@@ -326,6 +326,7 @@ def test_fused_model_saves_copies_and_loads(tmp_path):
     buffer.seek(0)
     for other in (torch.load(buffer, weights_only=False), copy.deepcopy(fused)):
         assert other[0][0].dwconv_norm is other[0][1]  # (its own BatchNorm, not the original's)
+        assert fused_now_all(other)  # (its blocks found where their own modules are, still fused)
         with torch.no_grad():
             assert_close(other(x), expected, torch.float32)
     # the fused model's state_dict loads into the stock model
