@@ -28,7 +28,12 @@ a device-to-device copy timed the same way in the same run. dwconv's eager calls
 "eager" is PyTorch's `F.conv2d(..., groups=C)` on NCHW tensors, "cuDNN channels_last" the same call on
 channels_last tensors; "x" columns are the other path's time over dwconv's (above 1: dwconv faster).
 Small layers' forward+backward calls are bound by host time for both libraries, and vary from run to
-run by more than their kernels differ.
+run by more than their kernels differ. Rows of pass "block forward" and "block train step" (`--block
+ACTIVATION`) time the depthwise block, convolution, BatchNorm2d and activation: stock's modules'
+kernels against dwconv's fused block (eval: one call, the BatchNorm folded; a training step: the
+convolution, then BatchNorm and the activation on dwconv's kernels, and the gradients of the input,
+the convolution's weight and BatchNorm's parameters); their "% of copy" counts the block's floor,
+the input read and the output written once, and in training as much again backward.
 """
 
 
