@@ -2,8 +2,12 @@
 and the fused model's eval output against the stock model's in float64 (BatchNorm statistics made
 non-trivial first). On a machine without a GPU and without TRITON_INTERPRET, PyTorch computes the
 convolutions: this checks the blocks found and the folding, not the kernels (the tests do those).
+--train: also a training step (output, every parameter's gradient, the running statistics after
+it) against stock's in float64; with TRITON_INTERPRET=1 dwconv's kernels compute the convolutions
+and the training blocks' BatchNorm (minutes a model on the CPU machine).
 
     python benchmarks/fuse_coverage.py mobilenetv3_large_100 efficientnet_b0 repvit_m1
+    TRITON_INTERPRET=1 python benchmarks/fuse_coverage.py mobilenetv3_large_100 --train --image 64
 """
 
 import argparse
@@ -20,6 +24,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("models", nargs="*", default=DEFAULT)
     p.add_argument("--image", type=int, default=96)
+    p.add_argument("--train", action="store_true", help="also a training step against stock's in float64")
     args = p.parse_args()
     import timm
     import torch
@@ -43,6 +48,30 @@ def main():
         error = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         print(f"{name}: max |fused - stock| / max |stock| = {error:.2e}; state_dict keys the same: "
               f"{list(fused.state_dict()) == list(stock.state_dict())}")
+        if args.train:
+            train_step_errors(name, stock, fused, x)
+
+
+def relative(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def train_step_errors(name, stock, fused, x):
+    """One training step of each (float32 fused, float64 stock): the worst relative error of the
+    output, of the parameters' gradients and of the BatchNorm statistics after it."""
+    import torch
+
+    fused.train(), stock.train()
+    outputs = []
+    for model, inputs in ((fused, x), (stock, x.double())):
+        out = model(inputs)
+        out.square().mean().backward()
+        outputs.append(out)
+    grads = [relative(p.grad, q.grad) for p, q in zip(fused.parameters(), stock.parameters()) if q.grad is not None]
+    buffers = [relative(b, c) for b, c in zip(fused.buffers(), stock.buffers()) if b.is_floating_point()]
+    counts = all(torch.equal(b, c) for b, c in zip(fused.buffers(), stock.buffers()) if not b.is_floating_point())
+    print(f"{name} training step: output {relative(*outputs):.2e}, worst parameter gradient {max(grads):.2e} "
+          f"(of {len(grads)}), worst running statistic {max(buffers):.2e}, num_batches_tracked equal: {counts}")
 
 
 if __name__ == "__main__":
