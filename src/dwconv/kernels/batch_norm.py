@@ -251,8 +251,9 @@ class _Split:
     def scalars(self) -> tuple:
         return (self.channels, self.inner, self.chunk, self.chunks, *self.strides)
 
-    def tiles(self, name: str, **constants) -> LaunchPlan:
-        return LaunchPlan(name, self.grid, self.scalars, dict(
+    def tiles(self, name: str, extra: tuple = (), **constants) -> LaunchPlan:
+        """A launch over the tensor's tiles; extra: runtime arguments after the split's own."""
+        return LaunchPlan(name, self.grid, self.scalars + extra, dict(
             constants, BLOCK_S=self.block_s, BLOCK_C=self.block_c, num_warps=4 if self.gpu else 1))
 
     def reduction(self, name: str, scalars: tuple, **constants) -> LaunchPlan:
@@ -316,8 +317,7 @@ def _plans(y: torch.Tensor, affine: bool, update: bool, momentum: float, eps: fl
         split.tiles("batch_norm_normalize", **tiles),
         split.tiles("batch_norm_gradient_sums", **tiles),
         split.reduction("batch_norm_gradient_totals", (split.channels, split.parts), AFFINE=affine),
-        LaunchPlan("batch_norm_grad_input", split.grid, split.scalars + (y.numel() // split.channels,),
-                   split.tiles("", **tiles).constants))
+        split.tiles("batch_norm_grad_input", (y.numel() // split.channels,), **tiles))
 
 
 _PLANS = plan_cache()
