@@ -14,7 +14,7 @@
 #              MODEL_ITERS steps a path, default 100: fewer for the large-kernel net, whose stock step is 0.4 s;
 #              MODEL_FUSE=1: also the model converted with fuse=True)
 #   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
-#              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference)
+#              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference, MODEL_FUSE=1: also the model converted with fuse=True)
 #   compiled   where compiled models' steps go, stock against converted (benchmarks/compiled_profile.py,
 #              torch.compile default; MODELS, PROFILE_MODE train|inference), and Inductor's generated code
 #              for both (output_code_MODEL_MODE.txt.xz)
@@ -72,7 +72,7 @@ for step in "$@"; do
            done ;;
     profile) for model in ${MODELS:-mobilenet_v2}; do
                python3 benchmarks/model_profile.py --model "$model" --precision "${PRECISION:-bf16}" \
-                 --batch "${MODEL_BATCH:-64}" --mode "${PROFILE_MODE:-train}" --out "$OUT" 2>&1
+                 --batch "${MODEL_BATCH:-64}" --mode "${PROFILE_MODE:-train}" ${MODEL_FUSE:+--fuse} --out "$OUT" 2>&1
              done ;;
     compiled) for model in ${MODELS:-mobilenet_v2}; do
                 mode=${PROFILE_MODE:-inference}; train=(); [ "$mode" = train ] && train=(--train)

@@ -6,7 +6,10 @@ kind of layer (forward and backward, module hooks); the GPU kernels' time per st
 profiler, and the kernels and host operations that take the most, per step.
 
     python benchmarks/model_profile.py --model mobilenet_v2 [--precision bf16|float32] [--batch 64]
-        [--mode train|inference] [--rounds 5] [--out DIR]
+        [--mode train|inference] [--rounds 5] [--fuse] [--out DIR]
+
+--fuse adds the model converted with fuse=True (the depthwise blocks' BatchNorm and activation on
+dwconv's kernels) as a fourth variant.
 
 A step whose wall time is near its host time and well above its kernels' time is bound by the host;
 near its kernels' time, by the GPU. Tables go to stdout and DIR/profile_MODEL_PRECISION_MODE.txt.
@@ -111,6 +114,7 @@ def main():
     parser.add_argument("--mode", default="train", choices=["train", "inference"])
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--rounds", type=int, default=5, help="turns over the variants, for wall and host times")
+    parser.add_argument("--fuse", action="store_true", help="also the model converted with fuse=True")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
@@ -129,6 +133,9 @@ def main():
     converted = convert(copy.deepcopy(stock), verbose=False)
     variants = [("stock", stock, None), ("dwconv, C++ replayer", converted, "1" if native else None),
                 ("dwconv, Python path", converted, "0")]
+    if args.fuse:
+        variants.append(("dwconv fused, C++ replayer", convert(copy.deepcopy(stock), fuse=True, verbose=False),
+                         "1" if native else None))
     models = {variant: model for variant, model, _ in variants}
     steps = []  # (variant, native setting, fn): warmed first, then timed in turns (the host drifts)
     for variant, model, setting in variants:
