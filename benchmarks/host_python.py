@@ -3,12 +3,16 @@ stock's. The eager gap to stock on whole models is host time; this says which pi
 
     python benchmarks/host_python.py [--calls 20000]            # no GPU: the Python alone
     python benchmarks/host_python.py --cuda [--calls 200]       # on a GPU: the real calls, and stock's
+    python benchmarks/host_python.py [--cuda] --train            # the depthwise block's training step
 
 Without --cuda the C++ known-call lookup is stubbed (it returns a preallocated output), so that only
 the Python around it is timed (CPU tensors, nothing launched). With --cuda nothing is stubbed: the C++
 path is built first and every call launches its kernel, timed while the GPU sleeps on a queued wait
 (the host never waits on the GPU: its own time), on a MobileNetV2 layer in bfloat16 channels_last.
 Prints microseconds a call for each piece: the best of 3 rounds in each of 3 turns through the pieces.
+--train times the depthwise block (conv, BatchNorm2d, ReLU6) in training instead: a forward and a
+backward, stock, converted and converted with fuse=True, and the fused BatchNorm's pieces (without
+--cuda every dwconv launch is stubbed: the Python alone, against stock's calls on tiny CPU tensors).
 """
 
 import argparse
@@ -109,11 +113,73 @@ def pieces() -> list:
     return rows
 
 
-def measure(calls: int, rounds: int = 3, turns: int = 3) -> list:
+def training_pieces() -> list:
+    """(name, autocast, fn) for the block's training step and the fused BatchNorm's pieces."""
+    import copy
+
+    from dwconv.activations import activation_code
+    from dwconv.batch_norm import BatchNormActivationFunction
+    from dwconv.kernels import _launch, batch_norm
+
+    device = "cuda" if CUDA else "cpu"
+    shape = (64, 144, 56, 56) if CUDA else (2, 144, 6, 6)
+    channels = shape[1]
+    x = torch.randn(shape, device=device).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    grad = torch.randn_like(x)
+    block = torch.nn.Sequential(torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False),
+                                torch.nn.BatchNorm2d(channels), torch.nn.ReLU6()).to(device)
+    converted = dwconv.convert(copy.deepcopy(block), verbose=False, precompile=False)
+    fused = dwconv.convert(copy.deepcopy(block), fuse=True, verbose=False, precompile=False)
+    norm = copy.deepcopy(block[1])
+    y = x.detach().clone().requires_grad_()
+    relu6 = activation_code("relu6")
+    saved = {}
+
+    def step(model):
+        def run():
+            out = model(x)
+            out.backward(grad)
+        return run
+
+    def bn_forward():
+        saved["out"] = batch_norm.batch_norm_forward(y.detach(), norm.weight, norm.bias, norm.running_mean,
+                                                     norm.running_var, 0.1, norm.eps, relu6)
+
+    def bn_backward():
+        _, mean, invstd = saved["out"]
+        batch_norm.batch_norm_backward(grad, y.detach(), norm.weight, norm.bias, mean, invstd, norm.eps, relu6)
+
+    def stock_bn():
+        out = F.hardtanh(F.batch_norm(y, norm.running_mean, norm.running_var, norm.weight, norm.bias, True, 0.1,
+                                      norm.eps), 0.0, 6.0)
+        out.backward(grad)
+
+    def fused_bn():
+        out = BatchNormActivationFunction.apply(y, norm.weight, norm.bias, norm.running_mean, norm.running_var, 0.1,
+                                                norm.eps, "relu6")
+        out.backward(grad)
+
+    rows = [("stock block train step (forward, backward), bf16 autocast", True, step(block)),
+            ("converted block train step", True, step(converted)),
+            ("fused block train step (convert(fuse=True))", True, step(fused)),
+            ("stock BatchNorm2d + ReLU6 forward, backward", False, stock_bn),
+            ("fused BatchNorm + ReLU6 (the Function) forward, backward", False, fused_bn),
+            ("  its forward's kernels (batch_norm_forward: 3 launches)", False, bn_forward),
+            ("  its backward's kernels (batch_norm_backward: 3 launches)", False, bn_backward)]
+    if not CUDA:
+        for _, autocast, fn in rows:  # (the first calls record the layers; then nothing launches)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                fn()
+        _launch.launch_now = lambda *args, **kwargs: None
+    return rows
+
+
+def measure(calls: int, rounds: int = 3, turns: int = 3, train: bool = False) -> list:
     """[(name, us)]: each piece's best over `turns` turns through all pieces (the host drifts)."""
-    rows = pieces()
+    rows = training_pieces() if train else pieces()
     best = {name: float("inf") for name, _, _ in rows}
-    with torch.no_grad():
+    with torch.set_grad_enabled(train):
         for _ in range(turns):
             for name, autocast, fn in rows:
                 with torch.autocast("cuda" if CUDA else "cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -124,10 +190,13 @@ def measure(calls: int, rounds: int = 3, turns: int = 3) -> list:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--calls", type=int, default=None, help="calls a round (default 20000, 200 with --cuda)")
+    parser.add_argument("--calls", type=int, default=None, help="calls a round (default 20000, 200 with --cuda; --train: 1000, 40)")
     parser.add_argument("--cuda", action="store_true", help="real calls on the GPU, beside stock's")
+    parser.add_argument("--train", action="store_true", help="the depthwise block's training step and its pieces")
     args = parser.parse_args()
-    for name, us in measure(args.calls or (200 if CUDA else 20000)):
+    calls = args.calls or {(False, False): 20000, (True, False): 200, (False, True): 1000, (True, True): 40}[
+        (CUDA, args.train)]  # (a GPU round: fewer launches than the driver queues, about a thousand)
+    for name, us in measure(calls, train=args.train):
         print(f"{name:<55} {us:7.2f} us")
 
 
