@@ -226,7 +226,7 @@ def test_training_block_runs_on_the_kernels(monkeypatch):
     original = BatchNormActivationFunction.forward
 
     def counted(ctx, *args):
-        calls.append(args[-1])
+        calls.append(args[7])  # (the activation)
         return original(ctx, *args)
 
     monkeypatch.setattr(BatchNormActivationFunction, "forward", staticmethod(counted))
@@ -302,3 +302,68 @@ def test_training_block_under_activation_checkpointing(reentrant):
         assert_close(p.grad, p_ref.grad, torch.float32, f"grad of {name}")
     for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
         assert_close(b, b_ref, torch.float32, name)
+
+
+def _function_steps(steps, layout, momentum=0.1, replay=True):
+    """`steps` forwards and backwards of the Function on fresh inputs of one layout, from fixed
+    running statistics: [(output, grad_y, grad_weight, grad_bias)], running mean and variance."""
+    running_mean, running_var = torch.zeros(5, device=DEVICE), torch.ones(5, device=DEVICE)
+    results = []
+    for step in range(steps):
+        y, weight, bias = _inputs((3, 5, 4, 7), torch.float32, layout, seed=step)
+        leaves = [t.clone().requires_grad_() for t in (y, weight, bias)]
+        out = BatchNormActivationFunction.apply(*leaves, running_mean, running_var, momentum, 1e-5, "silu", replay)
+        grad = randn(*out.shape, generator=torch.Generator().manual_seed(step)).contiguous(
+            memory_format=LAYOUTS[layout])
+        grads = torch.autograd.grad(out, leaves, grad)
+        results.append((out, *grads))
+    return results, running_mean, running_var
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_function_passes_replayed_from_cpp(monkeypatch, layout):
+    """DWCONV_NATIVE=1: the Function's forward and backward passes recorded once for a layout
+    (the forward's recording on copies of the running statistics), replayed after: outputs,
+    gradients and running statistics after three steps bitwise the Python path's (each step's update
+    applied once, the first step's too)."""
+    from dwconv.replay import native
+
+    recorded = []
+    record_pass = native._record_pass
+    monkeypatch.setattr(native, "_record_pass", lambda fn, *a: recorded.append(fn.__name__) or record_pass(fn, *a))
+    monkeypatch.setattr(native, "_PASSES", {})
+    monkeypatch.setenv("DWCONV_NATIVE", "0")
+    expected = _function_steps(3, layout)
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    got = _function_steps(3, layout)
+    assert recorded == ["batch_norm_forward", "batch_norm_backward"]
+    assert all(program is not None for program in native._PASSES.values())
+    for step, (values, expected_values) in enumerate(zip(got[0], expected[0])):
+        for name, value, expected_value in zip(["output", "grad_y", "grad_weight", "grad_bias"], values,
+                                               expected_values):
+            assert torch.equal(value, expected_value), f"step {step}: {name}"
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2]), "running statistics"
+    recorded.clear()
+    passes = len(native._PASSES)
+    _function_steps(2, layout, momentum=0.5, replay=False)  # (the cumulative average's: a momentum each call)
+    assert not recorded and len(native._PASSES) == passes  # (its backward's pass is the one recorded above)
+
+
+def test_function_pass_that_cannot_be_recorded_updates_once(monkeypatch):
+    """A forward whose recording fails part way (after its running statistics' update) runs in
+    Python, and the running statistics are updated once, as the Python path updates them."""
+    from dwconv.replay import native, program
+
+    def record_then_refuse(fn, inputs, *args):
+        program.record(fn, inputs, *args)
+        raise program.NotRecordable("refused for the test")
+
+    monkeypatch.setattr(native, "_PASSES", {})
+    monkeypatch.setenv("DWCONV_NATIVE", "0")
+    expected = _function_steps(2, "channels_last")
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    monkeypatch.setattr(native, "record", record_then_refuse)
+    got = _function_steps(2, "channels_last")
+    assert list(native._PASSES.values()) == [None, None]
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2]), "running statistics"
+    assert torch.equal(got[0][1][0], expected[0][1][0]), "output"

@@ -13,6 +13,7 @@ differentiates them, so gradients of any order are PyTorch's.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .activations import FUNCTIONS, activation_code
+from .replay.native import replayed
 
 
 def reference(y: Tensor, norm: nn.BatchNorm2d, activation_module: Optional[nn.Module]) -> Tensor:
@@ -40,11 +42,15 @@ class BatchNormActivationFunction(torch.autograd.Function):
     updated in place."""
 
     @staticmethod
-    def forward(ctx, y, weight, bias, running_mean, running_var, momentum: float, eps: float, activation: str):
+    def forward(ctx, y, weight, bias, running_mean, running_var, momentum: float, eps: float, activation: str,
+                replay: bool = True):
         from .kernels.batch_norm import batch_norm_forward
 
-        out, mean, invstd = batch_norm_forward(y, weight, bias, running_mean, running_var, momentum, eps,
-                                               activation_code(activation))
+        # (replay: the passes' launches from C++ where the replayer is on; off for a momentum that
+        # changes each call, the cumulative average, whose every call would be a new program)
+        pass_ = functools.partial(replayed, writes=(3, 4)) if replay else _direct
+        out, mean, invstd = pass_(batch_norm_forward, [y, weight, bias, running_mean, running_var], momentum, eps,
+                                  activation_code(activation))
         ctx.save_for_backward(y, weight, bias, mean, invstd)
         ctx.eps, ctx.activation = eps, activation
         return out
@@ -55,13 +61,17 @@ class BatchNormActivationFunction(torch.autograd.Function):
         wanted = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # (create_graph=True: PyTorch's ops, which autograd differentiates again)
             return (*_differentiable_backward(grad, y, weight, bias, ctx.eps, ctx.activation, wanted),
-                    None, None, None, None, None)
+                    None, None, None, None, None, None)
         from .kernels.batch_norm import batch_norm_backward
 
-        grad_y, grad_weight, grad_bias = batch_norm_backward(grad, y, weight, bias, mean, invstd, ctx.eps,
-                                                             activation_code(ctx.activation))
+        grad_y, grad_weight, grad_bias = replayed(batch_norm_backward, [grad, y, weight, bias, mean, invstd], ctx.eps,
+                                                  activation_code(ctx.activation))
         return (grad_y if wanted[0] else None, grad_weight if wanted[1] else None, grad_bias if wanted[2] else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
+
+
+def _direct(fn, inputs, *args):
+    return fn(*inputs, *args)
 
 
 def _differentiable_backward(grad, y, weight, bias, eps, activation, wanted):
@@ -90,4 +100,4 @@ def batch_norm_activation(y: Tensor, norm: nn.BatchNorm2d, activation: str) -> T
     if not (y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last)):
         y = y.contiguous()  # (the kernels read NCHW or dense channels_last; the convolution gives those)
     return BatchNormActivationFunction.apply(y, norm.weight, norm.bias, norm.running_mean, norm.running_var,
-                                             momentum, norm.eps, activation)
+                                             momentum, norm.eps, activation, norm.momentum is not None)

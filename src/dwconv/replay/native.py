@@ -531,6 +531,58 @@ def _register(input, weight, bias, geom, passes) -> int:
 on_change(forget_layers)
 
 
+# ---- other passes from C++ -------------------------------------------------------------------------
+
+# Passes outside the convolution's autograd Function (the fused block's BatchNorm): their Python
+# callers keep the autograd, the replayer takes the launches. (function, program_key) -> the pass's
+# NativeProgram, None where it could not be recorded (the Python path, always). Bounded as the plans
+# are: past the limit it starts over.
+_PASSES: dict = {}
+_PASS_LIMIT = 4096
+
+
+def replayed(fn, inputs: list, *args, writes: tuple = ()):
+    """fn(*inputs, *args), its launches and allocations by the C++ replayer where `enabled` says
+    so: recorded at the first call for these tensors' layouts and args, replayed from C++ after (one
+    call from Python for the whole pass). writes: positions of the inputs that fn updates in place;
+    the recording runs on copies of those, then the program runs on the inputs, so that a pass that
+    cannot be recorded (it then runs in Python) never updates them twice."""
+    if not enabled(inputs[0]):
+        return fn(*inputs, *args)
+    key = (fn, program_key(inputs, *args))
+    try:
+        program = _PASSES.get(key, _MISSING)
+    except TypeError:  # (symbolic sizes do not hash)
+        return fn(*inputs, *args)
+    if program is _MISSING:
+        program = _record_pass(fn, inputs, args, writes)
+        if len(_PASSES) >= _PASS_LIMIT:
+            _PASSES.clear()
+        _PASSES[key] = program
+    if program is None:
+        return fn(*inputs, *args)
+    return program.replay(*inputs)
+
+
+_MISSING = object()
+
+
+def _record_pass(fn, inputs: list, args: tuple, writes: tuple) -> Optional[NativeProgram]:
+    scratch = [t.clone() if i in writes and t is not None else t for i, t in enumerate(inputs)]
+    try:
+        _, program = record(fn, scratch, *args)
+        return NativeProgram(program, python_launches=not inputs[0].is_cuda)
+    except NotRecordable:
+        return None
+    except Exception as error:  # (the Python path then raises again if the pass itself failed)
+        warnings.warn(f"dwconv: a pass could not be recorded for the C++ path ({error!r}); it keeps the Python path",
+                      RuntimeWarning)
+        return None
+
+
+on_change(_PASSES.clear)
+
+
 # ---- the registered ops from C++ ----------------------------------------------------------------
 
 # torch.compile's graphs call dwconv's registered ops (dwconv._library) once a pass, through the
