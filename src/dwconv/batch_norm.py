@@ -8,7 +8,8 @@ statistics and num_batches_tracked updated as nn.BatchNorm2d updates them. Only 
 statistics are saved (stock keeps the normalised tensor as well, for the activation's backward).
 Backward: two passes (the sums BatchNorm's gradient needs; grad_y), the activation's derivative
 recomputed from y; under create_graph=True, PyTorch's own ops recompute the block and autograd
-differentiates them, so gradients of any order are PyTorch's.
+differentiates them, so gradients of any order are PyTorch's. Each pass's launches go through the
+C++ replayer where it is on (replay.native.replayed), as the convolution's do.
 """
 
 from __future__ import annotations
