@@ -488,14 +488,19 @@ def test_warmup_compiles_the_training_blocks_batch_norm(tmp_path, monkeypatch):
 @pytest.mark.parametrize("stride", [1, 2])
 def test_fused_mobilenet_blocks_at_real_sizes(activation, stride):
     """MobileNetV2's and EfficientNet's block sizes, bfloat16 autocast, channels_last, eval: the fused
-    block against the stock block in float64 within bfloat16's tolerance."""
+    block's largest error against the stock block in float64 within twice stock's own under the same
+    autocast (the input and the folded weight rounded to bfloat16, scaled by the BatchNorm, reach
+    several bfloat16 steps of the output on a few of 29 million values, as stock's do)."""
     stock = _block(activation, channels=144, stride=stride).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     x = randn(64, 144, 56, 56).contiguous(memory_format=torch.channels_last)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        out = fused(x)
+        out, stock_out = fused(x), stock(x)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
     with torch.no_grad():
-        assert_close(out, stock.double()(x.double()), torch.bfloat16, "fused block")
+        ref = stock.double()(x.double())
+    error, stock_error = ((t.double() - ref).abs().max().item() for t in (out, stock_out))
+    assert error <= 2 * stock_error, f"fused block: largest error {error:.3g}, stock's bfloat16 autocast {stock_error:.3g}"
 
 
 @pytest.mark.parametrize("options", [dict(affine=False), dict(eps=1e-3, momentum=None), dict(momentum=0.3)],

@@ -501,3 +501,19 @@ def test_native_activated_calls_are_layers_of_their_own(monkeypatch):
     (ref,) = torch.autograd.grad(functions["silu"](torch.nn.functional.conv2d(leaf64, weight.double(), bias.double(),
                                                                               1, 1, 1, 3)).sum(), leaf64)
     assert_close(grad, ref, torch.float32, "gradient through an activated call")
+
+
+def test_native_launch_passes_float_scalars_as_their_bits():
+    """A kernel's float scalar (BatchNorm's eps, momentum) reaches cuLaunchKernel as its fp32 or fp64
+    bit pattern, an integer as itself; a parameter type it cannot pass is not recordable (a float
+    once went as int(value): eps 1e-5 launched as 0, the momentum as 0)."""
+    import struct
+
+    code, bits = native._scalar_parameter("fp32", 1e-5)
+    assert code == "i" and struct.unpack("<f", struct.pack("<i", bits))[0] == struct.unpack("<f", struct.pack("<f", 1e-5))[0]
+    code, bits = native._scalar_parameter("fp64", 0.1)
+    assert code == "l" and struct.unpack("<d", struct.pack("<q", bits))[0] == 0.1
+    assert native._scalar_parameter("i32", -7) == ("i", -7) and native._scalar_parameter("u64", 2**40) == ("l", 2**40)
+    for kind in ("fp16", "bf16", "i1"):
+        with pytest.raises(program.NotRecordable, match=kind):
+            native._scalar_parameter(kind, 1)

@@ -66,6 +66,15 @@ class Tuning:
     toeplitz_grad_weight_kh_rows: int = 4  # kernel rows a weight-gradient pass takes
     toeplitz_grad_weight_programs: int = 512  # weight-gradient programs to aim for
     weight_sums_max_parts: int = 2048  # partial sums a channel may have for the Triton summing pass
+    # BatchNorm's passes (kernels/batch_norm.py): programs along the tensor, elements a tile; channels_last
+    # tiles as wide in channels as the one of these that takes the fewest lanes, masked ones included
+    # (16-channel tiles of 144 channels read 1.1 TB/s on the H100); the reductions' rows of partial sums a
+    # step and channels a program (one program of 32 channels over 1792 rows took 30 us)
+    batch_norm_programs: int = 2048
+    batch_norm_tile: int = 2048
+    batch_norm_channel_blocks: Tuple[int, ...] = (128, 256, 512)
+    batch_norm_reduce_rows: int = 256
+    batch_norm_reduce_channels: int = 16
     # ---- checks and launching
     fast_launch: bool = switch("DWCONV_FAST_LAUNCH") is not False  # repeat launches skip Triton's dispatch
     poison_partials: bool = False  # tests: NaN-fill partial sums and BatchNorm's outputs, so an unwritten one shows

@@ -64,9 +64,14 @@ def alignment(t: torch.Tensor) -> int:
     """t's data pointer mod 16. A tensor without data (a fake tensor, traced) has its storage
     offset's: its storage is taken to start 16-byte aligned, as PyTorch's allocators and
     torch.compile's buffers do (Inductor copies a graph input that is not)."""
-    if type(t) is not torch.Tensor and _is_fake(t):  # (fake tensors' data_ptr() only warns, then answers)
+    # (fake tensors' data_ptr() only warns, then answers; they dispatch in Python, as a Parameter
+    # does not: the check that is cheap for a Parameter first, 1.6 us each)
+    if type(t) is not torch.Tensor and torch._C._dispatch_keys(t).has(_PYTHON_KEY) and _is_fake(t):
         return t.storage_offset() * t.element_size() % 16
     return t.data_ptr() % 16
+
+
+_PYTHON_KEY = torch._C.DispatchKey.Python
 
 
 def _is_fake(t: torch.Tensor) -> bool:

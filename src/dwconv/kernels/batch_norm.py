@@ -258,33 +258,37 @@ class _Split:
 
     def reduction(self, name: str, scalars: tuple, **constants) -> LaunchPlan:
         """A launch over the channels that combines the parts' partial sums."""
-        block_c = 32 if self.gpu else next_power_of_2(min(self.channels, 256))
-        block_p = 64 if self.gpu else next_power_of_2(min(self.parts, 64))
+        table = tuned()
+        block_c = table.batch_norm_reduce_channels if self.gpu else next_power_of_2(min(self.channels, 256))
+        block_p = table.batch_norm_reduce_rows if self.gpu else next_power_of_2(min(self.parts, 64))
         return LaunchPlan(name, (cdiv(self.channels, block_c),), scalars,
-                          dict(constants, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4 if self.gpu else 1))
+                          dict(constants, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=8 if self.gpu else 1))
 
 
-def _channel_block(channels: int, limit: int) -> int:
-    """The largest power of two up to limit that divides channels (no masked lanes), at least 16."""
-    block = limit
-    while block > 16 and channels % block:
-        block //= 2
-    return min(block, next_power_of_2(channels))
+def _channel_block(channels: int, widths: Tuple[int, ...]) -> int:
+    """The channels a channels_last tile covers: of widths, the one whose blocks take the fewest
+    lanes (masked ones included), the widest of those; a power of two over all channels where they are
+    fewer than the narrowest. Wide rows of contiguous channels are what the loads need."""
+    if channels <= min(widths):
+        return next_power_of_2(channels)
+    return min(widths, key=lambda width: (cdiv(channels, width) * width, -width))
 
 
 def _split(y: torch.Tensor) -> _Split:
     n, channels, h, w = y.shape
     gpu = gpu_plan(y.device)
+    table = tuned()
+    tile = table.batch_norm_tile if gpu else 512
     if channels_last(y):  # [1, C, N*H*W]: a row of channels each position
         outer, inner, strides = 1, n * h * w, (0, channels, 1)
-        block_c = _channel_block(channels, 64)
-        block_s = 2048 // block_c if gpu else 64
+        block_c = _channel_block(channels, table.batch_norm_channel_blocks if gpu else (64,))
+        block_s = max(1, tile // block_c)
     else:
         outer, inner, strides = n, h * w, (channels * h * w, 1, h * w)
-        block_s = min(1024 if gpu else 256, next_power_of_2(inner))
-        block_c = max(1, min(next_power_of_2(channels), (1024 if gpu else 256) // block_s))
-    # enough programs to fill the GPU (about 16 a multiprocessor), each a whole number of tiles
-    wanted = cdiv(2048 if gpu else 4, cdiv(channels, block_c) * outer)
+        block_s = min(tile // 2, next_power_of_2(inner))
+        block_c = max(1, min(next_power_of_2(channels), tile // 2 // block_s))
+    # enough programs to fill the GPU, each a whole number of tiles
+    wanted = cdiv(table.batch_norm_programs if gpu else 4, cdiv(channels, block_c) * outer)
     chunk = max(block_s, cdiv(cdiv(inner, wanted), block_s) * block_s)
     chunks = cdiv(inner, chunk)
     return _Split(channels, inner, chunk, chunks, outer * chunks, strides, block_s, block_c, gpu)

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 import threading
 import warnings
@@ -375,13 +376,26 @@ class NativeProgram:
                 assert position < len(tensors), (step.kernel, name)
                 kinds, values = kinds + "p", values + [position]
             else:
-                kinds, values = kinds + ("l" if "64" in kind else "i"), values + [int(args[name])]
+                code, value = _scalar_parameter(kind, args[name])
+                kinds, values = kinds + code, values + [value]
         entry_params = _ptx_params(ptx)
         extra = entry_params - len(kinds)
         if not 0 <= extra <= 2:
             raise NotRecordable(f"{extra} kernel parameters past the signature's")
         self.native.add_native_launch(function, list(grid), threads, shared, tensors,
                                       kinds + "s" * extra, values + [0] * extra)
+
+
+def _scalar_parameter(kind: str, value) -> tuple:
+    """A scalar kernel parameter as the replayer passes it: ('i', 32 bits) or ('l', 64 bits), a
+    float as its bit pattern (a float scalar once went as int(value): eps 1e-5 launched as 0)."""
+    if kind in ("i32", "u32", "i64", "u64"):
+        return ("l" if "64" in kind else "i"), int(value)
+    if kind == "fp32":
+        return "i", struct.unpack("<i", struct.pack("<f", value))[0]
+    if kind == "fp64":
+        return "l", struct.unpack("<q", struct.pack("<d", value))[0]
+    raise NotRecordable(f"a kernel parameter of type {kind}")
 
 
 def _ptx_params(ptx: str) -> int:
