@@ -62,6 +62,16 @@ def test_kernels_against_float64(shape, dtype, layout):
         assert_close(got, expected, dtype if name == "grad_y" else stats_dtype, name)
 
 
+@pytest.mark.parametrize("shape", [(2, 144, 5, 3), (3, 67, 4, 5), (2, 96, 3, 7)], ids=lambda s: "x".join(map(str, s)))
+def test_gpu_blocks_against_float64(shape):
+    """The GPU's blocks (channels_last: the summing passes' narrow tiles, the others' wide ones with
+    masked channels; 2048 programs' chunks) under the interpreter, bfloat16 against float64."""
+    from dwconv import tuning
+
+    with tuning.override(plan_as_gpu=True):
+        test_kernels_against_float64(shape, torch.bfloat16, "channels_last")
+
+
 @pytest.mark.parametrize("activation", list(ACTIVATION_CODES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_activation_and_its_derivative(activation, layout):

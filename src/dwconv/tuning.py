@@ -67,12 +67,15 @@ class Tuning:
     toeplitz_grad_weight_programs: int = 512  # weight-gradient programs to aim for
     weight_sums_max_parts: int = 2048  # partial sums a channel may have for the Triton summing pass
     # BatchNorm's passes (kernels/batch_norm.py): programs along the tensor, elements a tile; channels_last
-    # tiles as wide in channels as the one of these that takes the fewest lanes, masked ones included
-    # (16-channel tiles of 144 channels read 1.1 TB/s on the H100); the reductions' rows of partial sums a
-    # step and channels a program (one program of 32 channels over 1792 rows took 30 us)
+    # tiles as wide in channels as the one of these widths that takes the fewest lanes, masked ones included,
+    # narrow for the passes that sum over the tensor, wide for the others (H100, 256x144x56x56 bfloat16:
+    # normalising 410 -> 226 us and grad_y 651 -> 347 us from 16- to 256-channel tiles, the sums 211 -> 303
+    # and 328 -> 354 us); the reductions' rows of partial sums a step and channels a program (one
+    # program of 32 channels over 1792 rows took 30 us, 16 channels over 256 rows a step 9.5-12.5 us)
     batch_norm_programs: int = 2048
     batch_norm_tile: int = 2048
-    batch_norm_channel_blocks: Tuple[int, ...] = (128, 256, 512)
+    batch_norm_summing_channels: Tuple[int, ...] = (16, 32, 64)
+    batch_norm_channels: Tuple[int, ...] = (128, 256, 512)
     batch_norm_reduce_rows: int = 256
     batch_norm_reduce_channels: int = 16
     # ---- checks and launching

@@ -274,14 +274,17 @@ def _channel_block(channels: int, widths: Tuple[int, ...]) -> int:
     return min(widths, key=lambda width: (cdiv(channels, width) * width, -width))
 
 
-def _split(y: torch.Tensor) -> _Split:
+def _split(y: torch.Tensor, summing: bool) -> _Split:
+    """summing: for the passes that sum over the tensor (statistics, gradient sums), whose
+    channels_last tiles are narrower than the others' (tuning table)."""
     n, channels, h, w = y.shape
     gpu = gpu_plan(y.device)
     table = tuned()
     tile = table.batch_norm_tile if gpu else 512
     if channels_last(y):  # [1, C, N*H*W]: a row of channels each position
         outer, inner, strides = 1, n * h * w, (0, channels, 1)
-        block_c = _channel_block(channels, table.batch_norm_channel_blocks if gpu else (64,))
+        widths = (table.batch_norm_summing_channels if summing else table.batch_norm_channels) if gpu else (64,)
+        block_c = _channel_block(channels, widths)
         block_s = max(1, tile // block_c)
     else:
         outer, inner, strides = n, h * w, (channels * h * w, 1, h * w)
@@ -301,7 +304,7 @@ def channels_last(y: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class _Plans:
-    split: _Split
+    split: _Split  # the summing passes' (their partial sums' rows: split.parts)
     statistics: LaunchPlan
     statistics_sums: LaunchPlan
     normalize: LaunchPlan
@@ -311,17 +314,17 @@ class _Plans:
 
 
 def _plans(y: torch.Tensor, affine: bool, update: bool, momentum: float, eps: float, activation: int) -> _Plans:
-    split = _split(y)
+    split, elementwise = _split(y, summing=True), _split(y, summing=False)
     tiles = dict(AFFINE=affine, ACTIVATION=activation)
     return _Plans(
         split,
         split.tiles("batch_norm_statistics"),
         split.reduction("batch_norm_statistics_sums", (split.channels, split.inner, split.chunk, split.chunks,
                                                        split.parts, momentum, eps), UPDATE_RUNNING=update),
-        split.tiles("batch_norm_normalize", **tiles),
+        elementwise.tiles("batch_norm_normalize", **tiles),
         split.tiles("batch_norm_gradient_sums", **tiles),
         split.reduction("batch_norm_gradient_totals", (split.channels, split.parts), AFFINE=affine),
-        split.tiles("batch_norm_grad_input", (y.numel() // split.channels,), **tiles))
+        elementwise.tiles("batch_norm_grad_input", (y.numel() // split.channels,), **tiles))
 
 
 _PLANS = plan_cache()
