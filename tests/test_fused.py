@@ -447,7 +447,8 @@ def test_eval_calls_follow_shapes_autocast_and_dtypes():
     with torch.no_grad():
         assert_close(out, stock.double()(small.double()), torch.bfloat16, "bfloat16 autocast")
         fused.double()
-        assert_close(fused(small.double()), stock(small.double()), torch.float64, "float64 model")
+        # (against the CPU's float64: stock's on the GPU is 3e-8 off it on the H100, torch 2.11)
+        assert_close(fused(small.double()), stock.cpu()(small.double().cpu()), torch.float64, "float64 model")
 
 
 def test_warmup_of_a_fused_model_records_the_fused_forward():
