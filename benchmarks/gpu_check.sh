@@ -21,6 +21,8 @@
 #   blocks     the models suite's layers as blocks (conv, BatchNorm2d, activation: BLOCK_ACTIVATIONS, DTYPES) in
 #              eval mode and in a training step, stock's kernels and torch.compile of them against dwconv's
 #              (bench --block; BLOCK_COMPILE=no: without torch.compile's paths)
+#   kernels    the depthwise block's training step kernel by kernel, stock against dwconv (benchmarks/block_kernels.py;
+#              DTYPES' first, BLOCK_ACTIVATIONS' first)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
 #   host       host time per eager call, .ab_old/src against src (benchmarks/host_time.py)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
@@ -61,6 +63,9 @@ for step in "$@"; do
                  --csv "$OUT/blocks_${activation}_${dtype}_$(date +%F)_$commit.csv" 2>&1 | tail -30
              done
            done ;;
+    kernels) dtypes=(${DTYPES:-bfloat16}); activations=(${BLOCK_ACTIVATIONS:-relu6})
+             python3 benchmarks/block_kernels.py --dtype "${dtypes[0]}" --activation "${activations[0]}" \
+               --out "$OUT/block_kernels_${dtypes[0]}_$(date +%F)_$commit.txt" 2>&1 | grep -v -i warn ;;
     coldstart|models)
            mode=only; [ "$step" = models ] && mode=no
            image=(); [ "$step" = coldstart ] && [ -n "${COLDSTART_IMAGE:-}" ] && image=(--cold-start-image)

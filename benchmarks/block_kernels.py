@@ -1,0 +1,96 @@
+"""Where the depthwise block's training step goes on the GPU, kernel by kernel: the convolution,
+BatchNorm2d in training and the activation, forward and the gradients of the input, the
+convolution's weight and the BatchNorm's weight and bias, stock's kernels against dwconv's (the
+fused block's: dwconv's convolution, then BatchNormActivationFunction), per layout. GPU time from
+torch's profiler (the kernels alone: no host time, unlike bench --block's rows, which a slow host
+can hold up).
+
+    python benchmarks/block_kernels.py [--dtype bfloat16] [--activation relu6] [--layouts cl,nchw]
+        [--only-dwconv] [--out FILE]
+
+Shapes: MobileNetV2's and EfficientNet-B0's widest 3x3 layers at batch 64, one at batch 256, a 7x7
+plane of 960 channels. Each kernel's microseconds a step (mean of 10 steps after 5), and the sum.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import dwconv  # noqa: E402
+from dwconv.batch_norm import BatchNormActivationFunction  # noqa: E402
+from dwconv.activations import FUNCTIONS  # noqa: E402
+
+SHAPES = [((64, 32, 112, 112), 1), ((64, 96, 112, 112), 2), ((256, 144, 56, 56), 1), ((256, 960, 7, 7), 1)]
+LAYOUTS = {"cl": torch.channels_last, "nchw": torch.contiguous_format}
+
+
+def kernel_times(step, steps: int = 10) -> dict:
+    """{kernel name: (us a step, launches a step)} of step() on the GPU."""
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return {e.key: (e.self_device_time_total / steps, e.count // steps) for e in prof.key_averages()
+            if e.device_type.name == "CUDA" and e.self_device_time_total > 0}
+
+
+def block(shape, stride: int, layout, dtype, activation: str, only_dwconv: bool) -> list:
+    n, c, h, w = shape
+    x = torch.randn(shape, device="cuda", dtype=dtype).contiguous(memory_format=layout).requires_grad_()
+    weight = torch.randn(c, 1, 3, 3, device="cuda", dtype=dtype, requires_grad=True)
+    gamma = torch.ones(c, device="cuda", requires_grad=True)
+    beta = torch.zeros(c, device="cuda", requires_grad=True)
+    running = [torch.zeros(c, device="cuda"), torch.ones(c, device="cuda")]
+
+    def fused():
+        y = dwconv.depthwise_conv2d(x, weight, None, stride=stride, padding=1)
+        return BatchNormActivationFunction.apply(y, gamma, beta, *running, 0.1, 1e-5, activation)
+
+    def stock():
+        y = F.conv2d(x, weight, None, stride=stride, padding=1, groups=c)
+        return FUNCTIONS[activation](F.batch_norm(y, *running, gamma, beta, True, 0.1, 1e-5))
+
+    grad = torch.randn_like(fused())
+    lines = [f"=== {'x'.join(map(str, shape))} stride {stride} "
+             f"{'channels_last' if layout == torch.channels_last else 'NCHW'} {str(dtype)[6:]} +bn+{activation}, "
+             f"input {x.numel() * x.element_size() / 1e6:.1f} MB"]
+    for name, fn in (("dwconv", fused), ("stock", stock))[:1 if only_dwconv else 2]:
+        times = kernel_times(lambda: torch.autograd.grad(fn(), [x, weight, gamma, beta], grad))
+        lines.append(f"-- {name}: kernels {sum(us for us, _ in times.values()):.0f} us a step")
+        for kernel, (us, count) in sorted(times.items(), key=lambda kv: -kv[1][0]):
+            lines.append(f"   {us:8.1f} us  x{count}  {kernel[:100]}")
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--activation", default="relu6", choices=sorted(FUNCTIONS))
+    parser.add_argument("--layouts", default="cl,nchw")
+    parser.add_argument("--only-dwconv", action="store_true", help="dwconv's kernels alone (A/B of its tables)")
+    parser.add_argument("--out", default=None, help="also write the tables to this file")
+    args = parser.parse_args()
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}"]
+    print(lines[0], flush=True)
+    for shape, stride in SHAPES:
+        for layout in args.layouts.split(","):
+            table = block(shape, stride, LAYOUTS[layout], getattr(torch, args.dtype), args.activation,
+                          args.only_dwconv)
+            print("\n".join(table), flush=True)
+            lines += table
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
