@@ -94,11 +94,14 @@ def batch_norm_activation(y: Tensor, norm: nn.BatchNorm2d, activation: str) -> T
     if y.numel() // y.shape[1] <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {y.size()}")
     momentum = 0.0 if norm.momentum is None else norm.momentum
-    if norm.num_batches_tracked is not None:
-        norm.num_batches_tracked.add_(1)
+    buffers, parameters = norm._buffers, norm._parameters  # (Module.__getattr__ costs at every call)
+    tracked = buffers.get("num_batches_tracked")
+    if tracked is not None:
+        tracked.add_(1)
         if norm.momentum is None:  # (a cumulative average: PyTorch reads the count back too)
-            momentum = 1.0 / float(norm.num_batches_tracked)
+            momentum = 1.0 / float(tracked)
     if not (y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last)):
         y = y.contiguous()  # (the kernels read NCHW or dense channels_last; the convolution gives those)
-    return BatchNormActivationFunction.apply(y, norm.weight, norm.bias, norm.running_mean, norm.running_var,
-                                             momentum, norm.eps, activation, norm.momentum is not None)
+    return BatchNormActivationFunction.apply(y, parameters.get("weight"), parameters.get("bias"),
+                                             buffers.get("running_mean"), buffers.get("running_var"), momentum,
+                                             norm.eps, activation, norm.momentum is not None)

@@ -117,17 +117,22 @@ def _normalized_in_training(conv: FusedDepthwiseConv2d, y: torch.Tensor) -> torc
     any order is fine; forward-mode AD, torch.func, torch.compile, tracing, subclasses are not), else
     the modules' own forwards."""
     _, norm, activation_module, _ = conv.dwconv_block
-    parameters = (norm.weight, norm.bias, norm.running_mean, norm.running_var)
-    if precompile._TRACING.__dict__.get("active") and norm.track_running_stats and norm.running_mean is not None:
+    # (from the modules' own dicts: this runs at every training call, Module.__getattr__ costs)
+    buffers, parameters = norm._buffers, norm._parameters
+    running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
+    tensors = (parameters.get("weight"), parameters.get("bias"), running_mean, running_var)
+    if precompile._TRACING.__dict__.get("active") and norm.track_running_stats and running_mean is not None:
         precompile.record_batch_norm(y, norm, conv.dwconv_activation)  # (a warmup's fake run: compile its kernels)
-    if (type(y) is torch.Tensor and y.dim() == 4 and functional.uses_triton(y) and y.is_floating_point()
-            and not torch.compiler.is_compiling() and not torch._C._is_tracing()
-            and not functional._pytorch_must_run(y, *parameters) and forward_ad._current_level < 0
-            and norm.track_running_stats and norm.running_mean is not None and norm.running_var is not None
-            and all(t is None or (t.device == y.device and type(t) in (torch.Tensor, nn.Parameter))
-                    for t in parameters)):
+    if (type(y) is torch.Tensor and running_mean is not None and running_var is not None and y.dim() == 4
+            and y.is_floating_point() and functional.uses_triton(y) and forward_ad._current_level < 0
+            and norm.track_running_stats and not torch.compiler.is_compiling() and not torch._C._is_tracing()
+            and all(t is None or (type(t) in _PLAIN and t.device == y.device) for t in tensors)
+            and not functional._pytorch_must_run(y, *tensors)):
         return batch_norm_activation(y, norm, conv.dwconv_activation)
     return batch_norm_reference(y, norm, activation_module)
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Proxy:
