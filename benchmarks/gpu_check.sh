@@ -20,7 +20,8 @@
 #              for both (output_code_MODEL_MODE.txt.xz)
 #   blocks     the models suite's layers as blocks (conv, BatchNorm2d, activation: BLOCK_ACTIVATIONS, DTYPES) in
 #              eval mode and in a training step, stock's kernels and torch.compile of them against dwconv's
-#              (bench --block; BLOCK_COMPILE=no: without torch.compile's paths)
+#              (bench --block, replayed from CUDA graphs: the kernels' time, not the host's; BLOCK_COMPILE=no:
+#              without torch.compile's paths)
 #   kernels    the depthwise block's training step kernel by kernel, stock against dwconv (benchmarks/block_kernels.py;
 #              DTYPES' first, BLOCK_ACTIVATIONS' first)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
@@ -59,7 +60,7 @@ for step in "$@"; do
     blocks) for activation in ${BLOCK_ACTIVATIONS:-relu6 silu hardswish}; do
              for dtype in ${DTYPES:-bfloat16 float32}; do
                compile=(--compile); [ "${BLOCK_COMPILE:-yes}" = no ] && compile=()
-               python3 -m dwconv bench --suite models --dtype "$dtype" --block "$activation" ${compile[@]+"${compile[@]}"} --iters 100 \
+               python3 -m dwconv bench --suite models --dtype "$dtype" --block "$activation" ${compile[@]+"${compile[@]}"} --iters 100 --cuda-graphs \
                  --csv "$OUT/blocks_${activation}_${dtype}_$(date +%F)_$commit.csv" 2>&1 | tail -30
              done
            done ;;

@@ -33,7 +33,10 @@ ACTIVATION`) time the depthwise block, convolution, BatchNorm2d and activation: 
 kernels against dwconv's fused block (eval: one call, the BatchNorm folded; a training step: the
 convolution, then BatchNorm and the activation on dwconv's kernels, and the gradients of the input,
 the convolution's weight and BatchNorm's parameters); their "% of copy" counts the block's floor,
-the input read and the output written once, and in training as much again backward.
+the input read and the output written once, and in training as much again backward (a floor no
+exact implementation reaches: BatchNorm's statistics cost passes of their own, docs/decisions.md).
+`gpu_check.sh blocks` times these rows replayed from CUDA graphs (the CSV's cuda_graph column), the
+kernels' time: the eager block's host time is `benchmarks/host_python.py --train`'s.
 """
 
 
@@ -48,7 +51,9 @@ def environment(rows):
     first = rows[0]
     copy = sorted({round(_float(r["copy_gbps"])) for r in rows if r.get("copy_gbps")})
     return (f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, commit {first['commit']}, "
-            f"{first['date']}" + (f"; device copy {copy[0]}-{copy[-1]} GB/s in the run" if copy else ""))
+            f"{first['date']}" + (f"; device copy {copy[0]}-{copy[-1]} GB/s in the run" if copy else "")
+            + ("; calls replayed from CUDA graphs" if str(first.get("cuda_graph")) == "True" else
+               "; eager calls, the host's time included" if "cuda_graph" in first else ""))
 
 
 MODEL_PROTOCOL = """\
