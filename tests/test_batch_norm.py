@@ -228,11 +228,17 @@ def _stock_and_fused(activation, channels=8, layout="nchw", options=None):
     return model(), dwconv.convert(model(), fuse=True, precompile=False, verbose=False)
 
 
-def test_training_block_runs_on_the_kernels(monkeypatch):
-    """In training the fused block calls the Function (no stock BatchNorm), and its gradients,
-    running statistics and num_batches_tracked are stock's over several steps."""
+@pytest.mark.parametrize("native", ["0", "1"], ids=["python-function", "cpp-function"])
+def test_training_block_runs_on_the_kernels(monkeypatch, native):
+    """In training the fused block runs BatchNorm on the kernels (no stock BatchNorm): the Python
+    Function (DWCONV_NATIVE=0), or the C++ one whose passes are recorded programs (=1; the first
+    step records them); its gradients, running statistics and num_batches_tracked are stock's over
+    several steps."""
+    from dwconv.replay import native as replayer
+
+    monkeypatch.setenv("DWCONV_NATIVE", native)
     stock, fused = _stock_and_fused(torch.nn.Hardswish, layout="channels_last")
-    calls = []
+    calls, recorded = [], []
     original = BatchNormActivationFunction.forward
 
     def counted(ctx, *args):
@@ -240,6 +246,8 @@ def test_training_block_runs_on_the_kernels(monkeypatch):
         return original(ctx, *args)
 
     monkeypatch.setattr(BatchNormActivationFunction, "forward", staticmethod(counted))
+    register = replayer._register_norm
+    monkeypatch.setattr(replayer, "_register_norm", lambda *a: recorded.append(1) or register(*a))
     stock_calls = []
     batch_norm = F.batch_norm
     monkeypatch.setattr(F, "batch_norm", lambda *a, **k: stock_calls.append(1) or batch_norm(*a, **k))
@@ -247,19 +255,54 @@ def test_training_block_runs_on_the_kernels(monkeypatch):
         x = randn(4, 8, 6, 5).contiguous(memory_format=torch.channels_last)
         out = fused(x)
         assert not stock_calls, "stock BatchNorm ran"
+        assert type(out.grad_fn).__name__ == ("CppFunction" if native == "1" else "BatchNormActivationFunctionBackward")
         ref = stock(x)
         stock_calls.clear()
         assert_close(out, ref, torch.float32, f"step {step}")
         grad = randn(*out.shape)
         out.backward(grad)
         ref.backward(grad)
-    assert calls == ["hardswish"] * 3
+    assert (calls, recorded) == (([], [1]) if native == "1" else (["hardswish"] * 3, []))
     for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
         assert_close(p.grad, p_ref.grad, torch.float32, f"grad of {name}")
     for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
         assert torch.equal(b, b_ref) if not b.is_floating_point() else True, name
         if b.is_floating_point():
             assert_close(b, b_ref, torch.float32, name)
+
+
+def test_cpp_function_is_the_python_functions_bitwise(monkeypatch):
+    """DWCONV_NATIVE=1: the fused block's BatchNorm through the C++ Function gives bitwise the Python
+    Function's outputs, every gradient and running statistics over three steps; a backward that
+    builds a graph (create_graph=True: a gradient penalty) takes PyTorch's ops as the Python
+    Function's does; saved-tensor hooks see and hand back its saved tensors."""
+    def run(native, penalty=False):
+        monkeypatch.setenv("DWCONV_NATIVE", native)
+        torch.manual_seed(5)
+        _, fused = _stock_and_fused(torch.nn.SiLU, layout="nchw")
+        results = []
+        packed = []
+        for step in range(3):
+            x = randn(3, 8, 5, 7, generator=torch.Generator().manual_seed(step)).requires_grad_()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t.clone(), lambda t: t):
+                out = fused(x)
+            grad = randn(*out.shape, generator=torch.Generator().manual_seed(10 + step))
+            if penalty:
+                (g,) = torch.autograd.grad(out, x, grad, create_graph=True)
+                g.square().sum().backward()
+            else:
+                out.backward(grad)
+            results += [out.detach(), x.grad] + [p.grad.clone() for p in fused.parameters()]
+            fused.zero_grad()
+        return results + [b.clone() for b in fused.buffers()], packed, type(out.grad_fn).__name__
+
+    for penalty in (False, True):
+        python, python_packed, python_node = run("0", penalty)
+        cpp, cpp_packed, cpp_node = run("1", penalty)
+        assert (python_node, cpp_node) == ("BatchNormActivationFunctionBackward", "CppFunction")
+        assert len(cpp_packed) >= 3 * 5 and len(python) == len(cpp)
+        for index, (got, expected) in enumerate(zip(cpp, python)):
+            assert torch.equal(got, expected), f"value {index} (penalty {penalty})"
 
 
 def test_training_block_in_bfloat16_autocast():

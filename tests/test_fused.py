@@ -337,8 +337,11 @@ def test_fused_model_saves_copies_and_loads(tmp_path):
 
 def test_eval_block_runs_one_activated_kernel(monkeypatch):
     """Eval mode without gradients: one forward launch with the activation in its epilogue, the
-    folded weights computed once and kept while nothing changes."""
+    folded weights computed once and kept while nothing changes (the Python path's launches: the
+    C++ path's replays of the recorded call are test_native's)."""
     from dwconv import _library, fuse
+
+    monkeypatch.setenv("DWCONV_NATIVE", "0")
 
     stock = _block(torch.nn.Hardswish).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)

@@ -8,8 +8,10 @@ statistics and num_batches_tracked updated as nn.BatchNorm2d updates them. Only 
 statistics are saved (stock keeps the normalised tensor as well, for the activation's backward).
 Backward: two passes (the sums BatchNorm's gradient needs; grad_y), the activation's derivative
 recomputed from y; under create_graph=True, PyTorch's own ops recompute the block and autograd
-differentiates them, so gradients of any order are PyTorch's. Each pass's launches go through the
-C++ replayer where it is on (replay.native.replayed), as the convolution's do.
+differentiates them, so gradients of any order are PyTorch's. Where the C++ replayer is on, the
+block's BatchNorm is its C++ Function instead (replay.native.batch_norm: the same kernels' passes as
+recorded programs, no Python in the backward), and the Python Function's passes go through the
+replayer (replay.native.replayed) where it still runs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .activations import FUNCTIONS, activation_code
+from .replay import native
 from .replay.native import replayed
 
 
@@ -85,6 +88,21 @@ def _differentiable_backward(grad, y, weight, bias, eps, activation, wanted):
     return tuple(next(grads) if w else None for w in wanted)
 
 
+@functools.lru_cache(maxsize=None)
+def _passes(activation: str, eps: float) -> tuple:
+    """The C++ Function's passes (replay.native.batch_norm) for an activation and eps: one tuple
+    each, part of its layers' keys."""
+    from .kernels.batch_norm import batch_norm_backward, batch_norm_forward
+
+    def python_backward(mask, grad, y, weight, bias, mean, invstd):
+        wanted = tuple(bool(mask >> i & 1) for i in range(3))
+        if torch.is_grad_enabled():  # (create_graph=True)
+            return list(_differentiable_backward(grad, y, weight, bias, eps, activation, wanted))
+        grads = batch_norm_backward(grad, y, weight, bias, mean, invstd, eps, activation_code(activation))
+        return [g if w else None for g, w in zip(grads, wanted)]
+    return batch_norm_forward, batch_norm_backward, python_backward
+
+
 def batch_norm_activation(y: Tensor, norm: nn.BatchNorm2d, activation: str) -> Tensor:
     """FUNCTIONS[activation](norm(y)) for norm in training mode with running statistics, on the
     kernels: the call of nn.BatchNorm2d.forward (num_batches_tracked, momentum or its cumulative
@@ -102,6 +120,12 @@ def batch_norm_activation(y: Tensor, norm: nn.BatchNorm2d, activation: str) -> T
             momentum = 1.0 / float(tracked)
     if not (y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last)):
         y = y.contiguous()  # (the kernels read NCHW or dense channels_last; the convolution gives those)
+    weight, bias = parameters.get("weight"), parameters.get("bias")
+    if norm.momentum is not None and weight is not None and bias is not None and native.enabled(y):
+        out = native.batch_norm(y, weight, bias, buffers["running_mean"], buffers["running_var"],
+                                (momentum, norm.eps, activation_code(activation)), _passes(activation, norm.eps))
+        if out is not None:
+            return out
     return BatchNormActivationFunction.apply(y, parameters.get("weight"), parameters.get("bias"),
                                              buffers.get("running_mean"), buffers.get("running_var"), momentum,
                                              norm.eps, activation, norm.momentum is not None)

@@ -546,6 +546,56 @@ def _register(input, weight, bias, geom, passes) -> int:
                                       python_backward)
 
 
+def batch_norm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running_mean: torch.Tensor,
+               running_var: torch.Tensor, arguments: tuple, passes) -> Optional[torch.Tensor]:
+    """The fused block's BatchNorm in training with its activation (dwconv.batch_norm's Function) as
+    an autograd Function written in C++, its passes recorded programs: a layer of its own, keyed and
+    evicted as the convolutions' are. None where its forward cannot be recorded (the caller keeps
+    the Python Function). arguments: (momentum, eps, activation code), fixed for the layer; passes:
+    (forward(y, weight, bias, running_mean, running_var, *arguments), backward(grad, y, weight,
+    bias, mean, invstd, eps, code), python_backward(mask, grad, y, weight, bias, mean, invstd))."""
+    key = ("batch_norm", program_key((y, weight, bias, running_mean, running_var)), arguments, passes)
+    entry = _LAYERS.get(key)
+    if entry is None:
+        try:
+            number = _register_norm(y, weight, bias, running_mean, running_var, arguments, passes)
+        except NotRecordable:
+            number = None
+        except Exception as error:  # (the replayer refused a step: as not recordable, said once)
+            warnings.warn(f"dwconv: a BatchNorm's forward could not be recorded for the C++ path ({error!r}); it "
+                          "keeps the Python path", RuntimeWarning)
+            number = None
+        entry = _remember(key, number)
+    number = entry[0]
+    if number is None:
+        entry[2] = extension().tick()
+        return None
+    return extension().norm(y, weight, bias, running_mean, running_var, number)
+
+
+def _register_norm(y, weight, bias, running_mean, running_var, arguments: tuple, passes) -> int:
+    forward, backward, python_backward = passes
+    python_launches = not y.is_cuda
+    eps, code = arguments[1:]
+    # (recorded on copies of the running statistics: the layer's first call then runs the program on
+    # them, so that they are updated once)
+    _, program = record(lambda *tensors: forward(*tensors, *arguments),
+                        [y, weight, bias, running_mean.clone(), running_var.clone()])
+
+    def record_backward(mask: int, *tensors: torch.Tensor):
+        try:
+            return NativeProgram(record(lambda *t: backward(*t, eps, code), list(tensors))[1], python_launches).native
+        except NotRecordable:
+            return None
+        except Exception as error:
+            warnings.warn(f"dwconv: a BatchNorm's backward could not be recorded for the C++ path ({error!r}); "
+                          "it keeps the Python path", RuntimeWarning)
+            return None
+
+    return extension().register_layer(NativeProgram(program, python_launches).native, record_backward,
+                                      python_backward)
+
+
 on_change(forget_layers)
 
 

@@ -299,15 +299,16 @@ void release_python(py::object& object) {
 
 // One layer key (shapes, strides, dtypes, conv arguments: native.py): its forward program and
 // its backward programs by (wanted gradients, and the layout of each tensor the backward reads:
-// grad_out, and the saved input and weight, which saved-tensor hooks can hand back in another
+// for a convolution grad_out and the saved input and weight, for the fused block's BatchNorm grad
+// and the saved y, weight, bias, mean and invstd; saved-tensor hooks can hand them back in another
 // layout, offset or device), recorded by a Python callable on first need. A null program: that
 // backward could not be recorded and runs in Python (`python_backward`), as every backward that
 // builds a graph (create_graph=True) does. Held by the registry and by every autograd node of it,
 // so evicting a layer never strands a graph that still needs its backward.
 struct Layer : torch::CustomClassHolder {
   std::shared_ptr<Program> forward;
-  py::object record_backward;  // (mask, grad_out, input, weight) -> Program, or None where not recordable
-  py::object python_backward;  // (mask, grad_out, input, weight) -> [grad_input, grad_weight, grad_bias]
+  py::object record_backward;  // (mask, *backward's tensors) -> Program, or None where not recordable
+  py::object python_backward;  // (mask, *backward's tensors) -> [one gradient a differentiable input]
   std::mutex mutex;
   std::map<std::vector<int64_t>, std::shared_ptr<Program>> backward;
   std::atomic<int64_t> last_used{0};  // the use clock's value at its last call (native.py evicts the oldest)
@@ -325,11 +326,17 @@ struct Layer : torch::CustomClassHolder {
     release_python(python_backward);
   }
 
+  static py::tuple arguments(int64_t mask, const std::vector<at::Tensor>& tensors) {
+    py::tuple args(tensors.size() + 1);
+    args[0] = py::int_(mask);
+    for (size_t i = 0; i < tensors.size(); ++i) args[i + 1] = py::cast(tensors[i]);
+    return args;
+  }
+
   // nullptr: take python_backward
-  std::shared_ptr<Program> backward_for(int64_t mask, const at::Tensor& grad_out, const at::Tensor& input,
-                                        const at::Tensor& weight) {
+  std::shared_ptr<Program> backward_for(int64_t mask, const std::vector<at::Tensor>& tensors) {
     std::vector<int64_t> key{mask};
-    for (const at::Tensor* t : {&grad_out, &input, &weight}) append_layout(key, *t);
+    for (const at::Tensor& t : tensors) append_layout(key, t);
     {
       std::lock_guard<std::mutex> lock(mutex);
       auto found = backward.find(key);
@@ -338,20 +345,35 @@ struct Layer : torch::CustomClassHolder {
     std::shared_ptr<Program> program;
     {
       py::gil_scoped_acquire gil;
-      py::object recorded = record_backward(mask, grad_out, input, weight);
+      py::object recorded = record_backward(*arguments(mask, tensors));
       if (!recorded.is_none()) program = recorded.cast<std::shared_ptr<Program>>();
     }
     std::lock_guard<std::mutex> lock(mutex);
     return backward.emplace(key, program).first->second;
   }
 
-  torch::autograd::variable_list run_python_backward(int64_t mask, const at::Tensor& grad_out,
-                                                     const at::Tensor& input, const at::Tensor& weight) {
+  torch::autograd::variable_list run_python_backward(int64_t mask, const std::vector<at::Tensor>& tensors) {
     py::gil_scoped_acquire gil;
-    auto grads = python_backward(mask, grad_out, input, weight).cast<std::vector<std::optional<at::Tensor>>>();
+    auto grads = python_backward(*arguments(mask, tensors)).cast<std::vector<std::optional<at::Tensor>>>();
     torch::autograd::variable_list out(3);
     for (size_t i = 0; i < 3 && i < grads.size(); ++i) {
       if (grads[i]) out[i] = *grads[i];
+    }
+    return out;
+  }
+
+  // The backward's gradients (undefined where not wanted): its program's, or Python's where the
+  // graph is built again (create_graph) or no program could be recorded.
+  torch::autograd::variable_list run_backward(int64_t mask, std::vector<at::Tensor> tensors) {
+    if (at::GradMode::is_enabled()) return run_python_backward(mask, tensors);
+    for (auto& t : tensors) t = plain(t);
+    auto program = backward_for(mask, tensors);
+    if (!program) return run_python_backward(mask, tensors);
+    std::vector<std::optional<at::Tensor>> inputs(tensors.begin(), tensors.end());
+    auto result = program->replay(inputs);
+    torch::autograd::variable_list out(3);
+    for (size_t i = 0; i < 3 && i < result.size(); ++i) {
+      if (result[i] && (mask >> i & 1)) out[i] = *result[i];
     }
     return out;
   }
@@ -439,18 +461,7 @@ torch::autograd::variable_list backward_pass(torch::autograd::AutogradContext* c
                                              int64_t mask) {
   auto saved = ctx->get_saved_variables();
   auto layer = c10::static_intrusive_pointer_cast<Layer>(ctx->saved_data["layer"].toCapsule());
-  if (at::GradMode::is_enabled()) {  // create_graph: a backward autograd can differentiate again
-    return layer->run_python_backward(mask, grad_out, saved[0], saved[1]);
-  }
-  at::Tensor grad = plain(grad_out), input = plain(saved[0]), weight = plain(saved[1]);
-  auto program = layer->backward_for(mask, grad, input, weight);
-  if (!program) return layer->run_python_backward(mask, grad, input, weight);
-  auto result = program->replay({grad, input, weight});
-  torch::autograd::variable_list out(3);
-  for (size_t i = 0; i < 3 && i < result.size(); ++i) {
-    if (result[i]) out[i] = *result[i];
-  }
-  return out;
+  return layer->run_backward(mask, {grad_out, saved[0], saved[1]});
 }
 
 int64_t wanted(torch::autograd::AutogradContext* ctx, bool has_bias) {
@@ -491,6 +502,40 @@ std::optional<at::Tensor> conv(const at::Tensor& input, const at::Tensor& weight
   if (!layer) return std::nullopt;
   layer->last_used = ++use_clock;
   return bias ? ConvBiasFunction::apply(input, weight, *bias, layer) : ConvFunction::apply(input, weight, layer);
+}
+
+// The fused block's BatchNorm in training with its activation (dwconv/batch_norm.py's Function, from
+// C++): forward, the program (y, weight, bias, running_mean, running_var) -> (out, mean, invstd),
+// the running statistics updated in place; saved: y, weight, bias and the batch's statistics.
+class NormFunction : public torch::autograd::Function<NormFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y, const at::Tensor& weight,
+                            const at::Tensor& bias, const at::Tensor& running_mean, const at::Tensor& running_var,
+                            const c10::intrusive_ptr<Layer>& layer) {
+    ctx->saved_data["layer"] = c10::IValue::make_capsule(layer);
+    auto results = layer->forward->replay({y, weight, bias, running_mean, running_var});
+    DWCONV_CHECK(results.size() == 3 && results[0] && results[1] && results[2], "a BatchNorm forward's results");
+    ctx->save_for_backward({y, weight, bias, *results[1], *results[2]});
+    return *results[0];
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto layer = c10::static_intrusive_pointer_cast<Layer>(ctx->saved_data["layer"].toCapsule());
+    int64_t mask = (ctx->needs_input_grad(0) ? 1 : 0) | (ctx->needs_input_grad(1) ? 2 : 0) |
+                   (ctx->needs_input_grad(2) ? 4 : 0);
+    auto out = layer->run_backward(mask, {grads[0], saved[0], saved[1], saved[2], saved[3], saved[4]});
+    return {out[0], out[1], out[2], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// None where the layer has been evicted meanwhile (the caller takes its Python Function).
+std::optional<at::Tensor> norm(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& running_mean, const at::Tensor& running_var, int64_t number) {
+  auto layer = find_layer(number);
+  if (!layer) return std::nullopt;
+  layer->last_used = ++use_clock;
+  return NormFunction::apply(y, weight, bias, running_mean, running_var, layer);
 }
 
 // A tensor the replayer may take: not a tensor subclass that dispatches in Python (its own
@@ -774,6 +819,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("release_layer", &release_layer);
   m.def("layer_count", &layer_count);
   m.def("conv", &conv);
+  m.def("norm", &norm);
   m.def("conv_known", &conv_known);
   m.def("remember_call", &remember_call);
   m.def("last_used", &last_used);
