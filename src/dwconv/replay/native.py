@@ -465,20 +465,9 @@ def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     want_bias), differentiable_backward(same)), given by the autograd layer (dwconv._library)."""
     tensors_key = program_key((input, weight, bias))
     key = (tensors_key, geom, passes)  # (another set of passes, such as an activated forward's: another layer)
-    entry = _LAYERS.get(key)
-    if entry is None:
-        try:
-            number = _register(input, weight, bias, geom, passes)
-        except NotRecordable:
-            number = None
-        except Exception as error:  # (the replayer refused a step: as not recordable, said once)
-            warnings.warn(f"dwconv: a layer's forward could not be recorded for the C++ path ({error!r}); it "
-                          "keeps the Python path", RuntimeWarning)
-            number = None
-        entry = _remember(key, number)
+    entry = _layer(key, lambda: _register(input, weight, bias, geom, passes), "a layer")
     number, spellings, _ = entry
     if number is None:
-        entry[2] = extension().tick()
         return None
     if arguments and len(spellings) < _SPELLINGS_PER_LAYER:
         known = (tensors_key, repr(arguments))
@@ -487,6 +476,25 @@ def conv(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             _KNOWN[known] = (key, number)
             extension().remember_call(input, weight, bias, known[1], number)
     return extension().conv(input, weight, bias, number)
+
+
+def _layer(key, register, what: str) -> list:
+    """The registry's entry of a layer key, [number (None: the Python path), spellings, last use],
+    registered first where it is new (register(): its forward recorded, the layer's number)."""
+    entry = _LAYERS.get(key)
+    if entry is None:
+        try:
+            number = register()
+        except NotRecordable:
+            number = None
+        except Exception as error:  # (the replayer refused a step: as not recordable, said once)
+            warnings.warn(f"dwconv: {what}'s forward could not be recorded for the C++ path ({error!r}); it "
+                          "keeps the Python path", RuntimeWarning)
+            number = None
+        entry = _remember(key, number)
+    if entry[0] is None:
+        entry[2] = extension().tick()
+    return entry
 
 
 def _recency(entry: list) -> int:
@@ -555,20 +563,9 @@ def batch_norm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, runnin
     (forward(y, weight, bias, running_mean, running_var, *arguments), backward(grad, y, weight,
     bias, mean, invstd, eps, code), python_backward(mask, grad, y, weight, bias, mean, invstd))."""
     key = ("batch_norm", program_key((y, weight, bias, running_mean, running_var)), arguments, passes)
-    entry = _LAYERS.get(key)
-    if entry is None:
-        try:
-            number = _register_norm(y, weight, bias, running_mean, running_var, arguments, passes)
-        except NotRecordable:
-            number = None
-        except Exception as error:  # (the replayer refused a step: as not recordable, said once)
-            warnings.warn(f"dwconv: a BatchNorm's forward could not be recorded for the C++ path ({error!r}); it "
-                          "keeps the Python path", RuntimeWarning)
-            number = None
-        entry = _remember(key, number)
-    number = entry[0]
+    number = _layer(key, lambda: _register_norm(y, weight, bias, running_mean, running_var, arguments, passes),
+                    "a BatchNorm")[0]
     if number is None:
-        entry[2] = extension().tick()
         return None
     return extension().norm(y, weight, bias, running_mean, running_var, number)
 
