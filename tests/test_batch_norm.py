@@ -420,3 +420,40 @@ def test_function_pass_that_cannot_be_recorded_updates_once(monkeypatch):
     assert list(native._PASSES.values()) == [None, None]
     assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2]), "running statistics"
     assert torch.equal(got[0][1][0], expected[0][1][0]), "output"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_training_block_captured_in_a_cuda_graph():
+    """A fused block's training step captured in a CUDA graph after eager steps (which record its
+    passes) and replayed on new inputs: the output, the gradients and the running statistics of a
+    twin stepped in eager on the same inputs."""
+    import copy
+
+    _, fused = _stock_and_fused(torch.nn.ReLU6, layout="channels_last")
+    twin = copy.deepcopy(fused)
+    shape = (4, 8, 6, 5)
+    static_x = randn(*shape).contiguous(memory_format=torch.channels_last).requires_grad_()
+    static_grad = randn(*shape).contiguous(memory_format=torch.channels_last)
+
+    def step(model, x):
+        out = model(x)
+        return (out, *torch.autograd.grad(out, [x, *model.parameters()], static_grad))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(fused, static_x), step(twin, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(fused, static_x)
+    for replay in range(2):
+        with torch.no_grad():
+            static_x.copy_(randn(*shape))
+        graph.replay()
+        expected = step(twin, static_x.detach().clone().requires_grad_())
+        for name, got, want in zip(["output", "grad_x", "grad_conv", "grad_gamma", "grad_beta"], captured, expected):
+            assert_close(got, want, torch.float32, f"replay {replay}: {name}")
+        for (name, got), want in zip(fused.named_buffers(), twin.buffers()):
+            assert torch.equal(got, want), f"replay {replay}: {name}"

@@ -378,7 +378,7 @@ def measure_block(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps:
     import dwconv
 
     from .activations import FUNCTIONS
-    from .batch_norm import BatchNormActivationFunction
+    from .batch_norm import batch_norm_activation
     from .fuse import fold_batch_norm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -392,8 +392,9 @@ def measure_block(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps:
         norm.bias.normal_(generator=gen)
         folded = [t.to(x.dtype) for t in fold_batch_norm(weight.float(), None if bias is None else bias.float(), norm)]
     activation, conv = FUNCTIONS[args.block], dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
-    running = [norm.running_mean.clone(), norm.running_var.clone()]  # (training updates its own copies)
-    gamma, beta = norm.weight.detach().clone().requires_grad_(), norm.bias.detach().clone().requires_grad_()
+    train_norm = torch.nn.BatchNorm2d(channels).cuda().train()  # (training updates its own statistics)
+    train_norm.load_state_dict(norm.state_dict())
+    gamma, beta = train_norm.weight, train_norm.bias
     trained_weight = weight.detach().clone().requires_grad_()
 
     def stock(x):
@@ -405,12 +406,10 @@ def measure_block(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps:
         return dwconv.depthwise_conv2d(x, *folded, activation=args.block, **conv)
 
     def stock_train(x):
-        out = F.conv2d(x, trained_weight, bias, groups=case.c, **conv)
-        return activation(F.batch_norm(out, *running, gamma, beta, True, 0.1, norm.eps))
+        return activation(train_norm(F.conv2d(x, trained_weight, bias, groups=case.c, **conv)))
 
-    def fused_train(x):
-        out = dwconv.depthwise_conv2d(x, trained_weight, bias, **conv)
-        return BatchNormActivationFunction.apply(out, gamma, beta, *running, 0.1, norm.eps, args.block)
+    def fused_train(x):  # (as a fused block in training calls it: the C++ Function where the replayer is on)
+        return batch_norm_activation(dwconv.depthwise_conv2d(x, trained_weight, bias, **conv), train_norm, args.block)
 
     layer = f"{case.label} +bn+{args.block}"
     max_err = {"block forward": 0.0, "block train step": 0.0}
@@ -428,7 +427,7 @@ def measure_block(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps:
         # ReLU6 kink falls alike; the convolution's gradients are checked by --backward)
         with torch.no_grad():
             y = dwconv.depthwise_conv2d(xl, trained_weight, bias, **conv).requires_grad_()
-        out = BatchNormActivationFunction.apply(y, gamma, beta, *running, 0.1, norm.eps, args.block)
+        out = batch_norm_activation(y, train_norm, args.block)
         grad = torch.randn(out.shape, device="cuda", generator=gen, dtype=out.dtype)
         (grad_y,) = torch.autograd.grad(out, [y], grad)
         y64 = y.detach().double().requires_grad_()
