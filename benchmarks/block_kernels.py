@@ -9,7 +9,11 @@ can hold up).
         [--only-dwconv] [--out FILE]
 
 Shapes: MobileNetV2's and EfficientNet-B0's widest 3x3 layers at batch 64, one at batch 256, a 7x7
-plane of 960 channels. Each kernel's microseconds a step (mean of 10 steps after 5), and the sum.
+plane of 960 channels. Each kernel's microseconds a step (mean of 10 steps after 5), and the sum;
+beside it the time two floors take at the bandwidth of a device copy of the input timed the same
+way in the run: the bench's (3 in + 2 out: the input read and the output written forward, as much
+again backward) and the fewest bytes of an exact BatchNorm in training (min(5 in + 3 out, 3 in + 7
+out): its statistics cost passes of their own, docs/decisions.md).
 """
 
 import argparse
@@ -60,12 +64,21 @@ def block(shape, stride: int, layout, dtype, activation: str, only_dwconv: bool)
         return FUNCTIONS[activation](F.batch_norm(y, *running, gamma, beta, True, 0.1, 1e-5))
 
     grad = torch.randn_like(fused())
+    copy = torch.empty_like(x)
+    copy_us = sum(us for us, _ in kernel_times(lambda: copy.copy_(x.detach())).values())
+    in_bytes, out_bytes = x.numel() * x.element_size(), grad.numel() * grad.element_size()
+    us_per_byte = copy_us / (2 * in_bytes)
+    floors = {"bench's floor": (3 * in_bytes + 2 * out_bytes) * us_per_byte,
+              "exact floor": min(5 * in_bytes + 3 * out_bytes, 3 * in_bytes + 7 * out_bytes) * us_per_byte}
     lines = [f"=== {'x'.join(map(str, shape))} stride {stride} "
              f"{'channels_last' if layout == torch.channels_last else 'NCHW'} {str(dtype)[6:]} +bn+{activation}, "
-             f"input {x.numel() * x.element_size() / 1e6:.1f} MB"]
+             f"input {in_bytes / 1e6:.1f} MB; copy {2 * in_bytes / copy_us / 1e6:.0f} GB/s; "
+             + ", ".join(f"{name} {us:.0f} us" for name, us in floors.items())]
     for name, fn in (("dwconv", fused), ("stock", stock))[:1 if only_dwconv else 2]:
         times = kernel_times(lambda: torch.autograd.grad(fn(), [x, weight, gamma, beta], grad))
-        lines.append(f"-- {name}: kernels {sum(us for us, _ in times.values()):.0f} us a step")
+        total = sum(us for us, _ in times.values())
+        lines.append(f"-- {name}: kernels {total:.0f} us a step ("
+                     + ", ".join(f"{100 * us / total:.0f}% of the {name_}" for name_, us in floors.items()) + ")")
         for kernel, (us, count) in sorted(times.items(), key=lambda kv: -kv[1][0]):
             lines.append(f"   {us:8.1f} us  x{count}  {kernel[:100]}")
     return lines
