@@ -201,20 +201,32 @@ CASES = [
 ]
 
 
-def batch_norm(shape, dtype, activation, layout=torch.contiguous_format, affine=True):
-    """BatchNorm's training kernels with the activation, forward and backward (dwconv.batch_norm)."""
+def batch_norm(shape, dtype, activation, layout=torch.contiguous_format, affine=True, vectors=False):
+    """BatchNorm's training kernels with the activation, forward and backward (dwconv.batch_norm).
+    vectors: the tile passes' loads and stores of the tensor must be 16-byte vectors (sizes and
+    strides multiples of 16 elements): scalar 2-byte ones read about 1 TB/s on the H100."""
+    import re
+
     from dwconv.kernels.batch_norm import batch_norm_backward, batch_norm_forward
 
+    before = len(COMPILED)
     y = torch.randn(shape).to(dtype).contiguous(memory_format=layout)
     channels = shape[1]
     weight, bias = (torch.randn(channels), torch.randn(channels)) if affine else (None, None)
     out, mean, invstd = batch_norm_forward(y, weight, bias, torch.zeros(channels), torch.ones(channels), 0.1, 1e-5,
                                            activation)
     batch_norm_backward(torch.randn_like(out), y, weight, bias, mean, invstd, 1e-5, activation)
+    for kernel, compiled in COMPILED[before:] if vectors else ():
+        narrow = re.findall(r"(?:ld|st)\.global\.b16", compiled.asm["ptx"])
+        assert not narrow, f"{kernel}: {len(narrow)} 2-byte loads or stores of the tensor"
 
 
 CASES += [
-    ("batch_norm training, bfloat16 channels_last, relu6", batch_norm, ((4, 96, 14, 14), bf16, 2), dict(layout=CL)),
+    ("batch_norm training, bfloat16 channels_last, relu6", batch_norm, ((4, 96, 14, 14), bf16, 2),
+     dict(layout=CL, vectors=True)),
+    ("batch_norm training, bfloat16 channels_last 144 channels (wide tiles), relu6", batch_norm,
+     ((4, 144, 14, 14), bf16, 2), dict(layout=CL, vectors=True)),
+    ("batch_norm training, bfloat16 NCHW 56x56, silu", batch_norm, ((2, 32, 56, 56), bf16, 3), dict(vectors=True)),
     ("batch_norm training, float32 NCHW, silu", batch_norm, ((4, 96, 14, 14), f32, 3), {}),
     ("batch_norm training, float16 NCHW 7x7, gelu, no affine", batch_norm, ((4, 36, 7, 7), f16, 4), dict(affine=False)),
     *[(f"batch_norm training, float32 channels_last, activation {code}", batch_norm, ((2, 40, 5, 5), f32, code),
