@@ -71,7 +71,8 @@ class Tuning:
     # narrow for the passes that sum over the tensor, wide for the others (H100, 256x144x56x56 bfloat16:
     # normalising 410 -> 226 us and grad_y 651 -> 347 us from 16- to 256-channel tiles, the sums 211 -> 303
     # and 328 -> 354 us); the reductions' rows of partial sums a step and channels a program (one
-    # program of 32 channels over 1792 rows took 30 us, 16 channels over 256 rows a step 9.5-12.5 us)
+    # program of 32 channels over 1792 rows took 30 us, 16 channels over 256 rows a step 9.5-12.5 us; all
+    # measured while every tile load was a 2-byte scalar: docs/decisions.md)
     batch_norm_programs: int = 2048
     batch_norm_tile: int = 2048
     batch_norm_summing_channels: Tuple[int, ...] = (16, 32, 64)
