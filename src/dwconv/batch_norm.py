@@ -52,9 +52,9 @@ class BatchNormActivationFunction(torch.autograd.Function):
 
         # (replay: the passes' launches from C++ where the replayer is on; off for a momentum that
         # changes each call, the cumulative average, whose every call would be a new program)
-        pass_ = functools.partial(replayed, writes=(3, 4)) if replay else _direct
-        out, mean, invstd = pass_(batch_norm_forward, [y, weight, bias, running_mean, running_var], momentum, eps,
-                                  activation_code(activation))
+        inputs, arguments = [y, weight, bias, running_mean, running_var], (momentum, eps, activation_code(activation))
+        out, mean, invstd = (replayed(batch_norm_forward, inputs, *arguments, writes=(3, 4)) if replay
+                             else batch_norm_forward(*inputs, *arguments))
         ctx.save_for_backward(y, weight, bias, mean, invstd)
         ctx.eps, ctx.activation = eps, activation
         return out
@@ -72,10 +72,6 @@ class BatchNormActivationFunction(torch.autograd.Function):
                                                   activation_code(ctx.activation))
         return (grad_y if wanted[0] else None, grad_weight if wanted[1] else None, grad_bias if wanted[2] else None,
                 None, None, None, None, None, None)
-
-
-def _direct(fn, inputs, *args):
-    return fn(*inputs, *args)
 
 
 def _differentiable_backward(grad, y, weight, bias, eps, activation, wanted):
@@ -120,12 +116,11 @@ def batch_norm_activation(y: Tensor, norm: nn.BatchNorm2d, activation: str) -> T
             momentum = 1.0 / float(tracked)
     if not (y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last)):
         y = y.contiguous()  # (the kernels read NCHW or dense channels_last; the convolution gives those)
-    weight, bias = parameters.get("weight"), parameters.get("bias")
-    if norm.momentum is not None and weight is not None and bias is not None and native.enabled(y):
-        out = native.batch_norm(y, weight, bias, buffers["running_mean"], buffers["running_var"],
-                                (momentum, norm.eps, activation_code(activation)), _passes(activation, norm.eps))
+    tensors = (parameters.get("weight"), parameters.get("bias"), buffers.get("running_mean"),
+               buffers.get("running_var"))
+    if norm.momentum is not None and tensors[0] is not None and tensors[1] is not None and native.enabled(y):
+        out = native.batch_norm(y, *tensors, (momentum, norm.eps, activation_code(activation)),
+                                _passes(activation, norm.eps))
         if out is not None:
             return out
-    return BatchNormActivationFunction.apply(y, parameters.get("weight"), parameters.get("bias"),
-                                             buffers.get("running_mean"), buffers.get("running_var"), momentum,
-                                             norm.eps, activation, norm.momentum is not None)
+    return BatchNormActivationFunction.apply(y, *tensors, momentum, norm.eps, activation, norm.momentum is not None)

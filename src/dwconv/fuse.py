@@ -30,6 +30,7 @@ from .batch_norm import batch_norm_activation
 from .batch_norm import reference as batch_norm_reference
 from .activations import activation_of
 from .functional import _gradient_wanted, depthwise_conv2d
+from .kernels._launch import PLAIN_TENSORS
 from .modules import DepthwiseConv2d
 
 # a block: the layer, its BatchNorm2d, its activation module, the activation's name, and where the
@@ -126,13 +127,10 @@ def _normalized_in_training(conv: FusedDepthwiseConv2d, y: torch.Tensor) -> torc
     if (type(y) is torch.Tensor and running_mean is not None and running_var is not None and y.dim() == 4
             and y.is_floating_point() and functional.uses_triton(y) and forward_ad._current_level < 0
             and norm.track_running_stats and not torch.compiler.is_compiling() and not torch._C._is_tracing()
-            and all(t is None or (type(t) in _PLAIN and t.device == y.device) for t in tensors)
+            and all(t is None or (type(t) in PLAIN_TENSORS and t.device == y.device) for t in tensors)
             and not functional._pytorch_must_run(y, *tensors)):
         return batch_norm_activation(y, norm, conv.dwconv_activation)
     return batch_norm_reference(y, norm, activation_module)
-
-
-_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Proxy:

@@ -72,6 +72,7 @@ def alignment(t: torch.Tensor) -> int:
 
 
 _PYTHON_KEY = torch._C.DispatchKey.Python
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # (types whose data the kernels read as it is)
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -572,25 +572,18 @@ def batch_norm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, runnin
 
 def _register_norm(y, weight, bias, running_mean, running_var, arguments: tuple, passes) -> int:
     forward, backward, python_backward = passes
-    python_launches = not y.is_cuda
-    eps, code = arguments[1:]
     # (recorded on copies of the running statistics: the layer's first call then runs the program on
     # them, so that they are updated once)
-    _, program = record(lambda *tensors: forward(*tensors, *arguments),
-                        [y, weight, bias, running_mean.clone(), running_var.clone()])
+    program = _record_pass(forward, [y, weight, bias, running_mean, running_var], arguments, (3, 4),
+                           "a BatchNorm's forward")
+    if program is None:
+        raise NotRecordable("a BatchNorm's forward")
 
     def record_backward(mask: int, *tensors: torch.Tensor):
-        try:
-            return NativeProgram(record(lambda *t: backward(*t, eps, code), list(tensors))[1], python_launches).native
-        except NotRecordable:
-            return None
-        except Exception as error:
-            warnings.warn(f"dwconv: a BatchNorm's backward could not be recorded for the C++ path ({error!r}); "
-                          "it keeps the Python path", RuntimeWarning)
-            return None
+        recorded = _record_pass(backward, list(tensors), arguments[1:], (), "a BatchNorm's backward")
+        return None if recorded is None else recorded.native
 
-    return extension().register_layer(NativeProgram(program, python_launches).native, record_backward,
-                                      python_backward)
+    return extension().register_layer(program.native, record_backward, python_backward)
 
 
 on_change(forget_layers)
@@ -620,7 +613,7 @@ def replayed(fn, inputs: list, *args, writes: tuple = ()):
     except TypeError:  # (symbolic sizes do not hash)
         return fn(*inputs, *args)
     if program is _MISSING:
-        program = _record_pass(fn, inputs, args, writes)
+        program = _record_pass(fn, inputs, args, writes, "a pass")
         if len(_PASSES) >= _PASS_LIMIT:
             _PASSES.clear()
         _PASSES[key] = program
@@ -632,7 +625,9 @@ def replayed(fn, inputs: list, *args, writes: tuple = ()):
 _MISSING = object()
 
 
-def _record_pass(fn, inputs: list, args: tuple, writes: tuple) -> Optional[NativeProgram]:
+def _record_pass(fn, inputs: list, args: tuple, writes: tuple, what: str) -> Optional[NativeProgram]:
+    """fn(*inputs, *args) recorded (on copies of the inputs at positions `writes`, which fn updates
+    in place) as a NativeProgram, or None where it cannot be (said once where the replayer refused)."""
     scratch = [t.clone() if i in writes and t is not None else t for i, t in enumerate(inputs)]
     try:
         _, program = record(fn, scratch, *args)
@@ -640,7 +635,7 @@ def _record_pass(fn, inputs: list, args: tuple, writes: tuple) -> Optional[Nativ
     except NotRecordable:
         return None
     except Exception as error:  # (the Python path then raises again if the pass itself failed)
-        warnings.warn(f"dwconv: a pass could not be recorded for the C++ path ({error!r}); it keeps the Python path",
+        warnings.warn(f"dwconv: {what} could not be recorded for the C++ path ({error!r}); it keeps the Python path",
                       RuntimeWarning)
         return None
 

@@ -65,13 +65,10 @@ def program_key(tensors: Sequence[Optional[torch.Tensor]], *extra) -> tuple:
     return tuple(None if t is None else _tensor_key(t) for t in tensors) + extra
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _tensor_key(t: torch.Tensor) -> tuple:
     # (a plain tensor's alignment read inline: the fused BatchNorm's passes key five or six tensors
     # at every call, 7.6 us through layout_key on the CPU machine, 3.2 us so)
-    aligned = t.data_ptr() % 16 if type(t) in _PLAIN else _launch.alignment(t)
+    aligned = t.data_ptr() % 16 if type(t) in _launch.PLAIN_TENSORS else _launch.alignment(t)
     return (t.shape, t.stride(), t.dtype, t.device, aligned, t.is_neg())
 
 

@@ -522,9 +522,7 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     auto layer = c10::static_intrusive_pointer_cast<Layer>(ctx->saved_data["layer"].toCapsule());
-    int64_t mask = (ctx->needs_input_grad(0) ? 1 : 0) | (ctx->needs_input_grad(1) ? 2 : 0) |
-                   (ctx->needs_input_grad(2) ? 4 : 0);
-    auto out = layer->run_backward(mask, {grads[0], saved[0], saved[1], saved[2], saved[3], saved[4]});
+    auto out = layer->run_backward(wanted(ctx, true), {grads[0], saved[0], saved[1], saved[2], saved[3], saved[4]});
     return {out[0], out[1], out[2], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
