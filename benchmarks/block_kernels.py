@@ -72,7 +72,7 @@ def block(shape, stride: int, layout, dtype, activation: str, only_dwconv: bool)
               "exact floor": min(5 * in_bytes + 3 * out_bytes, 3 * in_bytes + 7 * out_bytes) * us_per_byte}
     lines = [f"=== {'x'.join(map(str, shape))} stride {stride} "
              f"{'channels_last' if layout == torch.channels_last else 'NCHW'} {str(dtype)[6:]} +bn+{activation}, "
-             f"input {in_bytes / 1e6:.1f} MB; copy {2 * in_bytes / copy_us / 1e6:.0f} GB/s; "
+             f"input {in_bytes / 1e6:.1f} MB; copy {2 * in_bytes / copy_us / 1e6:.2f} TB/s; "
              + ", ".join(f"{name} {us:.0f} us" for name, us in floors.items())]
     for name, fn in (("dwconv", fused), ("stock", stock))[:1 if only_dwconv else 2]:
         times = kernel_times(lambda: torch.autograd.grad(fn(), [x, weight, gamma, beta], grad))

@@ -165,13 +165,14 @@ def hook_layers(layers: List[nn.Module], enter: Callable, leave: Callable) -> li
 
 
 def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3,
-                    events: Optional[list] = None) -> Dict[str, float]:
+                    events: Optional[list] = None, hooks: bool = True) -> Dict[str, float]:
     """Per call of fn, from torch's profiler: the GPU time of every kernel (ms) and of the kernels
     launched by the model's depthwise layers, forward and backward (stock nn.Conv2d of groups ==
     in_channels > 1, or dwconv's): each layer's forward and backward is a "depthwise" profiler range
     (module hooks: forward pre/post, full backward pre/post), and dwconv's kernels count by their
     names (launched outside any operator, they are linked to no range); `ranges` counts the ranges,
-    on the CPU too. events: a list that receives the profiler's events."""
+    on the CPU too. events: a list that receives the profiler's events. hooks=False: no ranges, dwconv's
+    kernels by their names alone (a fused model: a hook on a block's module makes it compute unfused)."""
     ranges: Dict[tuple, object] = {}
 
     def open_range(module, pass_):
@@ -183,7 +184,7 @@ def depthwise_share(model: nn.Module, fn: Callable[[], None], steps: int = 3,
         if record is not None:
             record.__exit__(None, None, None)
 
-    handles = hook_layers(depthwise_layers(model), open_range, close_range)
+    handles = hook_layers(depthwise_layers(model), open_range, close_range) if hooks else []
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -394,18 +395,21 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                             captured.append((path, step, native, fn, run))
                             continue
                         if not mode:  # (the profiler's view of the same step: the depthwise layers' GPU time)
-                            share = depthwise_share(model, fn)
+                            share = depthwise_share(model, fn, hooks=variant != "fused")
                             # (no kernel found under the layers' ranges is no measurement, not 0 ms: stock
                             # cuDNN layers read 0 on the H200 while kernels were found by their operators'
                             # links alone, test_depthwise_share_of_stock_layers)
                             attributed = share["depthwise_ms"] > 0 or not share["ranges"]
-                            for what in ("depthwise_ms", "gpu_ms")[0 if attributed else 1:]:
+                            # (a fused model's kernels of dwconv are its blocks' BatchNorms' too: not
+                            # stock's depthwise layers' share, so its whole step's GPU time alone)
+                            for what in ("depthwise_ms", "gpu_ms")[0 if attributed and variant != "fused" else 1:]:
                                 profiles.append(dict(suite="model profile", layer=name, dtype=precision, path=path,
                                                      layout=rows_layout(memory_format), ms=share[what],
                                                      **{"pass": f"{step} {what[:-3]} GPU"}))
                             depthwise = f"{share['depthwise_ms']:.3f}" if attributed else "not attributed"
-                            print(f"  {precision:<17} {step:<10} {path:<26} profiler: depthwise "
-                                  f"{depthwise} of {share['gpu_ms']:.3f} ms GPU", flush=True)
+                            print(f"  {precision:<17} {step:<10} {path:<26} profiler: "
+                                  + ("blocks (dwconv's kernels) " if variant == "fused" else "depthwise ")
+                                  + f"{depthwise} of {share['gpu_ms']:.3f} ms GPU", flush=True)
                         timed.append((path, step, native, fn, run))
             except Exception as error:
                 print(f"  {precision:<17} {path}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)

@@ -43,14 +43,16 @@ _RUNTIME = ["chunk", "chunks"]
 
 
 @triton.jit
-def _this_program(chunk, chunks, inner, outer_stride, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+def _this_program(channels, chunk, chunks, inner, outer_stride, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     """This program's part (its row of partial sums), channels, first inner position, end, and the
-    offset of its image."""
-    part = tl.program_id(0)
+    offset of its image. The channel blocks of a part are neighbours in the launch order: in
+    channels_last they share rows, which the GPU then fetches once for all of them."""
+    channel_blocks = tl.cdiv(channels, BLOCK_C)
+    part = tl.program_id(0) // channel_blocks
     chunk = chunk // BLOCK_S * BLOCK_S  # (it is a whole number of tiles: the compiler then knows so)
     start = (part % chunks) * chunk
     stop = tl.minimum(start + chunk, inner)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = tl.program_id(0) % channel_blocks * BLOCK_C + tl.arange(0, BLOCK_C)
     return part, c, start, stop, (part // chunks).to(tl.int64) * outer_stride
 
 
@@ -80,7 +82,7 @@ def _scale_shift(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, AFFINE
 @triton.jit(do_not_specialize=_RUNTIME)
 def statistics_kernel(y_ptr, partial_ptr, channels, inner, chunk, chunks, outer_stride, inner_stride, channel_stride,
                       BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-    part, c, start, stop, base = _this_program(chunk, chunks, inner, outer_stride, BLOCK_S, BLOCK_C)
+    part, c, start, stop, base = _this_program(channels, chunk, chunks, inner, outer_stride, BLOCK_S, BLOCK_C)
     acc: tl.constexpr = partial_ptr.dtype.element_ty
     # Sums of y - shift and of its square, each thread its own lanes (one reduction at the end); the
     # shift, the first tile's mean, keeps M2 = sum(d^2) - sum(d)^2 / n from cancelling.
@@ -152,7 +154,7 @@ def statistics_sums_kernel(partial_ptr, mean_ptr, invstd_ptr, running_mean_ptr, 
 def normalize_kernel(y_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                      channels, inner, chunk, chunks, outer_stride, inner_stride, channel_stride,
                      AFFINE: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-    part, c, start, stop, base = _this_program(chunk, chunks, inner, outer_stride, BLOCK_S, BLOCK_C)
+    part, c, start, stop, base = _this_program(channels, chunk, chunks, inner, outer_stride, BLOCK_S, BLOCK_C)
     _, _, scale, shift = _scale_shift(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, AFFINE)
     for first in range(start, stop, BLOCK_S):
         s = first + tl.arange(0, BLOCK_S)
@@ -177,7 +179,7 @@ def _slope_and_xhat(grad_ptr, y_ptr, offsets, mask, mean, invstd, scale, shift, 
 def gradient_sums_kernel(grad_ptr, y_ptr, partial_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                          channels, inner, chunk, chunks, outer_stride, inner_stride, channel_stride,
                          AFFINE: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-    part, c, start, stop, base = _this_program(chunk, chunks, inner, outer_stride, BLOCK_S, BLOCK_C)
+    part, c, start, stop, base = _this_program(channels, chunk, chunks, inner, outer_stride, BLOCK_S, BLOCK_C)
     mean, invstd, scale, shift = _scale_shift(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, AFFINE)
     sum_g = tl.zeros([BLOCK_S, BLOCK_C], dtype=partial_ptr.dtype.element_ty)
     sum_g_xhat = tl.zeros([BLOCK_S, BLOCK_C], dtype=partial_ptr.dtype.element_ty)
@@ -219,7 +221,7 @@ def gradient_totals_kernel(partial_ptr, totals_ptr, grad_weight_ptr, grad_bias_p
 def grad_input_kernel(grad_ptr, y_ptr, grad_y_ptr, totals_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                       channels, inner, chunk, chunks, outer_stride, inner_stride, channel_stride, count,
                       AFFINE: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-    part, c, start, stop, base = _this_program(chunk, chunks, inner, outer_stride, BLOCK_S, BLOCK_C)
+    part, c, start, stop, base = _this_program(channels, chunk, chunks, inner, outer_stride, BLOCK_S, BLOCK_C)
     mean, invstd, scale, shift = _scale_shift(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, AFFINE)
     c_ok = c < channels
     mean_g = tl.load(totals_ptr + c, mask=c_ok, other=0.0) / count
@@ -248,8 +250,8 @@ class _Split:
     gpu: bool
 
     @property
-    def grid(self) -> Tuple[int, int]:
-        return self.parts, cdiv(self.channels, self.block_c)
+    def grid(self) -> Tuple[int]:
+        return (self.parts * cdiv(self.channels, self.block_c),)
 
     @property
     def scalars(self) -> tuple:
