@@ -423,30 +423,38 @@ def test_function_pass_that_cannot_be_recorded_updates_once(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
-def test_training_block_captured_in_a_cuda_graph():
+@pytest.mark.parametrize("layout,shape,dtype", [
+    ("channels_last", (4, 8, 6, 5), torch.float32), ("nchw", (4, 8, 6, 5), torch.float32),
+    # (bench --block's first training row: its capture raised cudaErrorStreamCaptureImplicit on an
+    # H100 where the small ones passed)
+    ("nchw", (64, 32, 112, 112), torch.bfloat16), ("channels_last", (64, 32, 112, 112), torch.bfloat16)],
+    ids=["cl-small", "nchw-small", "nchw-64x32x112x112-bf16", "cl-64x32x112x112-bf16"])
+def test_training_block_captured_in_a_cuda_graph(layout, shape, dtype):
     """A fused block's training step captured in a CUDA graph after eager steps (which record its
-    passes) and replayed on new inputs: the output, the gradients and the running statistics of a
-    twin stepped in eager on the same inputs."""
+    passes; the first on the default stream, the others and the capture on a side stream, as
+    bench_models.graphed does) and replayed on new inputs: the output, the gradients and the running
+    statistics of a twin stepped in eager on the same inputs."""
     import copy
 
-    _, fused = _stock_and_fused(torch.nn.ReLU6, layout="channels_last")
+    _, fused = _stock_and_fused(torch.nn.ReLU6, channels=shape[1], layout=layout)
+    fused[0].to(dtype)  # (the convolution in the input's dtype, BatchNorm's parameters float32: as bench --block)
     twin = copy.deepcopy(fused)
-    shape = (4, 8, 6, 5)
-    static_x = randn(*shape).contiguous(memory_format=torch.channels_last).requires_grad_()
-    static_grad = randn(*shape).contiguous(memory_format=torch.channels_last)
+    static_x = randn(*shape).to(dtype).contiguous(memory_format=LAYOUTS[layout]).requires_grad_()
+    static_grad = randn(*shape).to(dtype).contiguous(memory_format=LAYOUTS[layout])
 
     def step(model, x):
         out = model(x)
         return (out, *torch.autograd.grad(out, [x, *model.parameters()], static_grad))
 
+    step(fused, static_x), step(twin, static_x)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(2):
             step(fused, static_x), step(twin, static_x)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         captured = step(fused, static_x)
     for replay in range(2):
         with torch.no_grad():
@@ -454,6 +462,6 @@ def test_training_block_captured_in_a_cuda_graph():
         graph.replay()
         expected = step(twin, static_x.detach().clone().requires_grad_())
         for name, got, want in zip(["output", "grad_x", "grad_conv", "grad_gamma", "grad_beta"], captured, expected):
-            assert_close(got, want, torch.float32, f"replay {replay}: {name}")
+            assert_close(got, want, dtype, f"replay {replay}: {name}")
         for (name, got), want in zip(fused.named_buffers(), twin.buffers()):
             assert torch.equal(got, want), f"replay {replay}: {name}"

@@ -466,7 +466,13 @@ def measure_block(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps:
                         fn(xl)
 
             progress(f"{layer}: timing {step} {name}")
-            times = timer(graphed(call) if args.cuda_graphs else call)
+            try:
+                times = timer(graphed(call) if args.cuda_graphs else call)
+            except RuntimeError as error:  # (a capture that fails is reported, the other rows still come, and
+                FAILED_PATHS.append(f"{layer} {step} {name}: {type(error).__name__}: "  # the run exits 1)
+                                    f"{str(error).splitlines()[0]}")
+                print(f"FAILED: {FAILED_PATHS[-1]}", flush=True)
+                continue
             mean = statistics.fmean(times)
             gbps = nbytes / mean / 1e6
             rows.append(dict(layer=layer, dtype=case.dtype, path=name, **{"pass": step}, ms=mean,
@@ -476,8 +482,8 @@ def measure_block(case: Case, args: argparse.Namespace, timer: Timer, copy_gbps:
                              max_err=max_err[step] if name.startswith("dwconv") else float("nan"),
                              cuda_graph=bool(args.cuda_graphs)))
     for row in rows:
-        row["dwconv_speedup"] = row["ms"] / next(r["ms"] for r in rows if r["path"] == "dwconv"
-                                                 and r["pass"] == row["pass"])
+        row["dwconv_speedup"] = row["ms"] / next((r["ms"] for r in rows if r["path"] == "dwconv"
+                                                  and r["pass"] == row["pass"]), float("nan"))
     return rows
 
 
@@ -633,8 +639,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         plot_rows(rows, copy_gbps, args.plot, environment())
         print(f"wrote {args.plot}")
-    return 0
+    for failure in FAILED_PATHS:
+        print(f"FAILED: {failure}")
+    return 1 if FAILED_PATHS else 0
 
+
+FAILED_PATHS: List[str] = []  # (paths of --block whose timing raised: named again at the end, exit status 1)
 
 # The results CSVs' one schema (docs/data, docs/performance.md): a row a (layer, pass, path).
 CSV_FIELDS = ("suite", "layer", "dtype", "layout", "pass", "path", "ms", "std", "gbps", "pct_copy", "tflops",
