@@ -663,20 +663,23 @@ def test_real_models_match_stock(name):
 
 def test_model_cold_start_harness(monkeypatch):
     """`bench --model`'s cold start on the tiny model: fresh processes (stock, dwconv without and with
-    its warmup, a second process on the warmed cache, and an image's build without the GPU and a
-    process on its cache), each row in the results schema. Here
+    its warmup, a second process on the warmed cache, the model converted with fuse=True from an empty
+    cache and then warm, and an image's build without the GPU and a process on its cache), each row
+    in the results schema. Here
     the processes run without the interpreter (CPU tensors take F.conv2d) and warmup compiles for
     sm_90: the harness is what is tested, the GPU times it."""
     from dwconv.bench import CSV_FIELDS
-    from dwconv.bench_models import COLD_START_RUNS, FROM_IMAGE, cold_start
+    from dwconv.bench_models import COLD_START_RUNS, FROM_IMAGE, FUSED_RUNS, cold_start
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    rows = cold_start("tiny", 2, 8, "float32", timeout=300, without_warmup=True, from_image=True)
-    assert {r["path"] for r in rows} == {label for label, _, _ in COLD_START_RUNS + FROM_IMAGE} | {"dwconv no warmup"}
+    rows = cold_start("tiny", 2, 8, "float32", timeout=300, without_warmup=True, from_image=True, fuse=True)
+    assert {r["path"] for r in rows} == ({label for label, _, _ in COLD_START_RUNS + FUSED_RUNS + FROM_IMAGE}
+                                         | {"dwconv no warmup"})
     assert {(r["path"], r["pass"]) for r in rows} >= {("dwconv", "warmup"), ("stock", "first train step"),
                                                      ("dwconv warm", "second train step"), ("dwconv", "process"),
                                                      ("dwconv warm", "warmup"), ("dwconv image build", "warmup"),
-                                                     ("dwconv from image", "first train step")}
+                                                     ("dwconv from image", "first train step"),
+                                                     ("dwconv fused", "warmup"), ("dwconv fused warm", "first train step")}
     assert not {("stock", "warmup"), ("dwconv no warmup", "warmup")} & {(r["path"], r["pass"]) for r in rows}
     assert all(r["ms"] > 0 and set(r) <= set(CSV_FIELDS) for r in rows)
 

@@ -170,7 +170,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--model-batch", type=int, default=64)
     p.add_argument("--fuse", action="store_true",
                    help="--model: also the model converted with fuse=True (BatchNorm folded, activation fused in "
-                        "eval mode: the inference rows)")
+                        "eval mode: the inference rows; BatchNorm on dwconv's kernels in training), its cold "
+                        "start too")
     p.add_argument("--model-precision", choices=["float32", "bf16", "all"], default="all",
                    help="--model: float32 NCHW, bf16 autocast channels_last, or both")
     p.add_argument("--image", type=int, default=224)
@@ -603,7 +604,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows += [r for name in args.model for r in cold_start(name, args.model_batch, args.image,
                                                                   args.model_precision,
                                                                   without_warmup=args.cold_start_unwarmed,
-                                                                  from_image=args.cold_start_image)]
+                                                                  from_image=args.cold_start_image,
+                                                                  fuse=args.fuse)]
         if args.cold_start != "only":
             steady = [r for name in args.model for r in bench_model(name, args.model_batch, args.image, args.warmup,
                                                                     min(args.iters, 20),

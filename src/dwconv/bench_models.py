@@ -467,6 +467,10 @@ COLD_START_RUNS = [
     ("dwconv warm", "dwconv", "shared"),  # a second process: the kernels on disk
 ]
 WITHOUT_WARMUP = ("dwconv no warmup", "dwconv no warmup", "own")  # each layer compiles at its first call
+FUSED_RUNS = [  # the model converted with fuse=True (BatchNorm's kernels too), from an empty cache, then warm
+    ("dwconv fused", "fused", "own"),
+    ("dwconv fused warm", "fused", "dwconv fused"),
+]
 FROM_IMAGE = [  # a container image's build compiles the kernels with no GPU in sight; a fresh node runs from them
     ("dwconv image build", "image build", "image"),
     ("dwconv from image", "dwconv", "image"),
@@ -490,8 +494,9 @@ def first_step(name: str, batch: int, image: int, precision: str, variant: str, 
     x = torch.randn(batch, 3, image, image, device=device).contiguous(memory_format=memory_format)
     y = torch.randint(0, 10, (batch,), device=device)
     if variant != "stock":
-        model = convert(model, inplace=True, verbose=False, precompile=variant != "dwconv no warmup")
-    if variant in ("dwconv", "image build") and device == "cpu":  # (the first-call warmup acts on CUDA inputs only)
+        model = convert(model, inplace=True, verbose=False, precompile=variant != "dwconv no warmup",
+                        fuse=variant == "fused")
+    if variant in ("dwconv", "fused", "image build") and device == "cpu":  # (the first-call warmup acts on CUDA inputs only)
         precompile.warmup(model.train(), x, arch=arch, autocast=dtype, verbose=False)
     built_s = time.perf_counter() - started
     if variant == "image build":
@@ -517,13 +522,14 @@ def first_step(name: str, batch: int, image: int, precision: str, variant: str, 
 
 
 def cold_start(name: str, batch: int, image: int, precisions: str = "all", timeout: float = 900,
-               without_warmup: bool = False, from_image: bool = False) -> List[Dict]:
+               without_warmup: bool = False, from_image: bool = False, fuse: bool = False) -> List[Dict]:
     """First training steps in fresh processes (COLD_START_RUNS, and WITHOUT_WARMUP first and
-    FROM_IMAGE last if asked), each with an empty temporary Triton cache, the one the converted
-    model's run filled, or the one an image build filled (that process sees no GPU); the process's
-    wall time includes its imports."""
+    FUSED_RUNS and FROM_IMAGE last if asked), each with an empty temporary Triton cache, the one the
+    converted model's run filled, or the one an image build filled (that process sees no GPU); the
+    process's wall time includes its imports."""
     rows = []
-    runs = ([WITHOUT_WARMUP] if without_warmup else []) + COLD_START_RUNS + (FROM_IMAGE if from_image else [])
+    runs = (([WITHOUT_WARMUP] if without_warmup else []) + COLD_START_RUNS + (FUSED_RUNS if fuse else [])
+            + (FROM_IMAGE if from_image else []))
     major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
     for precision in (PRECISIONS if precisions == "all" else [precisions]):
         with tempfile.TemporaryDirectory() as root:
