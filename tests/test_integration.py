@@ -652,13 +652,15 @@ def test_real_models_match_stock(name):
     converted = dwconv.convert(stock, verbose=False)
     assert converted.dwconv_converted > 0
     x = randn(2, 3, 96, 96)
-    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    assert compare_outputs(stock, converted, x) < 1e-4  # (both without TF32)
+    assert compare_gradients(stock, converted, x) < 1e-3
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
     try:
-        assert compare_outputs(stock, converted, x) < 1e-4
-        assert compare_gradients(stock, converted, x) < 1e-3
+        compare_outputs(stock, converted, x)
+        assert torch.backends.cudnn.allow_tf32, "the comparison restores TF32 as it found it"
     finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 def test_model_cold_start_harness(monkeypatch):
