@@ -9,7 +9,9 @@ can hold up).
         [--only-dwconv] [--out FILE]
 
 Shapes: MobileNetV2's and EfficientNet-B0's widest 3x3 layers at batch 64, one at batch 256, a 7x7
-plane of 960 channels. Each kernel's microseconds a step (mean of 10 steps after 5), and the sum;
+plane of 960 channels. Beside dwconv's fused block as models run it, the same step with the
+BatchNorm's grad_y computed in the convolution's backward as it loads it where that applies
+(dispatch.conv_grad_through_batch_norm, called directly: no autograd), else written as before. Each kernel's microseconds a step (mean of 10 steps after 5), and the sum;
 beside it the time two floors take at the bandwidth of a device copy of the input timed the same
 way in the run: the bench's (3 in + 2 out: the input read and the output written forward, as much
 again backward) and the fewest bytes of an exact BatchNorm in training (min(5 in + 3 out, 3 in + 7
@@ -28,7 +30,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import dwconv  # noqa: E402
 from dwconv.batch_norm import BatchNormActivationFunction  # noqa: E402
-from dwconv.activations import FUNCTIONS  # noqa: E402
+from dwconv._geometry import conv_geometry  # noqa: E402
+from dwconv.activations import FUNCTIONS, activation_code  # noqa: E402
+from dwconv.dispatch import batch_norm_grad_in_convolution_applies, conv_grad_through_batch_norm  # noqa: E402
+from dwconv.kernels.batch_norm import batch_norm_forward, batch_norm_grad_sums  # noqa: E402
+from dwconv.kernels.tile import NormGrad  # noqa: E402
 
 SHAPES = [((64, 32, 112, 112), 1), ((64, 96, 112, 112), 2), ((256, 144, 56, 56), 1), ((256, 960, 7, 7), 1)]
 LAYOUTS = {"cl": torch.channels_last, "nchw": torch.contiguous_format}
@@ -63,6 +69,16 @@ def block(shape, stride: int, layout, dtype, activation: str, only_dwconv: bool)
         y = F.conv2d(x, weight, None, stride=stride, padding=1, groups=c)
         return FUNCTIONS[activation](F.batch_norm(y, *running, gamma, beta, True, 0.1, 1e-5))
 
+    def through():  # (the backward's grad_y computed in the convolution's backward where it applies)
+        with torch.no_grad():
+            y = dwconv.depthwise_conv2d(x, weight, None, stride=stride, padding=1)
+            out, mean, invstd = batch_norm_forward(y, gamma, beta, *running, 0.1, 1e-5, code)
+            totals, _, _ = batch_norm_grad_sums(grad, y, gamma, beta, mean, invstd, 1e-5, code)
+            norm = NormGrad(y, mean, invstd, gamma, beta, totals, code)
+            return conv_grad_through_batch_norm(grad, x.detach(), weight.detach(), geom, norm, 1e-5)
+
+    code = activation_code(activation)
+    geom = conv_geometry(x, weight, None, stride, 1, 1)
     grad = torch.randn_like(fused())
     copy = torch.empty_like(x)
     copy_us = sum(us for us, _ in kernel_times(lambda: copy.copy_(x.detach())).values())
@@ -74,8 +90,12 @@ def block(shape, stride: int, layout, dtype, activation: str, only_dwconv: bool)
              f"{'channels_last' if layout == torch.channels_last else 'NCHW'} {str(dtype)[6:]} +bn+{activation}, "
              f"input {in_bytes / 1e6:.1f} MB; copy {2 * in_bytes / copy_us / 1e6:.2f} TB/s; "
              + ", ".join(f"{name} {us:.0f} us" for name, us in floors.items())]
-    for name, fn in (("dwconv", fused), ("stock", stock))[:1 if only_dwconv else 2]:
-        times = kernel_times(lambda: torch.autograd.grad(fn(), [x, weight, gamma, beta], grad))
+    applies = "in the convolution's backward" if batch_norm_grad_in_convolution_applies(geom, x) else "written"
+    steps = {"dwconv": lambda: torch.autograd.grad(fused(), [x, weight, gamma, beta], grad),
+             f"dwconv, grad_y {applies}": through,
+             "stock": lambda: torch.autograd.grad(stock(), [x, weight, gamma, beta], grad)}
+    for name, step in list(steps.items())[:2 if only_dwconv else 3]:
+        times = kernel_times(step)
         total = sum(us for us, _ in times.values())
         lines.append(f"-- {name}: kernels {total:.0f} us a step ("
                      + ", ".join(f"{100 * us / total:.0f}% of the {name_}" for name_, us in floors.items()) + ")")

@@ -221,7 +221,26 @@ def batch_norm(shape, dtype, activation, layout=torch.contiguous_format, affine=
         assert not narrow, f"{kernel}: {len(narrow)} 2-byte loads or stores of the tensor"
 
 
+def backward_through_batch_norm(shape, kernel, dtype, config, activation, **conv):
+    """The rows pass computing a BatchNorm's gradient as it loads grad_out (dispatch.conv_grad_through_batch_norm)."""
+    from dwconv.dispatch import conv_grad_through_batch_norm
+    from dwconv.kernels.batch_norm import batch_norm_forward, batch_norm_grad_sums
+    from dwconv.kernels.tile import NormGrad
+
+    x, weight, geom, grad = tensors(shape, kernel, dtype, **conv)
+    y = torch.randn(geom.output_shape).to(dtype).contiguous(memory_format=CL)
+    gamma, beta = torch.randn(shape[1]), torch.randn(shape[1])
+    _, mean, invstd = batch_norm_forward(y, gamma, beta, None, None, 0.1, 1e-5, activation)
+    totals, _, _ = batch_norm_grad_sums(grad, y, gamma, beta, mean, invstd, 1e-5, activation)
+    conv_grad_through_batch_norm(grad, x, weight, geom, NormGrad(y, mean, invstd, gamma, beta, totals, activation),
+                                 1e-5, config)
+
+
 CASES += [
+    ("fused backward nhwc rows through a BatchNorm and ReLU6, bfloat16 (the GPU's 56-wide blocks)",
+     backward_through_batch_norm, ((2, 96, 12, 56), (3, 3), bf16, ForwardConfig("nhwc_rows", 6, 8, 1, block_c=32,
+                                                                                prefetch=True), 2),
+     dict(padding=1, layout=CL)),
     ("batch_norm training, bfloat16 channels_last, relu6", batch_norm, ((4, 96, 14, 14), bf16, 2),
      dict(layout=CL, vectors=True)),
     ("batch_norm training, bfloat16 channels_last 144 channels (wide tiles), relu6", batch_norm,

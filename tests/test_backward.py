@@ -518,6 +518,59 @@ def test_fused_backward_channels_last_rows(dtype, shape, kernel, padding, dilati
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
+    "shape,kernel,padding,block,activation,affine",
+    [
+        ((2, 64, 7, 9), (3, 3), 1, (3, 4, 64, "prefetch"), "relu6", True),  # segments, prefetch, a ring
+        ((1, 40, 6, 11), (5, 5), 2, (4, 3, 16), "silu", True),  # channels and columns not block multiples
+        ((2, 24, 5, 8), (3, 3), 1, (5, 8, 32), "identity", False),  # no affine, no activation; masked channels
+        ((1, 6, 5, 5), (3, 3), 3, (2, 2, 4), "hardswish", True),  # padding past the kernel's reach
+        ((1, 3, 1, 2), (3, 3), 1, (1, 2, 4), "relu", True),  # a 1 x 2 image
+    ],
+    ids=str,
+)
+def test_convolution_backward_through_batch_norm(dtype, shape, kernel, padding, block, activation, affine):
+    """The row-sliding backward computing a BatchNorm's gradient (training, with its activation) as it
+    loads grad_out (tile.NormGrad: grad_y never written), and the path that writes grad_y first
+    (BatchNorm's grad_input pass, then the convolution's backward), each against float64: the
+    convolution's gradients from the float64 gradient of BatchNorm and the activation at the same
+    (rounded) convolution output."""
+    from dwconv.activations import FUNCTIONS, activation_code
+    from dwconv.dispatch import conv_grad_through_batch_norm
+    from dwconv.kernels.batch_norm import batch_norm_forward, batch_norm_grad_input, batch_norm_grad_sums
+    from dwconv.kernels.tile import NormGrad
+
+    channels = shape[1]
+    x = randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = randn(channels, 1, *kernel, dtype=dtype)
+    geom = conv_geometry(x, weight, None, 1, padding, 1)
+    y = randn(*geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)  # (the conv's output)
+    gamma, beta = (randn(channels), randn(channels)) if affine else (None, None)
+    grad = randn(*geom.output_shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    code, eps = activation_code(activation), 1e-5
+    _, mean, invstd = batch_norm_forward(y, gamma, beta, None, None, 0.1, eps, code)
+    totals, _, _ = batch_norm_grad_sums(grad, y, gamma, beta, mean, invstd, eps, code)
+    norm = NormGrad(y, mean, invstd, gamma, beta, totals, code)
+    y64 = y.detach().double().cpu().requires_grad_()
+    out64 = FUNCTIONS[activation](F.batch_norm(y64, None, None, *(t.double().cpu() for t in (gamma, beta))
+                                               if affine else (None, None), True, 0.0, eps))
+    (grad_y64,) = torch.autograd.grad(out64, [y64], grad.double().cpu())
+    ref = reference_grads(x, weight, None, grad_y64, 1, padding, 1)
+    config = ForwardConfig("nhwc_rows", block[0], block[1], max(1, block[2] // 64), block_c=block[2],
+                           prefetch="prefetch" in block)
+    # (written first, grad_y is rounded to the dtype before the convolution reads it, as stock's is:
+    # that path's reference is the float64 convolution of that grad_y, itself checked against float64)
+    grad_y = batch_norm_grad_input(grad, y, gamma, beta, mean, invstd, totals, eps, code)
+    assert_close(grad_y, grad_y64, dtype, "grad_y")
+    for path, how, expected in (("grad_y computed in the rows pass", config, ref),
+                                ("grad_y written first", None, reference_grads(x, weight, None, grad_y, 1, padding, 1))):
+        grad_x, grad_w = conv_grad_through_batch_norm(grad, x, weight, geom, norm, eps, how)
+        assert grad_x.is_contiguous(memory_format=torch.channels_last) and grad_w.dtype == dtype
+        assert_close(grad_x, expected[0], dtype, f"{path}: grad_input")
+        assert_close_sum(grad_w, expected[1], x, grad_y64.to(dtype), f"{path}: grad_weight")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
     "shape,kernel,stride,padding,dilation,multiplier,block",
     [
         ((2, 64, 7, 9), (3, 3), 1, 1, 1, 1, None),  # the GPU's blocks (4 x 8 outputs, 64 channels: bf16 pairs)

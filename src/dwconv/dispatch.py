@@ -298,6 +298,34 @@ def conv_grad_input_and_weight(grad_out: torch.Tensor, x: torch.Tensor, weight: 
     return dx, grad_w
 
 
+def batch_norm_grad_in_convolution_applies(geom: ConvGeometry, x: torch.Tensor) -> bool:
+    """Whether the convolution's backward computes the gradient of a BatchNorm after it as it loads
+    grad_out (tile.NormGrad): where the channels_last fused pass slides down rows."""
+    return channels_last_kernel_applies(x) and fused_backward_applies(geom, x) and nhwc_rows_apply(geom, x)
+
+
+def conv_grad_through_batch_norm(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry,
+                                 norm: tile.NormGrad, eps: float, config: Optional[ForwardConfig] = None
+                                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """grad_input and grad_weight of a convolution followed by a BatchNorm in training (and its
+    activation): grad the gradient of the BatchNorm's (activation's) output, norm its tensors with
+    the totals of kernels.batch_norm.batch_norm_grad_sums. Where
+    batch_norm_grad_in_convolution_applies (or config is the rows pass's), grad_y is computed in the
+    convolution's backward as it loads it, never written; else BatchNorm's grad_input pass writes it
+    and the convolution's backward reads it."""
+    from .kernels.batch_norm import batch_norm_grad_input
+
+    if config is None and batch_norm_grad_in_convolution_applies(geom, x):
+        config = tile.rows_grad_blocks(geom, x)
+    if config is not None and config.kernel == "nhwc_rows":
+        return tile.grad_input_and_weight(geom, grad, x, weight, config, None, norm)
+    grad_y = batch_norm_grad_input(grad, norm.y, norm.weight, norm.bias, norm.mean, norm.invstd, norm.totals, eps,
+                                   norm.activation)
+    if fused_backward_applies(geom, x):
+        return conv_grad_input_and_weight(grad_y, x, weight, geom, config)
+    return conv_grad_input(grad_y, weight, geom, x), conv_grad_weight(grad_y, x, geom, weight.dtype, False)[0]
+
+
 # ---- what the batch size decides (a warmup's markers shared by batch sizes) ----------------------
 
 def batch_choices(input_shape: tuple, dtype: torch.dtype, weight_shape: tuple) -> tuple:
@@ -313,6 +341,7 @@ def batch_choices(input_shape: tuple, dtype: torch.dtype, weight_shape: tuple) -
     return choices
 
 
-__all__ = ["ForwardConfig", "GradWeightConfig", "batch_choices", "conv_forward", "conv_grad_input",
-           "conv_grad_input_and_weight", "conv_grad_weight", "forward_config", "fused_backward_applies",
-           "gradients_read_grad_out_as_nchw", "launch_forward"]
+__all__ = ["ForwardConfig", "GradWeightConfig", "batch_choices", "batch_norm_grad_in_convolution_applies",
+           "conv_forward", "conv_grad_input", "conv_grad_input_and_weight", "conv_grad_through_batch_norm",
+           "conv_grad_weight", "forward_config", "fused_backward_applies", "gradients_read_grad_out_as_nchw",
+           "launch_forward"]

@@ -382,9 +382,29 @@ def batch_norm_backward(grad: torch.Tensor, y: torch.Tensor, weight: Optional[to
                         activation: int) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(grad_y, grad_weight, grad_bias) of batch_norm_forward's output (the latter two None
     without weight); grad_y in y's strides."""
+    grad = _like(grad, y)
+    totals, grad_weight, grad_bias = batch_norm_grad_sums(grad, y, weight, bias, mean, invstd, eps, activation)
+    return batch_norm_grad_input(grad, y, weight, bias, mean, invstd, totals, eps, activation), grad_weight, grad_bias
+
+
+def batch_norm_grad_input(grad: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor],
+                          bias: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor, totals: torch.Tensor,
+                          eps: float, activation: int) -> torch.Tensor:
+    """grad_y (y's strides) from batch_norm_grad_sums' totals: the backward's last pass."""
+    grad_y = _new(y)
+    launch(grad_input_kernel, plans(y, weight is not None, False, 0.0, eps, activation).grad_input, _like(grad, y), y,
+           grad_y, totals, mean, invstd, *((weight, bias) if weight is not None else (mean, mean)))
+    return grad_y
+
+
+def batch_norm_grad_sums(grad: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor],
+                         bias: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor, eps: float,
+                         activation: int) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The backward's first two passes: (totals [2, C]: the sums of g = grad * act'(z) and of g * xhat,
+    grad_weight, grad_bias); grad in y's strides (_like). grad_y then takes one more pass over grad
+    and y: batch_norm_backward's, or the convolution's backward as it loads them (tile.NormGrad)."""
     affine = weight is not None
     plan = plans(y, affine, False, 0.0, eps, activation)
-    grad = _like(grad, y)
     parameters = (weight, bias) if affine else (mean, mean)
     partial = _new(y, (plan.split.parts, 2, y.shape[1]), mean.dtype)
     launch(gradient_sums_kernel, plan.gradient_sums, grad, y, partial, mean, invstd, *parameters)
@@ -393,6 +413,4 @@ def batch_norm_backward(grad: torch.Tensor, y: torch.Tensor, weight: Optional[to
     grad_bias = _new(bias) if affine else None
     launch(gradient_totals_kernel, plan.gradient_totals, partial, totals,
            *((grad_weight, grad_bias) if affine else (totals, totals)))
-    grad_y = _new(y)
-    launch(grad_input_kernel, plan.grad_input, grad, y, grad_y, totals, mean, invstd, *parameters)
-    return grad_y, grad_weight, grad_bias
+    return totals, grad_weight, grad_bias

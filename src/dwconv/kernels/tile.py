@@ -16,7 +16,7 @@ partial sums per program, added in a fixed order by weight_sums.py: deterministi
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -26,8 +26,8 @@ from .._geometry import ConvGeometry, cdiv, input_grad_geometry, next_power_of_2
 from ..tuning import tuned
 from ._launch import (ForwardConfig, GradWeightConfig, LaunchPlan, alignment, cached_plan, gpu_plan, launch, layout_key,
                       new_partial, plan_cache)
-from ._shared import (_activate, _load_weights, _tap_weights, acc_dtype, channels_last_kernel_applies, forward_constants,
-                      needs_int64, partial_dtype)
+from ._shared import (_activate, _activation_slope, _load_weights, _tap_weights, acc_dtype,
+                      channels_last_kernel_applies, forward_constants, needs_int64, partial_dtype)
 from .weight_sums import sum_partials, weight_grad_sums
 
 
@@ -173,6 +173,46 @@ def _widen_pixels(loaded, ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_P
                                                   (pair & -65536).to(tl.float32, bitcast=True)), [1, BLOCK_C]),)
         else:
             pixels = pixels + (loaded[p].to(ACC_DTYPE),)
+    return pixels
+
+
+@triton.jit
+def _norm_constants(c, c_ok, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, totals_ptr, count,
+                    ACC_DTYPE: tl.constexpr, AFFINE: tl.constexpr):
+    """Per channel ([1, BLOCK_C] each), what the gradient of a BatchNorm in training takes (as
+    kernels/batch_norm.py's grad_input_kernel computes it): z = y * scale + shift, and
+    grad_y = scale * (g - mean_g - (y - mean) * invstd * mean_g_xhat) with g = grad * act'(z);
+    totals: [2, channels], the sums of g and of g * (y - mean) * invstd over the count positions."""
+    mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0).to(ACC_DTYPE)
+    invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0).to(ACC_DTYPE)
+    scale = invstd
+    shift = -mean * invstd
+    if AFFINE:
+        scale = invstd * tl.load(weight_ptr + c, mask=c_ok, other=0.0).to(ACC_DTYPE)
+        shift = tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(ACC_DTYPE) - mean * scale
+    mean_g = tl.load(totals_ptr + c, mask=c_ok, other=0.0).to(ACC_DTYPE) / count
+    mean_g_xhat = tl.load(totals_ptr + channels + c, mask=c_ok, other=0.0).to(ACC_DTYPE) / count
+    return scale, shift, mean, invstd, mean_g, mean_g_xhat
+
+
+@triton.jit
+def _norm_grad_pixels(grads, ys, norm, row_ok, first_in_col, in_w, MASKED: tl.constexpr, ROW_MASKED: tl.constexpr,
+                      ACTIVATION: tl.constexpr):
+    """grad_y at a row's pixels (widened, as _row_pixels gives them) from the BatchNorm's incoming
+    gradient (grads) and its input (ys): the convolution's backward then reads what BatchNorm's
+    grad_input pass would have written. Zero outside the image, as a loaded grad_y pixel is there."""
+    scale, shift, mean, invstd, mean_g, mean_g_xhat = norm
+    pixels = ()
+    for p in tl.static_range(len(grads)):
+        g = grads[p]
+        if ACTIVATION != 0:
+            g = g * _activation_slope(ys[p] * scale + shift, ACTIVATION)
+        value = scale * (g - mean_g - (ys[p] - mean) * invstd * mean_g_xhat)
+        if MASKED:
+            value = tl.where(row_ok & (first_in_col + p >= 0) & (first_in_col + p < in_w), value, 0.0)
+        elif ROW_MASKED:
+            value = tl.where(row_ok, value, 0.0)
+        pixels = pixels + (value,)
     return pixels
 
 
@@ -555,26 +595,47 @@ def depthwise_grad_nhwc_pixels_kernel(
 
 
 @triton.jit
-def _strip_row_loads(src_strip, q_base, row, first_in_col, first_col, c_ok, pairs_ok, src_h, src_w, tile_h, tile_w,
-                     src_stride_h, src_stride_w, q_stride_h, q_stride_w, pad_top,
+def _strip_row_loads(src_strip, norm_y_strip, q_base, row, first_in_col, first_col, c_ok, pairs_ok, src_h, src_w,
+                     tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, pad_top,
                      RING: tl.constexpr, PIXELS: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr):
+                     BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr):
     """What _slide_rows' step for grad_input row `row` loads, as loaded (widened where used): the
-    newest grad_out row of the strip (zero outside grad_out's rows) and x's row."""
+    newest grad_out row of the strip (zero outside grad_out's rows), x's row, and with NORM the
+    BatchNorm input's row under the grad_out row (else ())."""
     in_row = row - pad_top + RING
-    src = _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h), first_in_col, src_w,
-                      c_ok, pairs_ok, PIXELS, src_stride_w, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED, not MASKED, False)
+    row_ok = (in_row >= 0) & (in_row < src_h)
+    src = _row_pixels(src_strip + in_row * src_stride_h, row_ok, first_in_col, src_w, c_ok, pairs_ok, PIXELS,
+                      src_stride_w, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED, not MASKED, False)
     q = _tile_pixels(q_base, row, first_col, c_ok, tile_h, tile_w, q_stride_h, q_stride_w, q_base.dtype.element_ty,
                      1, BLOCK_W, MASKED)
-    return src, q
+    norm_y = ()
+    if NORM:
+        norm_y = _row_pixels(norm_y_strip + in_row * src_stride_h, row_ok, first_in_col, src_w, c_ok, pairs_ok,
+                             PIXELS, src_stride_w, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED, not MASKED, False)
+    return src, q, norm_y
 
 
 @triton.jit
-def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h, src_w, tile_h,
-                tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, dx_stride_h, dx_stride_w, pad_top,
-                pad_left, KH: tl.constexpr, KW: tl.constexpr,
+def _grad_out_row(loaded, norm_y_loaded, norm, in_row, src_h, first_in_col, src_w, ACC_DTYPE: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr,
+                  NORM_ACTIVATION: tl.constexpr):
+    """A grad_out row of the strip as its loads gave it, widened; with NORM, grad_y of the BatchNorm
+    after the convolution, from its incoming gradient (loaded) and its input (norm_y_loaded)."""
+    pixels = _widen_pixels(loaded, ACC_DTYPE, BLOCK_C, BF16_PAIRS)
+    if NORM:
+        pixels = _norm_grad_pixels(pixels, _widen_pixels(norm_y_loaded, ACC_DTYPE, BLOCK_C, BF16_PAIRS), norm,
+                                   (in_row >= 0) & (in_row < src_h), first_in_col, src_w, MASKED, not MASKED,
+                                   NORM_ACTIVATION)
+    return pixels
+
+
+@triton.jit
+def _slide_rows(src_base, norm_y_base, norm, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h,
+                src_w, tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, dx_stride_h, dx_stride_w,
+                pad_top, pad_left, KH: tl.constexpr, KW: tl.constexpr,
                 DILATION_H: tl.constexpr, DILATION_W: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr,
-                BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, MASKED: tl.constexpr):
+                BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, MASKED: tl.constexpr,
+                NORM: tl.constexpr, NORM_ACTIVATION: tl.constexpr):
     """The fused pass down grad_input rows first_row..last_row-1 of one BLOCK_W x BLOCK_C strip:
     each step loads one grad_out row of the strip (with its KW-1 halo columns) and keeps the last
     (KH-1) * DILATION_H in registers (a ring, rotated by renaming), so a grad_out pixel is loaded
@@ -582,40 +643,50 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
     56-wide small layers, slower on kb84, whose tiles issue 52 loads before their products).
     MASKED: column and channel tests (strips at the image's sides); else only the row test of
     grad_out. PREFETCH: each step issues the next row's loads before its products (the
-    last step reloads its own row). Returns the taps' weight gradients (flipped taps, as weights)."""
+    last step reloads its own row). NORM: grad_out's rows are grad_y computed from the BatchNorm's
+    incoming gradient (src) and input (norm_y_base, src's strides) with norm (_norm_constants).
+    Returns the taps' weight gradients (flipped taps, as weights)."""
     RING: tl.constexpr = (KH - 1) * DILATION_H
     PIXELS: tl.constexpr = BLOCK_W + (KW - 1) * DILATION_W
     first_in_col = first_col - pad_left
     src_strip = src_base + first_in_col * src_stride_w
+    norm_y_strip = norm_y_base + first_in_col * src_stride_w
     dx_strip = dx_base + first_col * dx_stride_w
     pairs_ok = _pairs_ok(c_ok, BLOCK_C, BF16_PAIRS)
     ring = ()
     for k in tl.static_range(RING):
         in_row = first_row - pad_top + k
-        ring = ring + _row_pixels(src_strip + in_row * src_stride_h, (in_row >= 0) & (in_row < src_h), first_in_col,
-                                  src_w, c_ok, pairs_ok, PIXELS, src_stride_w, ACC_DTYPE, BLOCK_C, BF16_PAIRS,
-                                  MASKED, not MASKED)
+        row_ok = (in_row >= 0) & (in_row < src_h)
+        loaded = _row_pixels(src_strip + in_row * src_stride_h, row_ok, first_in_col, src_w, c_ok, pairs_ok, PIXELS,
+                             src_stride_w, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED, not MASKED, False)
+        norm_y = ()
+        if NORM:
+            norm_y = _row_pixels(norm_y_strip + in_row * src_stride_h, row_ok, first_in_col, src_w, c_ok, pairs_ok,
+                                 PIXELS, src_stride_w, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED, not MASKED, False)
+        ring = ring + _grad_out_row(loaded, norm_y, norm, in_row, src_h, first_in_col, src_w, ACC_DTYPE, BLOCK_C,
+                                    BF16_PAIRS, MASKED, NORM, NORM_ACTIVATION)
     weight_grads = ()
     for tap in tl.static_range(KH * KW):
         weight_grads = weight_grads + (tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE),)
     if PREFETCH:
-        src_next, q_next = _strip_row_loads(src_strip, q_base, first_row, first_in_col, first_col, c_ok, pairs_ok,
-                                            src_h, src_w, tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h,
-                                            q_stride_w, pad_top, RING, PIXELS, ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS,
-                                            MASKED)
+        src_next, q_next, norm_y_next = _strip_row_loads(
+            src_strip, norm_y_strip, q_base, first_row, first_in_col, first_col, c_ok, pairs_ok, src_h, src_w, tile_h,
+            tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, pad_top, RING, PIXELS, ACC_DTYPE, BLOCK_W,
+            BLOCK_C, BF16_PAIRS, MASKED, NORM)
     for row in range(first_row, last_row):
         if PREFETCH:  # the next row's loads in flight while this row's products run
-            src_loaded, q_loaded = src_next, q_next
-            src_next, q_next = _strip_row_loads(src_strip, q_base, tl.minimum(row + 1, last_row - 1), first_in_col,
-                                                first_col, c_ok, pairs_ok, src_h, src_w, tile_h, tile_w, src_stride_h,
-                                                src_stride_w, q_stride_h, q_stride_w, pad_top, RING, PIXELS, ACC_DTYPE,
-                                                BLOCK_W, BLOCK_C, BF16_PAIRS, MASKED)
+            src_loaded, q_loaded, norm_y_loaded = src_next, q_next, norm_y_next
+            src_next, q_next, norm_y_next = _strip_row_loads(
+                src_strip, norm_y_strip, q_base, tl.minimum(row + 1, last_row - 1), first_in_col, first_col, c_ok,
+                pairs_ok, src_h, src_w, tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, pad_top,
+                RING, PIXELS, ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS, MASKED, NORM)
         else:
-            src_loaded, q_loaded = _strip_row_loads(src_strip, q_base, row, first_in_col, first_col, c_ok, pairs_ok,
-                                                    src_h, src_w, tile_h, tile_w, src_stride_h, src_stride_w,
-                                                    q_stride_h, q_stride_w, pad_top, RING, PIXELS, ACC_DTYPE, BLOCK_W,
-                                                    BLOCK_C, BF16_PAIRS, MASKED)
-        window = ring + _widen_pixels(src_loaded, ACC_DTYPE, BLOCK_C, BF16_PAIRS)
+            src_loaded, q_loaded, norm_y_loaded = _strip_row_loads(
+                src_strip, norm_y_strip, q_base, row, first_in_col, first_col, c_ok, pairs_ok, src_h, src_w, tile_h,
+                tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w, pad_top, RING, PIXELS, ACC_DTYPE, BLOCK_W,
+                BLOCK_C, BF16_PAIRS, MASKED, NORM)
+        window = ring + _grad_out_row(src_loaded, norm_y_loaded, norm, row - pad_top + RING, src_h, first_in_col,
+                                      src_w, ACC_DTYPE, BLOCK_C, BF16_PAIRS, MASKED, NORM, NORM_ACTIVATION)
         q = _widen_pixels(q_loaded, ACC_DTYPE, BLOCK_C, False)
         accs = ()
         for i in tl.static_range(BLOCK_W):
@@ -630,15 +701,17 @@ def _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_c
     return weight_grads
 
 
-@triton.jit(do_not_specialize=["batch", "segments", "src_h", "src_w", "tile_h", "tile_w", "segment_rows"])
+@triton.jit(do_not_specialize=["batch", "segments", "src_h", "src_w", "tile_h", "tile_w", "segment_rows",
+                               "norm_count"])
 def depthwise_grad_nhwc_rows_kernel(
     src_ptr, w_ptr, q_ptr, dx_ptr, partial_ptr,
+    norm_y_ptr, norm_mean_ptr, norm_invstd_ptr, norm_weight_ptr, norm_bias_ptr, norm_totals_ptr,
     channels, batch, src_h, src_w, tile_h, tile_w, segments, segment_rows,
-    src_stride_n, src_stride_h, q_stride_n, q_stride_h, dx_stride_n, dx_stride_h, pad_top, pad_left,
+    src_stride_n, src_stride_h, q_stride_n, q_stride_h, dx_stride_n, dx_stride_h, pad_top, pad_left, norm_count,
     KH: tl.constexpr, KW: tl.constexpr, DILATION_H: tl.constexpr, DILATION_W: tl.constexpr,
     SRC_STRIDE_W: tl.constexpr, Q_STRIDE_W: tl.constexpr, DX_STRIDE_W: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_ACTIVATION: tl.constexpr,
 ):
     """The channels_last fused backward (stride 1, multiplier 1) sliding down the rows: program
     (image, segment of segment_rows rows, column strip) walks its rows one at a time (_slide_rows),
@@ -646,7 +719,11 @@ def depthwise_grad_nhwc_rows_kernel(
     partial weight gradient per tap and channel: partial[slot, channel, tap], slot = (strip
     column, image, segment), in the weight's tap order. Programs of the same rows are consecutive
     (neighbouring strips share their halo columns through L2). SRC_STRIDE_W, Q_STRIDE_W,
-    DX_STRIDE_W: as depthwise_grad_nhwc_pixels_kernel's."""
+    DX_STRIDE_W: as depthwise_grad_nhwc_pixels_kernel's.
+    NORM: the convolution is followed by a BatchNorm in training (and its activation,
+    NORM_ACTIVATION): src is the gradient of the activation's output, norm_y the BatchNorm's input
+    (the convolution's output, src's strides), and grad_out is computed from them as it is loaded
+    (mean, invstd, the affine weight and bias, totals: kernels/batch_norm.py's), never stored."""
     src_stride_w, q_stride_w, dx_stride_w = SRC_STRIDE_W, Q_STRIDE_W, DX_STRIDE_W
     pid = tl.program_id(0)
     tiles_w = tl.cdiv(tile_w, BLOCK_W)
@@ -665,20 +742,27 @@ def depthwise_grad_nhwc_rows_kernel(
     c_ok = c < channels
     weights = _tap_weights(w_ptr + c * (KH * KW) + (KH * KW - 1), -1, c_ok, KH * KW, ACC_DTYPE, True)  # flipped
     src_base = src_ptr + n * src_stride_n + c
+    norm_y_base = norm_y_ptr + n * src_stride_n + c
     q_base = q_ptr + n * q_stride_n + c
     dx_base = dx_ptr + n * dx_stride_n + c
+    norm = ()
+    if NORM:
+        norm = _norm_constants(c, c_ok, channels, norm_mean_ptr, norm_invstd_ptr, norm_weight_ptr, norm_bias_ptr,
+                               norm_totals_ptr, norm_count, ACC_DTYPE, NORM_AFFINE)
     cols_inside = ((first_col + BLOCK_W <= tile_w) & (first_c + BLOCK_C <= channels) & (first_col - pad_left >= 0)
                    & (first_col + BLOCK_W - 1 - pad_left + (KW - 1) * DILATION_W < src_w))
     if cols_inside:
-        weight_grads = _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h,
-                                   src_w, tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w,
-                                   dx_stride_h, dx_stride_w, pad_top, pad_left, KH, KW, DILATION_H, DILATION_W,
-                                   ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS, PREFETCH, False)
+        weight_grads = _slide_rows(src_base, norm_y_base, norm, weights, q_base, dx_base, first_row, last_row,
+                                   first_col, c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, src_stride_w,
+                                   q_stride_h, q_stride_w, dx_stride_h, dx_stride_w, pad_top, pad_left, KH, KW,
+                                   DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS, PREFETCH, False,
+                                   NORM, NORM_ACTIVATION)
     else:
-        weight_grads = _slide_rows(src_base, weights, q_base, dx_base, first_row, last_row, first_col, c_ok, src_h,
-                                   src_w, tile_h, tile_w, src_stride_h, src_stride_w, q_stride_h, q_stride_w,
-                                   dx_stride_h, dx_stride_w, pad_top, pad_left, KH, KW, DILATION_H, DILATION_W,
-                                   ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS, PREFETCH, True)
+        weight_grads = _slide_rows(src_base, norm_y_base, norm, weights, q_base, dx_base, first_row, last_row,
+                                   first_col, c_ok, src_h, src_w, tile_h, tile_w, src_stride_h, src_stride_w,
+                                   q_stride_h, q_stride_w, dx_stride_h, dx_stride_w, pad_top, pad_left, KH, KW,
+                                   DILATION_H, DILATION_W, ACC_DTYPE, BLOCK_W, BLOCK_C, BF16_PAIRS, PREFETCH, True,
+                                   NORM, NORM_ACTIVATION)
     slot = (column % tiles_w) * (batch * segments) + rows_block  # (channel blocks share a slot)
     partial = partial_ptr + (slot.to(tl.int64) * channels + c) * (KH * KW)
     for tap in tl.static_range(KH * KW):  # (tap of the flipped weight: stored at the weight's own)
@@ -864,14 +948,35 @@ def rows_grad_blocks(geom: ConvGeometry, x: torch.Tensor, block_w: int = 8, pref
                          block_c=tile_config.block_c, prefetch=prefetch)
 
 
+class NormGrad(NamedTuple):
+    """A BatchNorm in training after the convolution, whose gradient the row-sliding backward computes
+    as it loads grad_out (kernels/batch_norm.py's tensors: its input y, mean, invstd, the affine
+    weight and bias or None, the totals of batch_norm_grad_sums; the activation's code)."""
+    y: torch.Tensor
+    mean: torch.Tensor
+    invstd: torch.Tensor
+    weight: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    totals: torch.Tensor
+    activation: int
+
+    def tensors(self) -> tuple:
+        affine = (self.weight, self.bias) if self.weight is not None else (self.mean, self.mean)
+        return (self.y, self.mean, self.invstd, *affine, self.totals)
+
+
 def grad_input_and_weight(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                          config: ForwardConfig, runs: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+                          config: ForwardConfig, runs: Optional[int], norm: Optional[NormGrad] = None
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused backward of channels_last x: grad_input and grad_weight from one read of grad_out
-    and x (depthwise_grad_nhwc_pixels_kernel with GRAD_INPUT, or the row-sliding pass)."""
+    and x (depthwise_grad_nhwc_pixels_kernel with GRAD_INPUT, or the row-sliding pass). norm: grad_out
+    is the gradient of a BatchNorm's output after the convolution (the row-sliding pass only), whose
+    grad_y the pass computes as it loads it."""
     assert geom.stride_h == geom.stride_w == 1 and geom.multiplier == 1 and channels_last_kernel_applies(x), \
         "the channels_last fused backward needs stride 1, multiplier 1 and unit channel strides"
+    assert norm is None or config.kernel == "nhwc_rows", "a BatchNorm's gradient is computed by the rows pass only"
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
-    grad_w, _ = _pixels_grad(geom, grad_out, x, dx, weight.contiguous(), config, runs, False, weight.dtype)
+    grad_w, _ = _pixels_grad(geom, grad_out, x, dx, weight.contiguous(), config, runs, False, weight.dtype, norm)
     return dx, grad_w
 
 
@@ -883,18 +988,26 @@ def grad_weight_pixels(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tens
 
 def _pixels_grad(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx: Optional[torch.Tensor],
                  weight: Optional[torch.Tensor], config: Optional[ForwardConfig], runs: Optional[int],
-                 bias_grad: bool, weight_dtype: torch.dtype) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 bias_grad: bool, weight_dtype: torch.dtype, norm: Optional[NormGrad] = None
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Launches the fused pass (dx given) or the weight gradient alone and returns grad_weight and
     grad_bias (or None) from its partial sums."""
     if grad_out.stride(1) != 1:  # (autograd hands the output's layout back; this is the odd case)
         grad_out = grad_out.contiguous(memory_format=torch.channels_last)
-    key = (geom, layout_key(grad_out), layout_key(x), dx is not None and layout_key(dx), config, runs, bias_grad)
-    plan = cached_plan(_GRAD_PLANS, key, lambda: _pixels_grad_plan(geom, grad_out, x, dx, config, runs, bias_grad))
+    if norm is not None and norm.y.stride() != grad_out.stride():  # (the pass reads both with grad_out's strides)
+        grad_out = grad_out.contiguous(memory_format=torch.channels_last)
+        norm = norm._replace(y=norm.y.contiguous(memory_format=torch.channels_last))
+    norm_key = norm and (norm.weight is not None, norm.activation, layout_key(norm.y))
+    key = (geom, layout_key(grad_out), layout_key(x), dx is not None and layout_key(dx), config, runs, bias_grad,
+           norm_key)
+    plan = cached_plan(_GRAD_PLANS, key, lambda: _pixels_grad_plan(geom, grad_out, x, dx, config, runs, bias_grad,
+                                                                   norm))
     partial = new_partial(plan, x.device)
     if dx is None:  # the weight gradient: rows of x under the taps, grad_out at the tiles
         launch(depthwise_grad_nhwc_pixels_kernel, plan, x, x, grad_out, x, partial)
     elif plan.kernel == "grad_nhwc_rows":
-        launch(depthwise_grad_nhwc_rows_kernel, plan, grad_out, weight, x, dx, partial)
+        norm_tensors = norm.tensors() if norm is not None else (grad_out,) * 6  # (unread without NORM)
+        launch(depthwise_grad_nhwc_rows_kernel, plan, grad_out, weight, x, dx, partial, *norm_tensors)
     else:
         launch(depthwise_grad_nhwc_pixels_kernel, plan, grad_out, weight, x, dx, partial)
     # partial[slot, channel, tap]
@@ -910,7 +1023,8 @@ def _image_row_strides(t: torch.Tensor) -> Tuple[int, int]:
 
 
 def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor, dx: Optional[torch.Tensor],
-                      config: ForwardConfig, runs: Optional[int], bias_grad: bool) -> LaunchPlan:
+                      config: ForwardConfig, runs: Optional[int], bias_grad: bool,
+                      norm: Optional[NormGrad] = None) -> LaunchPlan:
     grad_input = dx is not None
     assert not (grad_input and bias_grad), "the fused pass has no bias gradient"
     tile_geom = input_grad_geometry(geom) if grad_input else geom
@@ -918,7 +1032,8 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
     config = config or default_config
     if config.kernel == "nhwc_rows":
         assert grad_input, "the row-sliding pass is the fused backward's"
-        return _rows_grad_plan(geom, tile_geom, grad_out, x, dx, config)
+        return _rows_grad_plan(geom, tile_geom, grad_out, x, dx, config, norm)
+    assert norm is None, "a BatchNorm's gradient is computed by the rows pass only"
     row_tiles = cdiv(tile_geom.out_h, config.block_h)
     runs = max(1, min(geom.batch * row_tiles, runs or default_runs))
     taps = geom.kernel_h * geom.kernel_w
@@ -954,22 +1069,27 @@ def _pixels_grad_plan(geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tenso
 
 
 def _rows_grad_plan(geom: ConvGeometry, tile_geom: ConvGeometry, grad_out: torch.Tensor, x: torch.Tensor,
-                    dx: torch.Tensor, config: ForwardConfig) -> LaunchPlan:
+                    dx: torch.Tensor, config: ForwardConfig, norm: Optional[NormGrad] = None) -> LaunchPlan:
     """depthwise_grad_nhwc_rows_kernel's launch: config.block_h rows a program (a segment of an image),
-    strips of block_w columns by block_c channels."""
+    strips of block_w columns by block_c channels; norm: grad_out computed from a BatchNorm's (NORM)."""
     assert config.block_w * geom.kernel_h * geom.kernel_w <= tuned().max_pixel_taps, \
         "too many outputs x taps to unroll"
     segments = cdiv(tile_geom.out_h, config.block_h)
+    count = grad_out.numel() // geom.out_channels  # (the positions BatchNorm's statistics are over)
     scalars = (geom.out_channels, geom.batch, tile_geom.in_h, tile_geom.in_w, tile_geom.out_h, tile_geom.out_w,
                segments, config.block_h, *_image_row_strides(grad_out), *_image_row_strides(x),
-               *_image_row_strides(dx), tile_geom.pad_top, tile_geom.pad_left)
+               *_image_row_strides(dx), tile_geom.pad_top, tile_geom.pad_left, count if norm is not None else 1)
     src_pixel, q_pixel, dx_pixel = grad_out.stride(3), x.stride(3), dx.stride(3)
     constants = dict(KH=geom.kernel_h, KW=geom.kernel_w, DILATION_H=geom.dilation_h, DILATION_W=geom.dilation_w,
                      SRC_STRIDE_W=src_pixel, Q_STRIDE_W=q_pixel, DX_STRIDE_W=dx_pixel,
                      INDEX_64=needs_int64(grad_out, x, dx, first_dim=1), ACC_DTYPE=acc_dtype(x.dtype),
                      BLOCK_W=config.block_w, BLOCK_C=config.block_c,
-                     BF16_PAIRS=bf16_pairs_apply(grad_out, tile_geom, config.block_c, config.num_warps),
-                     PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=1)
+                     # (the BatchNorm's gradient takes widened pixels of two tensors: no pair loads)
+                     BF16_PAIRS=norm is None and bf16_pairs_apply(grad_out, tile_geom, config.block_c,
+                                                                  config.num_warps),
+                     PREFETCH=config.prefetch, NORM=norm is not None, NORM_AFFINE=norm is not None and norm.weight
+                     is not None, NORM_ACTIVATION=0 if norm is None else norm.activation,
+                     num_warps=config.num_warps, num_stages=1)
     slots = cdiv(tile_geom.out_w, config.block_w) * geom.batch * segments  # (channel blocks share a slot)
     return LaunchPlan("grad_nhwc_rows", (slots * cdiv(geom.out_channels, config.block_c),), scalars, constants,
                       (slots, geom.out_channels, geom.kernel_h * geom.kernel_w), partial_dtype(x.dtype))
