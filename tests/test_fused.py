@@ -604,3 +604,91 @@ def test_a_module_swapped_after_convert_unfuses_its_block(replaced, mode):
             net[1].act = torch.nn.Tanh()
     x = randn(2, 8, 7, 9)
     assert_close(fused(x), stock(x), torch.float32, f"{replaced} replaced, {mode}")
+
+
+class InvertedResidual(torch.nn.Module):
+    """MobileNetV2's block: a pointwise expansion, BatchNorm and ReLU6; the depthwise block; a
+    pointwise projection and a BatchNorm with no activation, added to the input."""
+
+    def __init__(self, channels=8, hidden=16):
+        super().__init__()
+        self.expand = torch.nn.Conv2d(channels, hidden, 1, bias=False)
+        self.bn1 = _bn(hidden)
+        self.act1 = torch.nn.ReLU6(inplace=True)
+        self.dw = torch.nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False)
+        self.bn2 = _bn(hidden)
+        self.act2 = torch.nn.ReLU6(inplace=True)
+        self.project = torch.nn.Conv2d(hidden, channels, 1, bias=False)
+        self.bn3 = _bn(channels)
+
+    def forward(self, x):
+        y = self.act1(self.bn1(self.expand(x)))
+        return x + self.bn3(self.project(self.act2(self.bn2(self.dw(y)))))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
+    """fuse=True: a BatchNorm2d outside any depthwise block (after a pointwise convolution) computes
+    itself and the activation module after it on dwconv's kernels in training, the activation module
+    passing its input through; in eval mode both run as before. Outputs, every gradient and the
+    running statistics as stock's over steps; then eval."""
+    import io
+
+    from dwconv import fuse
+
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    stock = InvertedResidual().train().to(DEVICE).to(memory_format=memory_format)
+    fused = dwconv.convert(stock, fuse=True, precompile=False)
+    assert ("fused 1 depthwise block(s) (1 BatchNorm2d folded in eval mode, on dwconv's kernels in training; "
+            "1 activation(s) fused); 2 other BatchNorm2d on dwconv's kernels in training (1 with their activation)"
+            ) in capsys.readouterr().out
+    assert [type(fused.bn1).__name__, type(fused.act1).__name__, type(fused.bn3).__name__] == \
+        ["TrainedBatchNorm2d", "TrainedReLU6", "TrainedBatchNorm2d"]
+    assert list(fused.state_dict()) == list(stock.state_dict())
+    calls = []
+    original = fuse.batch_norm_activation
+    monkeypatch.setattr(fuse, "batch_norm_activation", lambda y, norm, activation: calls.append(activation)
+                        or original(y, norm, activation))
+    x = randn(4, 8, 7, 9).contiguous(memory_format=memory_format)
+    for step in range(2):
+        out, ref = fused(x), stock(x)
+        assert_close(out, ref, torch.float32, f"training output, step {step}")
+        grad_out = randn(*out.shape)
+        out.backward(grad_out)
+        ref.backward(grad_out)
+    assert calls == ["relu6", "relu6", "identity"] * 2, calls
+    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
+        assert_close(p.grad, p_ref.grad, torch.float32, f"grad of {name}")
+    for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
+        assert_close(b, b_ref, torch.float32, name)
+    fused.eval(), stock.eval()
+    calls.clear()
+    _assert_same_model(stock, fused, x, "eval after training")
+    assert calls == []
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    for other in (torch.load(buffer, weights_only=False), copy.deepcopy(fused)):
+        assert type(other.bn1).__name__ == "TrainedBatchNorm2d" and other.bn1.dwconv_block[1] is other.bn1
+        assert fused_now_all(other)
+        with torch.no_grad():
+            assert_close(other(x), fused(x), torch.float32, "a copy's eval output")
+
+
+def test_a_hooked_batch_norm_trains_as_stock():
+    """A hook on a trained block's BatchNorm (or activation) sees stock's values: that block runs its
+    modules as before while the hook is there; the others stay on the kernels."""
+    stock = InvertedResidual().train().to(DEVICE)
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    x = randn(4, 8, 7, 9)
+    for name in ("bn1", "act1"):
+        seen = {}
+        handles = [getattr(model, name).register_forward_hook(
+            lambda module, args, out, label=label: seen.setdefault(label, out.detach().clone()))
+            for model, label in ((fused, "fused"), (stock, "stock"))]
+        out, ref = fused(x), stock(x)
+        for handle in handles:
+            handle.remove()
+        assert_close(seen["fused"], seen["stock"], torch.float32, f"what a hook on {name} sees")
+        assert_close(out, ref, torch.float32, f"output with a hook on {name}")
+    assert fused_now_all(fused)

@@ -54,12 +54,14 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     model's arguments, as it will be called), now.
 
     fuse: each converted layer followed by a BatchNorm2d and/or an activation (ReLU, ReLU6, SiLU,
-    GELU, Hardswish, Hardsigmoid; timm's BatchNormAct2d) computes them itself while the BatchNorm
-    is in eval mode: the BatchNorm folded into its weight and bias, the activation in the kernel's
-    epilogue (dwconv.fuse). Training mode, and a block one of whose modules has a hook (or while a
-    global module hook is registered), runs every module as before, so hooks see stock's values.
-    Parameters, buffers and state_dict keys stay the same; the blocks fused and the layers left are
-    printed when verbose."""
+    GELU, Hardswish, Hardsigmoid; timm's BatchNormAct2d) computes them itself: in eval mode the
+    BatchNorm folded into its weight and bias, the activation in the kernel's epilogue; in training
+    the BatchNorm and activation on dwconv's BatchNorm kernels (dwconv.fuse). Every other
+    BatchNorm2d (after a pointwise convolution, say) computes itself and the activation module
+    after it on those kernels in training, and as before in eval mode. A block one of whose modules
+    has a hook (or while a global module hook is registered) runs every module as before, so hooks
+    see stock's values. Parameters, buffers and state_dict keys stay the same; the blocks fused and
+    the layers left are printed when verbose."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not inplace:
@@ -82,11 +84,15 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
 
         blocks, not_fused = fuse_blocks(model)
         if verbose:
-            norms = sum(norm is not None for _, norm, *_ in blocks)
-            activations = sum(activation != "identity" for *_, activation, _ in blocks)
+            depthwise = [block for block in blocks if block[0] is not None]
+            trained = [block for block in blocks if block[0] is None]
+            norms = sum(norm is not None for _, norm, *_ in depthwise)
+            activations = sum(activation != "identity" for *_, activation, _ in depthwise)
             why = "".join(f"; {count} not fused ({reason})" for reason, count in sorted(not_fused.items()))
-            print(f"dwconv.convert: fused {len(blocks)} depthwise block(s) ({norms} BatchNorm2d folded in eval "
-                  f"mode, on dwconv's kernels in training; {activations} activation(s) fused){why}")
+            print(f"dwconv.convert: fused {len(depthwise)} depthwise block(s) ({norms} BatchNorm2d folded in eval "
+                  f"mode, on dwconv's kernels in training; {activations} activation(s) fused){why}; "
+                  f"{len(trained)} other BatchNorm2d on dwconv's kernels in training "
+                  f"({sum(activation != 'identity' for *_, activation, _ in trained)} with their activation)")
     from .precompile import warm_up_on_first_call, warmup
 
     if precompile and layers:

@@ -4,7 +4,10 @@ activation modules then pass their input through. With the BatchNorm in eval mod
 BatchNorm folded into the layer's weight and bias, the activation in the kernel's epilogue (no
 gradient wanted) or PyTorch's function after it (one wanted). In training mode, the convolution
 and then BatchNorm (the batch's statistics, the running ones updated) with the activation in two
-passes forward and two backward (dwconv.batch_norm).
+passes forward and two backward (dwconv.batch_norm). Every other BatchNorm2d of the model (after a
+pointwise convolution, before a residual add) makes a trained block with the activation module
+after it: in training the BatchNorm computes both on the same kernels and the activation module
+passes its input through; in eval mode both run as before.
 
 Nothing is replaced: the three modules keep their identity, parameters, buffers and state_dict
 keys; only their classes change (FusedDepthwiseConv2d, and subclasses of the norm's and the
@@ -112,24 +115,62 @@ def fused_now(block: tuple) -> bool:
     return True
 
 
+class _TrainedNorm:
+    """The BatchNorm2d of a trained block (no depthwise layer before it: `find_norm_blocks`): in
+    training, where its block holds at the call, it computes itself and the activation after it on
+    dwconv's BatchNorm kernels; in eval mode, as its own class does."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return _traced_as_a_call(self, input)
+        _, _, activation_module, _ = block = self.dwconv_block
+        if self.training and fused_now(block):
+            return _trained(self, activation_module, self.dwconv_activation, input)
+        return super().forward(input)
+
+    def extra_repr(self) -> str:
+        return f"in training on dwconv's kernels with activation={self.dwconv_activation!r}, " + super().extra_repr()
+
+
+class _TrainedActivation:
+    """The activation module of a trained block: its input passes through where the block's
+    BatchNorm, in training, computed it; otherwise it runs as its own class did."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return _traced_as_a_call(self, input)
+        block = self.dwconv_block
+        if block[1].training and fused_now(block):
+            return input
+        return super().forward(input)
+
+    def extra_repr(self) -> str:
+        return "computed by its BatchNorm in training" + (", " + super().extra_repr() if super().extra_repr() else "")
+
+
 def _normalized_in_training(conv: FusedDepthwiseConv2d, y: torch.Tensor) -> torch.Tensor:
-    """The block's BatchNorm (training) and activation after its convolution's output y: on the
-    kernels of dwconv.batch_norm where they read y and nothing would see inside the call (autograd of
-    any order is fine; forward-mode AD, torch.func, torch.compile, tracing, subclasses are not), else
-    the modules' own forwards."""
+    """The block's BatchNorm (training) and activation after its convolution's output y."""
     _, norm, activation_module, _ = conv.dwconv_block
+    return _trained(norm, activation_module, conv.dwconv_activation, y)
+
+
+def _trained(norm: nn.BatchNorm2d, activation_module: Optional[nn.Module], activation: str,
+             y: torch.Tensor) -> torch.Tensor:
+    """activation(norm(y)) for norm in training: on the kernels of dwconv.batch_norm where they read
+    y and nothing would see inside the call (autograd of any order is fine; forward-mode AD,
+    torch.func, torch.compile, tracing, subclasses are not), else the modules' own forwards."""
     # (from the modules' own dicts: this runs at every training call, Module.__getattr__ costs)
     buffers, parameters = norm._buffers, norm._parameters
     running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
     tensors = (parameters.get("weight"), parameters.get("bias"), running_mean, running_var)
     if precompile._TRACING.__dict__.get("active") and norm.track_running_stats and running_mean is not None:
-        precompile.record_batch_norm(y, norm, conv.dwconv_activation)  # (a warmup's fake run: compile its kernels)
+        precompile.record_batch_norm(y, norm, activation)  # (a warmup's fake run: compile its kernels)
     if (type(y) is torch.Tensor and running_mean is not None and running_var is not None and y.dim() == 4
             and y.is_floating_point() and functional.uses_triton(y) and forward_ad._current_level < 0
             and norm.track_running_stats and not torch.compiler.is_compiling() and not torch._C._is_tracing()
             and all(t is None or (type(t) in PLAIN_TENSORS and t.device == y.device) for t in tensors)
             and not functional._pytorch_must_run(y, *tensors)):
-        return batch_norm_activation(y, norm, conv.dwconv_activation)
+        return batch_norm_activation(y, norm, activation)
     return batch_norm_reference(y, norm, activation_module)
 
 
@@ -139,11 +180,18 @@ def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Prox
     return input.tracer.create_proxy("call_module", input.tracer.path_of_module(module), (input,), {})
 
 
+# a block's module roles: (the behaviour mixed in, the class name's prefix)
+_ROLES = {"norm": (_PassedThrough, "Folded"), "activation": (_PassedThrough, "Fused"),
+          "trained norm": (_TrainedNorm, "Trained"), "trained activation": (_TrainedActivation, "Trained")}
+
+
 @functools.lru_cache(maxsize=None)
 def folded_class(role: str, cls: type) -> type:
-    """cls with a fused block's role (a subclass, so its own forward, super() calls and isinstance
-    hold), one class for each: "norm" or "activation". Pickled and copied by role and class."""
-    return type(("Folded" if role == "norm" else "Fused") + cls.__name__, (_PassedThrough, cls),
+    """cls with a block's role (a subclass, so its own forward, super() calls and isinstance hold),
+    one class for each (_ROLES: a depthwise block's "norm" or "activation", a trained block's
+    "trained norm" or "trained activation"). Pickled and copied by role and class."""
+    mixin, prefix = _ROLES[role]
+    return type(prefix + cls.__name__, (mixin, cls),
                 {"__reduce_ex__": _reduce, "__module__": __name__, "dwconv_role": role})
 
 
@@ -258,9 +306,9 @@ def _hooked(module: nn.Module) -> bool:
                 or getattr(module, "_backward_pre_hooks", None))
 
 
-def _foldable_norm(module: nn.Module, conv: DepthwiseConv2d) -> Tuple[bool, str]:
-    """(whether module is a BatchNorm2d that folds into conv, the activation inside it: timm's
-    BatchNormAct2d applies one)."""
+def _foldable_norm(module: nn.Module, conv: Optional[DepthwiseConv2d]) -> Tuple[bool, str]:
+    """(whether module is a BatchNorm2d that folds into conv (conv None: that a trained block can
+    compute), the activation inside it: timm's BatchNormAct2d applies one)."""
     inner = "identity"
     if type(module) is not nn.BatchNorm2d:
         if not (isinstance(module, nn.BatchNorm2d) and type(module).__name__ == "BatchNormAct2d"
@@ -268,7 +316,7 @@ def _foldable_norm(module: nn.Module, conv: DepthwiseConv2d) -> Tuple[bool, str]
             return False, inner
         inner = activation_of(module.act)
     ok = (module.track_running_stats and module.running_mean is not None
-          and module.num_features == conv.out_channels and not _hooked(module))
+          and (conv is None or module.num_features == conv.out_channels) and not _hooked(module))
     return ok, inner
 
 
@@ -311,10 +359,42 @@ def find_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
     return blocks, left
 
 
+def find_norm_blocks(model: nn.Module, taken: set) -> List[Block]:
+    """The model's other BatchNorm2d (not in a depthwise block: ids in taken) that dwconv's kernels
+    can compute in training, each with the activation module that alone takes its output, proven as
+    find_blocks proves a block: blocks whose layer is None."""
+    uses = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    blocks = []
+    for parent in model.modules():
+        children = dict(parent.named_children())
+        norms = {name: child for name, child in children.items()
+                 if id(child) not in taken and uses[id(child)] == 1 and _foldable_norm(child, None)[0]}
+        flow = _in_both_modes(parent) if norms else None
+        for name, norm in norms.items() if flow is not None else ():
+            activation = _foldable_norm(norm, None)[1]
+            following = flow.get(name)
+            activation_module = children.get(following[0]) if following else None
+            if not (activation == "identity" and activation_module is not None and activation_of(activation_module)
+                    and uses[id(activation_module)] == 1 and not _hooked(activation_module)
+                    and id(activation_module) not in taken):
+                activation_module = None
+            else:
+                activation = activation_of(activation_module)
+            places = [(parent, n, children[n]) for n in (name, following[0] if activation_module is not None else None)
+                      if n is not None]
+            if type(norm) is not nn.BatchNorm2d:  # (timm's BatchNormAct2d: its own act)
+                places += [(norm, "drop", norm.drop), (norm, "act", norm.act)]
+            blocks.append((None, norm, activation_module, activation, tuple(places)))
+    return blocks
+
+
 def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
-    """Makes each block find_blocks proves a fused one (the modules' classes change); returns them
-    and why other converted layers are not fused."""
+    """Makes each block find_blocks proves a fused one, and each find_norm_blocks proves a trained
+    one (the modules' classes change); returns them (the depthwise blocks first) and why other
+    converted layers are not fused."""
     blocks, left = find_blocks(model)
+    taken = {id(m) for block in blocks for m in block[1:3] if m is not None}
+    norm_blocks = find_norm_blocks(model, taken)
     for conv, norm, activation_module, activation, places in blocks:
         # (the norm as a plain attribute, not a submodule: its parameters stay where they were, once)
         block = (conv, norm, activation_module, places)  # (each member asks fused_now of the whole block)
@@ -326,4 +406,11 @@ def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
         if activation_module is not None:
             activation_module.__dict__["dwconv_block"] = block
             activation_module.__class__ = folded_class("activation", type(activation_module))
-    return blocks, left
+    for _, norm, activation_module, activation, places in norm_blocks:
+        block = (None, norm, activation_module, places)
+        norm.__dict__.update(dwconv_block=block, dwconv_activation=activation)
+        norm.__class__ = folded_class("trained norm", type(norm))
+        if activation_module is not None:
+            activation_module.__dict__["dwconv_block"] = block
+            activation_module.__class__ = folded_class("trained activation", type(activation_module))
+    return blocks + norm_blocks, left
