@@ -692,3 +692,38 @@ def test_a_hooked_batch_norm_trains_as_stock():
         assert_close(seen["fused"], seen["stock"], torch.float32, f"what a hook on {name} sees")
         assert_close(out, ref, torch.float32, f"output with a hook on {name}")
     assert fused_now_all(fused)
+
+
+def test_batch_norms_no_block_holds_train_alone():
+    """A BatchNorm2d whose module does not trace (Branching), one called twice (Shared) and timm's
+    BatchNormAct2d after a pointwise convolution: each trains on dwconv's kernels by itself (the
+    last with its own activation), as stock's over steps; then eval."""
+    from dwconv import fuse
+
+    pointwise = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 1), BatchNormAct2d(8))
+    pointwise[1].load_state_dict(_bn(8).state_dict())
+    stock = torch.nn.Sequential(Branching(), Shared(), pointwise).train().to(DEVICE)
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    assert [type(m).__name__ for m in (fused[0].bn, fused[1].bn, fused[2][1])] == \
+        ["TrainedBatchNorm2d", "TrainedBatchNorm2d", "TrainedBatchNormAct2d"]
+    calls = []
+    original = fuse.batch_norm_activation
+    fuse.batch_norm_activation = lambda y, norm, activation: calls.append(activation) or original(y, norm, activation)
+    try:
+        x = randn(2, 8, 7, 9)
+        for step in range(2):
+            out, ref = fused(x), stock(x)
+            assert_close(out, ref, torch.float32, f"training output, step {step}")
+            grad_out = randn(*out.shape)
+            out.backward(grad_out)
+            ref.backward(grad_out)
+    finally:
+        fuse.batch_norm_activation = original
+    # (Branching's own block and its BatchNorm, Shared's BatchNorm twice, BatchNormAct2d's hardswish)
+    assert calls == ["relu6", "identity", "identity", "identity", "hardswish"] * 2, calls
+    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
+        assert_close(p.grad, p_ref.grad, torch.float32, f"grad of {name}")
+    for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
+        assert_close(b, b_ref, torch.float32, name)
+    fused.eval(), stock.eval()
+    _assert_same_model(stock, fused, x, "eval after training")

@@ -361,16 +361,17 @@ def find_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
 
 def find_norm_blocks(model: nn.Module, taken: set) -> List[Block]:
     """The model's other BatchNorm2d (not in a depthwise block: ids in taken) that dwconv's kernels
-    can compute in training, each with the activation module that alone takes its output, proven as
-    find_blocks proves a block: blocks whose layer is None."""
+    can compute in training, each with the activation module that alone takes its output where that
+    is proven as find_blocks proves a block (alone where it is not: a BatchNorm by itself needs no
+    proof): blocks whose layer is None."""
     uses = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     blocks = []
     for parent in model.modules():
         children = dict(parent.named_children())
         norms = {name: child for name, child in children.items()
                  if id(child) not in taken and uses[id(child)] == 1 and _foldable_norm(child, None)[0]}
-        flow = _in_both_modes(parent) if norms else None
-        for name, norm in norms.items() if flow is not None else ():
+        flow = (_in_both_modes(parent) if norms else None) or {}
+        for name, norm in norms.items():
             activation = _foldable_norm(norm, None)[1]
             following = flow.get(name)
             activation_module = children.get(following[0]) if following else None
