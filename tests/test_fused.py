@@ -205,14 +205,10 @@ def test_fused_block_in_eval_mode(activation, capsys):
     _assert_same_model(stock, fused, x, "eval after a change of statistics")
 
 
-def test_fused_block_trains_as_the_stock_block():
-    """Training mode: BatchNorm on the batch's statistics, running statistics updated, gradients
-    of every parameter as stock's; then eval on the updated statistics."""
-    stock = torch.nn.Sequential(_block(), Residual()).train().to(DEVICE)
-    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
-    assert type(fused[1].conv_dw).__name__ == "FusedDepthwiseConv2d"  # (the traced residual block)
-    x = randn(4, 8, 9, 11)
-    for step in range(2):
+def _trains_as_stock(stock, fused, x, steps=2):
+    """Training steps of both models on x: outputs, then every parameter's gradient and every buffer
+    (running statistics, num_batches_tracked) as stock's; then both in eval mode on the statistics."""
+    for step in range(steps):
         out, ref = fused(x), stock(x)
         assert_close(out, ref, torch.float32, f"training output, step {step}")
         grad_out = randn(*out.shape)
@@ -224,6 +220,15 @@ def test_fused_block_trains_as_the_stock_block():
         assert_close(b, b_ref, torch.float32, name)
     fused.eval(), stock.eval()
     _assert_same_model(stock, fused, x, "eval after training")
+
+
+def test_fused_block_trains_as_the_stock_block():
+    """Training mode: BatchNorm on the batch's statistics, running statistics updated, gradients
+    of every parameter as stock's; then eval on the updated statistics."""
+    stock = torch.nn.Sequential(_block(), Residual()).train().to(DEVICE)
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    assert type(fused[1].conv_dw).__name__ == "FusedDepthwiseConv2d"  # (the traced residual block)
+    _trains_as_stock(stock, fused, randn(4, 8, 9, 11))
 
 
 def test_fused_block_in_eval_mode_with_gradients():
@@ -650,21 +655,8 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
     monkeypatch.setattr(fuse, "batch_norm_activation", lambda y, norm, activation: calls.append(activation)
                         or original(y, norm, activation))
     x = randn(4, 8, 7, 9).contiguous(memory_format=memory_format)
-    for step in range(2):
-        out, ref = fused(x), stock(x)
-        assert_close(out, ref, torch.float32, f"training output, step {step}")
-        grad_out = randn(*out.shape)
-        out.backward(grad_out)
-        ref.backward(grad_out)
-    assert calls == ["relu6", "relu6", "identity"] * 2, calls
-    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
-        assert_close(p.grad, p_ref.grad, torch.float32, f"grad of {name}")
-    for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
-        assert_close(b, b_ref, torch.float32, name)
-    fused.eval(), stock.eval()
-    calls.clear()
-    _assert_same_model(stock, fused, x, "eval after training")
-    assert calls == []
+    _trains_as_stock(stock, fused, x)
+    assert calls == ["relu6", "relu6", "identity"] * 2, calls  # (none in eval mode)
     buffer = io.BytesIO()
     torch.save(fused, buffer)
     buffer.seek(0)
@@ -710,20 +702,8 @@ def test_batch_norms_no_block_holds_train_alone():
     original = fuse.batch_norm_activation
     fuse.batch_norm_activation = lambda y, norm, activation: calls.append(activation) or original(y, norm, activation)
     try:
-        x = randn(2, 8, 7, 9)
-        for step in range(2):
-            out, ref = fused(x), stock(x)
-            assert_close(out, ref, torch.float32, f"training output, step {step}")
-            grad_out = randn(*out.shape)
-            out.backward(grad_out)
-            ref.backward(grad_out)
+        _trains_as_stock(stock, fused, randn(2, 8, 7, 9))
     finally:
         fuse.batch_norm_activation = original
-    # (Branching's own block and its BatchNorm, Shared's BatchNorm twice, BatchNormAct2d's hardswish)
+    # (Branching's own block and its BatchNorm, Shared's BatchNorm twice, BatchNormAct2d's hardswish; none in eval)
     assert calls == ["relu6", "identity", "identity", "identity", "hardswish"] * 2, calls
-    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
-        assert_close(p.grad, p_ref.grad, torch.float32, f"grad of {name}")
-    for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
-        assert_close(b, b_ref, torch.float32, name)
-    fused.eval(), stock.eval()
-    _assert_same_model(stock, fused, x, "eval after training")
