@@ -368,11 +368,11 @@ def find_norm_blocks(model: nn.Module, taken: set) -> List[Block]:
     blocks = []
     for parent in model.modules():
         children = dict(parent.named_children())
-        norms = {name: child for name, child in children.items()
-                 if id(child) not in taken and uses[id(child)] == 1 and _foldable_norm(child, None)[0]}
+        norms = {name: (child, _foldable_norm(child, None)) for name, child in children.items()
+                 if id(child) not in taken and uses[id(child)] == 1}
+        norms = {name: (norm, inner) for name, (norm, (ok, inner)) in norms.items() if ok}
         flow = (_in_both_modes(parent) if norms else None) or {}
-        for name, norm in norms.items():
-            activation = _foldable_norm(norm, None)[1]
+        for name, (norm, activation) in norms.items():
             following = flow.get(name)
             activation_module = children.get(following[0]) if following else None
             if not (activation == "identity" and activation_module is not None and activation_of(activation_module)

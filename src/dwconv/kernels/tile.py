@@ -28,6 +28,7 @@ from ._launch import (ForwardConfig, GradWeightConfig, LaunchPlan, alignment, ca
                       new_partial, plan_cache)
 from ._shared import (_activate, _activation_slope, _load_weights, _tap_weights, acc_dtype,
                       channels_last_kernel_applies, forward_constants, needs_int64, partial_dtype)
+from .batch_norm import _scale_shift
 from .weight_sums import sum_partials, weight_grad_sums
 
 
@@ -177,21 +178,15 @@ def _widen_pixels(loaded, ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_P
 
 
 @triton.jit
-def _norm_constants(c, c_ok, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, totals_ptr, count,
-                    ACC_DTYPE: tl.constexpr, AFFINE: tl.constexpr):
+def _norm_constants(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, totals_ptr, count, AFFINE: tl.constexpr):
     """Per channel ([1, BLOCK_C] each), what the gradient of a BatchNorm in training takes (as
     kernels/batch_norm.py's grad_input_kernel computes it): z = y * scale + shift, and
     grad_y = scale * (g - mean_g - (y - mean) * invstd * mean_g_xhat) with g = grad * act'(z);
     totals: [2, channels], the sums of g and of g * (y - mean) * invstd over the count positions."""
-    mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0).to(ACC_DTYPE)
-    invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0).to(ACC_DTYPE)
-    scale = invstd
-    shift = -mean * invstd
-    if AFFINE:
-        scale = invstd * tl.load(weight_ptr + c, mask=c_ok, other=0.0).to(ACC_DTYPE)
-        shift = tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(ACC_DTYPE) - mean * scale
-    mean_g = tl.load(totals_ptr + c, mask=c_ok, other=0.0).to(ACC_DTYPE) / count
-    mean_g_xhat = tl.load(totals_ptr + channels + c, mask=c_ok, other=0.0).to(ACC_DTYPE) / count
+    mean, invstd, scale, shift = _scale_shift(c, channels, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, AFFINE)
+    c_ok = c < channels
+    mean_g = tl.load(totals_ptr + c, mask=c_ok, other=0.0) / count
+    mean_g_xhat = tl.load(totals_ptr + channels + c, mask=c_ok, other=0.0) / count
     return scale, shift, mean, invstd, mean_g, mean_g_xhat
 
 
@@ -747,8 +742,8 @@ def depthwise_grad_nhwc_rows_kernel(
     dx_base = dx_ptr + n * dx_stride_n + c
     norm = ()
     if NORM:
-        norm = _norm_constants(c, c_ok, channels, norm_mean_ptr, norm_invstd_ptr, norm_weight_ptr, norm_bias_ptr,
-                               norm_totals_ptr, norm_count, ACC_DTYPE, NORM_AFFINE)
+        norm = _norm_constants(c, channels, norm_mean_ptr, norm_invstd_ptr, norm_weight_ptr, norm_bias_ptr,
+                               norm_totals_ptr, norm_count, NORM_AFFINE)
     cols_inside = ((first_col + BLOCK_W <= tile_w) & (first_c + BLOCK_C <= channels) & (first_col - pad_left >= 0)
                    & (first_col + BLOCK_W - 1 - pad_left + (KW - 1) * DILATION_W < src_w))
     if cols_inside:
