@@ -644,8 +644,8 @@ class InvertedResidual(torch.nn.Module):
 def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
     """fuse=True: a BatchNorm2d outside any depthwise block (after a pointwise convolution) computes
     itself and the activation module after it on dwconv's kernels in training, the activation module
-    passing its input through; in eval mode both run as before. Outputs, every gradient and the
-    running statistics as stock's over steps; then eval."""
+    passing its input through; in eval mode it is folded into the convolution before it. Outputs, every
+    gradient and the running statistics as stock's over steps; then eval, with and without gradients."""
     import io
 
     from dwconv import fuse
@@ -654,10 +654,10 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
     stock = InvertedResidual().train().to(DEVICE).to(memory_format=memory_format)
     fused = dwconv.convert(stock, fuse=True, precompile=False)
     assert ("fused 1 depthwise block(s) (1 BatchNorm2d folded in eval mode, on dwconv's kernels in training; "
-            "1 activation(s) fused); 2 other BatchNorm2d on dwconv's kernels in training (1 with their activation)"
-            ) in capsys.readouterr().out
-    assert [type(fused.bn1).__name__, type(fused.act1).__name__, type(fused.bn3).__name__] == \
-        ["TrainedBatchNorm2d", "TrainedReLU6", "TrainedBatchNorm2d"]
+            "1 activation(s) fused); 2 other BatchNorm2d on dwconv's kernels in training (1 with their activation, "
+            "2 folded into their convolution in eval mode)") in capsys.readouterr().out
+    assert [type(getattr(fused, name)).__name__ for name in ("expand", "bn1", "act1", "project", "bn3")] == \
+        ["FoldingConv2d", "TrainedBatchNorm2d", "TrainedReLU6", "FoldingConv2d", "TrainedBatchNorm2d"]
     assert list(fused.state_dict()) == list(stock.state_dict())
     calls = []
     original = fuse.batch_norm_activation
@@ -666,6 +666,24 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
     x = randn(4, 8, 7, 9).contiguous(memory_format=memory_format)
     _trains_as_stock(stock, fused, x)
     assert calls == ["relu6", "relu6", "identity"] * 2, calls  # (none in eval mode)
+    # eval mode: no BatchNorm computes (each folded into its convolution), the folded parameters follow
+    # an in-place change of the statistics, and with gradients every parameter's is stock's
+    norms, batch_norm = [], F.batch_norm
+    monkeypatch.setattr(F, "batch_norm", lambda *a, **k: norms.append(1) or batch_norm(*a, **k))
+    with torch.no_grad():
+        fused(x)
+    monkeypatch.setattr(F, "batch_norm", batch_norm)
+    assert not norms, "a BatchNorm computed in eval mode"
+    with torch.no_grad():
+        fused.bn3.running_var.mul_(3), stock.bn3.running_var.mul_(3)
+    _assert_same_model(stock, fused, x, "eval after a change of statistics")
+    grad_out = randn(*x.shape)
+    for model in (fused, stock):
+        model.zero_grad()
+        model(x).backward(grad_out)
+    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
+        scale = max(1.0, p_ref.grad.abs().max().item())
+        assert_close(p.grad / scale, p_ref.grad / scale, torch.float32, f"eval-mode grad of {name} over {scale:.3g}")
     buffer = io.BytesIO()
     torch.save(fused, buffer)
     buffer.seek(0)
@@ -677,21 +695,24 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
 
 
 def test_a_hooked_batch_norm_trains_as_stock():
-    """A hook on a trained block's BatchNorm (or activation) sees stock's values: that block runs its
-    modules as before while the hook is there; the others stay on the kernels."""
+    """A hook on a trained block's module (its convolution, BatchNorm or activation) sees stock's
+    values, in training and in eval mode: that block runs its modules as before while the hook is
+    there; the others stay on the kernels (folded in eval mode)."""
     stock = InvertedResidual().train().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     x = randn(4, 8, 7, 9)
-    for name in ("bn1", "act1"):
-        seen = {}
-        handles = [getattr(model, name).register_forward_hook(
-            lambda module, args, out, label=label: seen.setdefault(label, out.detach().clone()))
-            for model, label in ((fused, "fused"), (stock, "stock"))]
-        out, ref = fused(x), stock(x)
-        for handle in handles:
-            handle.remove()
-        assert_close(seen["fused"], seen["stock"], torch.float32, f"what a hook on {name} sees")
-        assert_close(out, ref, torch.float32, f"output with a hook on {name}")
+    for mode in ("train", "eval"):
+        fused.train(mode == "train"), stock.train(mode == "train")
+        for name in ("expand", "bn1", "act1"):
+            seen = {}
+            handles = [getattr(model, name).register_forward_hook(
+                lambda module, args, out, label=label: seen.setdefault(label, out.detach().clone()))
+                for model, label in ((fused, "fused"), (stock, "stock"))]
+            out, ref = fused(x), stock(x)
+            for handle in handles:
+                handle.remove()
+            assert_close(seen["fused"], seen["stock"], torch.float32, f"what a hook on {name} sees, {mode}")
+            assert_close(out, ref, torch.float32, f"output with a hook on {name}, {mode}")
     assert fused_now_all(fused)
 
 

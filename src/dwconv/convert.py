@@ -84,15 +84,16 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
 
         blocks, not_fused = fuse_blocks(model)
         if verbose:
-            depthwise = [block for block in blocks if block[0] is not None]
-            trained = [block for block in blocks if block[0] is None]
+            depthwise = [block for block in blocks if isinstance(block[0], DepthwiseConv2d)]
+            trained = [block for block in blocks if not isinstance(block[0], DepthwiseConv2d)]
             norms = sum(norm is not None for _, norm, *_ in depthwise)
             activations = sum(activation != "identity" for *_, activation, _ in depthwise)
             why = "".join(f"; {count} not fused ({reason})" for reason, count in sorted(not_fused.items()))
             print(f"dwconv.convert: fused {len(depthwise)} depthwise block(s) ({norms} BatchNorm2d folded in eval "
                   f"mode, on dwconv's kernels in training; {activations} activation(s) fused){why}; "
                   f"{len(trained)} other BatchNorm2d on dwconv's kernels in training "
-                  f"({sum(activation != 'identity' for *_, activation, _ in trained)} with their activation)")
+                  f"({sum(activation != 'identity' for *_, activation, _ in trained)} with their activation, "
+                  f"{sum(conv is not None for conv, *_ in trained)} folded into their convolution in eval mode)")
     from .precompile import warm_up_on_first_call, warmup
 
     if precompile and layers:

@@ -5,9 +5,11 @@ BatchNorm folded into the layer's weight and bias, the activation in the kernel'
 gradient wanted) or PyTorch's function after it (one wanted). In training mode, the convolution
 and then BatchNorm (the batch's statistics, the running ones updated) with the activation in two
 passes forward and two backward (dwconv.batch_norm). Every other BatchNorm2d of the model (after a
-pointwise convolution, before a residual add) makes a trained block with the activation module
-after it: in training the BatchNorm computes both on the same kernels and the activation module
-passes its input through; in eval mode both run as before.
+pointwise convolution, before a residual add) makes a trained block with the nn.Conv2d before it and
+the activation module after it: in training the BatchNorm computes both on the same kernels and the
+activation module passes its input through; in eval mode the BatchNorm is folded into the
+convolution's weight and bias (PyTorch's convolution then computes both) and the activation runs as
+before.
 
 Nothing is replaced: the three modules keep their identity, parameters, buffers and state_dict
 keys; only their classes change (FusedDepthwiseConv2d, and subclasses of the norm's and the
@@ -116,20 +118,44 @@ def fused_now(block: tuple) -> bool:
 
 
 class _TrainedNorm:
-    """The BatchNorm2d of a trained block (no depthwise layer before it: `find_norm_blocks`): in
-    training, where its block holds at the call, it computes itself and the activation after it on
-    dwconv's BatchNorm kernels; in eval mode, as its own class does."""
+    """The BatchNorm2d of a trained block (no depthwise layer before it: `find_norm_blocks`), where its
+    block holds at the call: in training, it computes itself and the activation after it on dwconv's
+    BatchNorm kernels; in eval mode, where the block has a convolution (which then computed it), it
+    passes its input through (timm's BatchNormAct2d applies its own activation); otherwise it runs as
+    its own class does."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.fx.Proxy):
             return _traced_as_a_call(self, input)
-        _, _, activation_module, _ = block = self.dwconv_block
-        if self.training and fused_now(block):
-            return _trained(self, activation_module, self.dwconv_activation, input)
+        conv, _, activation_module, _ = block = self.dwconv_block
+        if (self.training or conv is not None) and fused_now(block):
+            if self.training:
+                return _trained(self, activation_module, self.dwconv_activation, input)
+            act = self._modules.get("act")
+            return input if act is None else act(input)
         return super().forward(input)
 
     def extra_repr(self) -> str:
-        return f"in training on dwconv's kernels with activation={self.dwconv_activation!r}, " + super().extra_repr()
+        folded = ", folded into its convolution in eval mode" if self.dwconv_block[0] is not None else ""
+        return (f"in training on dwconv's kernels with activation={self.dwconv_activation!r}{folded}, "
+                + super().extra_repr())
+
+
+class _FoldingConv:
+    """The nn.Conv2d of a trained block: with the block's BatchNorm in eval mode, where the block holds
+    at the call, it computes the BatchNorm too (folded into its weight and bias: one pass over its
+    output less); otherwise it runs as its own class does."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return _traced_as_a_call(self, input)
+        norm = self.dwconv_block[1]
+        if norm.training or not fused_now(self.dwconv_block):
+            return super().forward(input)
+        return self._conv_forward(input, *_folded_parameters(self, norm))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", the BatchNorm after it folded in eval mode"
 
 
 class _TrainedActivation:
@@ -174,6 +200,26 @@ def _trained(norm: nn.BatchNorm2d, activation_module: Optional[nn.Module], activ
     return batch_norm_reference(y, norm, activation_module)
 
 
+def _folded_parameters(conv: nn.Conv2d, norm: nn.BatchNorm2d) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fold_batch_norm of a trained block's convolution: kept from call to call while nothing wants
+    their gradient and the parameters and statistics stay (version counters, storage); computed at
+    each call where autograd, torch.compile, tracing or torch.func must see the folding."""
+    tensors = [t for t in (conv._parameters["weight"], conv._parameters["bias"], norm._parameters["weight"],
+                           norm._parameters["bias"], norm._buffers["running_mean"], norm._buffers["running_var"])
+               if t is not None]
+    if (torch.compiler.is_compiling() or torch._C._is_tracing() or _gradient_wanted(*tensors)
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or any(type(t) is not torch.Tensor and type(t) is not nn.Parameter for t in tensors)):
+        return fold_batch_norm(conv.weight, conv.bias, norm)
+    key = (norm.eps, *[t._version for t in tensors], *[t.data_ptr() for t in tensors])
+    cached = conv.__dict__.get("_dwconv_folded")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, *fold_batch_norm(conv.weight, conv.bias, norm))
+        conv.__dict__["_dwconv_folded"] = cached
+    return cached[1], cached[2]
+
+
 def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Proxy:
     """Under torch.fx's symbolic trace: one call of the module, so that the traced graph decides
     between the fused and the plain block when it runs (a trace would keep one mode's branch)."""
@@ -182,14 +228,15 @@ def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Prox
 
 # a block's module roles: (the behaviour mixed in, the class name's prefix)
 _ROLES = {"norm": (_PassedThrough, "Folded"), "activation": (_PassedThrough, "Fused"),
-          "trained norm": (_TrainedNorm, "Trained"), "trained activation": (_TrainedActivation, "Trained")}
+          "trained norm": (_TrainedNorm, "Trained"), "trained activation": (_TrainedActivation, "Trained"),
+          "trained conv": (_FoldingConv, "Folding")}
 
 
 @functools.lru_cache(maxsize=None)
 def folded_class(role: str, cls: type) -> type:
     """cls with a block's role (a subclass, so its own forward, super() calls and isinstance hold),
     one class for each (_ROLES: a depthwise block's "norm" or "activation", a trained block's
-    "trained norm" or "trained activation"). Pickled and copied by role and class."""
+    "trained norm", "trained activation" or "trained conv"). Pickled and copied by role and class."""
     mixin, prefix = _ROLES[role]
     return type(prefix + cls.__name__, (mixin, cls),
                 {"__reduce_ex__": _reduce, "__module__": __name__, "dwconv_role": role})
@@ -197,7 +244,8 @@ def folded_class(role: str, cls: type) -> type:
 
 def _reduce(module: nn.Module, protocol: int):
     cls = type(module)
-    return _rebuild, (cls.dwconv_role, cls.__mro__[2]), module.__dict__.copy()
+    state = {k: v for k, v in module.__dict__.items() if not k.startswith("_dwconv_")}  # (caches stay behind)
+    return _rebuild, (cls.dwconv_role, cls.__mro__[2]), state
 
 
 def _rebuild(role: str, cls: type) -> nn.Module:
@@ -361,9 +409,10 @@ def find_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
 
 def find_norm_blocks(model: nn.Module, taken: set) -> List[Block]:
     """The model's other BatchNorm2d (not in a depthwise block: ids in taken) that dwconv's kernels
-    can compute in training, each with the activation module that alone takes its output where that
-    is proven as find_blocks proves a block (alone where it is not: a BatchNorm by itself needs no
-    proof): blocks whose layer is None."""
+    can compute in training, each with the activation module that alone takes its output and the
+    nn.Conv2d whose output it alone takes, where that is proven as find_blocks proves a block (alone
+    where it is not: a BatchNorm by itself needs no proof): blocks whose layer is that convolution or
+    None."""
     uses = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     blocks = []
     for parent in model.modules():
@@ -381,11 +430,17 @@ def find_norm_blocks(model: nn.Module, taken: set) -> List[Block]:
                 activation_module = None
             else:
                 activation = activation_of(activation_module)
-            places = [(parent, n, children[n]) for n in (name, following[0] if activation_module is not None else None)
-                      if n is not None]
+            producers = [n for n, users in flow.items() if users == (name,)]
+            conv = children[producers[0]] if producers else None
+            if not (type(conv) is nn.Conv2d and uses[id(conv)] == 1 and not _hooked(conv)
+                    and conv.out_channels == norm.num_features):
+                conv = None
+            members = (producers[0] if conv is not None else None, name,
+                       following[0] if activation_module is not None else None)
+            places = [(parent, n, children[n]) for n in members if n is not None]
             if type(norm) is not nn.BatchNorm2d:  # (timm's BatchNormAct2d: its own act)
                 places += [(norm, "drop", norm.drop), (norm, "act", norm.act)]
-            blocks.append((None, norm, activation_module, activation, tuple(places)))
+            blocks.append((conv, norm, activation_module, activation, tuple(places)))
     return blocks
 
 
@@ -407,10 +462,13 @@ def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
         if activation_module is not None:
             activation_module.__dict__["dwconv_block"] = block
             activation_module.__class__ = folded_class("activation", type(activation_module))
-    for _, norm, activation_module, activation, places in norm_blocks:
-        block = (None, norm, activation_module, places)
+    for conv, norm, activation_module, activation, places in norm_blocks:
+        block = (conv, norm, activation_module, places)
         norm.__dict__.update(dwconv_block=block, dwconv_activation=activation)
         norm.__class__ = folded_class("trained norm", type(norm))
+        if conv is not None:
+            conv.__dict__["dwconv_block"] = block
+            conv.__class__ = folded_class("trained conv", type(conv))
         if activation_module is not None:
             activation_module.__dict__["dwconv_block"] = block
             activation_module.__class__ = folded_class("trained activation", type(activation_module))
