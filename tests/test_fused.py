@@ -372,10 +372,11 @@ def test_eval_block_runs_one_activated_kernel(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_fused_model_under_torch_compile(mode):
-    """fullgraph=True: the folding and the activation traced (no graph break), the same values as eager."""
+    """fullgraph=True: the foldings (into the depthwise layers and into the pointwise convolutions) and
+    the activation traced (no graph break), the same values as eager."""
     from test_integration import BACKEND
 
-    stock = torch.nn.Sequential(_block(), Residual()).train(mode == "train").to(DEVICE)
+    stock = torch.nn.Sequential(_block(), Residual(), InvertedResidual()).train(mode == "train").to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     compiled = torch.compile(fused, fullgraph=True, backend=BACKEND)
     x = randn(2, 8, 9, 11)
