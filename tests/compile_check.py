@@ -236,7 +236,23 @@ def backward_through_batch_norm(shape, kernel, dtype, config, activation, **conv
                                  1e-5, config)
 
 
+def batch_norm_fold(weight_shape, dtype, bias=True, affine=True, layout=torch.contiguous_format):
+    """A BatchNorm folded into the convolution before it in eval mode (kernels.batch_norm.fold)."""
+    from dwconv.kernels.batch_norm import fold
+
+    channels = weight_shape[0]
+    weight = torch.randn(weight_shape).contiguous(memory_format=layout)
+    gamma, beta = (torch.randn(channels), torch.randn(channels)) if affine else (None, None)
+    fold(weight, torch.randn(channels) if bias else None, gamma, beta, torch.randn(channels), torch.rand(channels) + 1,
+         1e-5, dtype)
+
+
 CASES += [
+    ("batch_norm fold into a pointwise convolution, bfloat16", batch_norm_fold, ((960, 160, 1, 1), bf16), {}),
+    ("batch_norm fold into a depthwise 3x3, float32, no bias, no affine", batch_norm_fold, ((144, 1, 3, 3), f32),
+     dict(bias=False, affine=False)),
+    ("batch_norm fold into a dense 3x3 channels_last, float16", batch_norm_fold, ((32, 3, 3, 3), f16),
+     dict(layout=CL)),
     ("fused backward nhwc rows through a BatchNorm and ReLU6, bfloat16 (the GPU's 56-wide blocks)",
      backward_through_batch_norm, ((2, 96, 12, 56), (3, 3), bf16, ForwardConfig("nhwc_rows", 6, 8, 1, block_c=32,
                                                                                 prefetch=True), 2),

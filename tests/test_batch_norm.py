@@ -3,6 +3,7 @@ fused depthwise block in training): the kernels against float64 F.batch_norm and
 activations (outputs, running statistics, every gradient), the Function under autograd's features
 (double backward, saved-tensor hooks, threads), and the fused block in training against stock."""
 
+import copy
 import threading
 
 import pytest
@@ -113,6 +114,43 @@ def test_without_affine_and_running_statistics():
                                                          ACTIVATION_CODES["silu"])
     assert grad_weight is None and grad_bias is None
     assert_close(grad_y, leaf.grad, torch.float32, "grad_y")
+
+
+# (out channels, in channels a group, kernel): a depthwise 3x3, pointwise layers past one block of
+# taps, a 1x1 of one tap, a dense 3x3 (its channels_last weight too)
+FOLD_WEIGHTS = [(67, 1, 3), (40, 131, 1), (5, 1, 1), (24, 7, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("options", ["bias-affine", "affine", "bias", "plain"])
+@pytest.mark.parametrize("weight_shape", FOLD_WEIGHTS, ids=lambda s: "x".join(map(str, s)))
+def test_fold_kernel_against_float64(weight_shape, options, dtype):
+    """kernels.batch_norm.fold (a convolution followed by a BatchNorm in eval mode): the folded weight
+    and bias in the dtype asked for, against fold_batch_norm in float64 (outputs poisoned first)."""
+    from dwconv.fuse import fold_batch_norm
+    from dwconv.kernels.batch_norm import fold
+
+    out_channels, in_channels, kernel = weight_shape
+    gen = torch.Generator().manual_seed(out_channels * 31 + kernel)
+    params = torch.float64 if dtype == torch.float64 else torch.float32
+    weight = randn(out_channels, in_channels, kernel, kernel, generator=gen).to(params)
+    if in_channels > 1 and kernel > 1:
+        weight = weight.contiguous(memory_format=torch.channels_last)
+    bias = randn(out_channels, generator=gen).to(params) if "bias" in options else None
+    norm = torch.nn.BatchNorm2d(out_channels, eps=1e-3, affine="affine" in options).to(DEVICE, params)
+    with torch.no_grad():
+        norm.running_mean.copy_(randn(out_channels, generator=gen))
+        norm.running_var.copy_(torch.rand(out_channels, generator=gen) * 3 + 0.1)
+        if norm.affine:
+            norm.weight.copy_(randn(out_channels, generator=gen))
+            norm.bias.copy_(randn(out_channels, generator=gen))
+    folded_weight, folded_bias = fold(weight, bias, norm.weight, norm.bias, norm.running_mean, norm.running_var,
+                                      norm.eps, dtype)
+    assert folded_weight.dtype == folded_bias.dtype == dtype and folded_weight.stride() == weight.stride()
+    norm64 = copy.deepcopy(norm).double()
+    ref_weight, ref_bias = fold_batch_norm(weight.double(), None if bias is None else bias.double(), norm64)
+    assert_close(folded_weight, ref_weight, dtype, "folded weight")
+    assert_close(folded_bias, ref_bias, dtype, "folded bias")
 
 
 def test_gradient_of_another_layout_and_expanded():

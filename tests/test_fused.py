@@ -350,24 +350,57 @@ def test_fused_model_saves_copies_and_loads(tmp_path):
 
 
 def test_eval_block_runs_one_activated_kernel(monkeypatch):
-    """Eval mode without gradients: one forward launch with the activation in its epilogue, the
-    folded weights computed once and kept while nothing changes (the Python path's launches: the
-    C++ path's replays of the recorded call are test_native's)."""
-    from dwconv import _library, fuse
+    """Eval mode without gradients: one forward launch with the activation in its epilogue, after
+    one launch that folds the BatchNorm into the weights, at every call (the Python path's launches:
+    the C++ path's replays of the recorded call are test_native's)."""
+    from dwconv import _library
+    from dwconv.kernels import batch_norm as batch_norm_kernels
 
     monkeypatch.setenv("DWCONV_NATIVE", "0")
 
     stock = _block(torch.nn.Hardswish).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     activations, folds = [], []
-    forward, fold = _library.conv_forward, fuse.fold_batch_norm
+    forward, fold = _library.conv_forward, batch_norm_kernels.fold
     monkeypatch.setattr(_library, "conv_forward", lambda *a, **k: activations.append(k.get("activation")) or
                         forward(*a, **k))
-    monkeypatch.setattr(fuse, "fold_batch_norm", lambda *a: folds.append(1) or fold(*a))
+    monkeypatch.setattr(batch_norm_kernels, "fold", lambda *a: folds.append(1) or fold(*a))
     with torch.no_grad():
         for _ in range(3):
             fused(randn(2, 8, 9, 11))
-    assert activations == [6, 6, 6] and len(folds) == 1
+    assert activations == [6, 6, 6] and len(folds) == 3
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_eval_folding_sees_changes_made_through_data(autocast):
+    """A parameter or statistic changed in place through `.data` (no version counter moves, as in an
+    old EMA's update) between two eval calls: the next call folds the new values, in a depthwise
+    block and in a pointwise convolution's block, and the activation-only block's autocast cast
+    follows its weight too."""
+    stock = torch.nn.Sequential(InvertedResidual(), _block(torch.nn.SiLU)[0], torch.nn.SiLU()).eval().to(DEVICE)
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    assert [type(m).__name__ for m in (fused[0].expand, fused[0].dw, fused[1])] == \
+        ["FoldingConv2d", "FusedDepthwiseConv2d", "FusedDepthwiseConv2d"]
+    x = randn(2, 8, 7, 9)
+    changes = [lambda m: m[0].bn1.running_var.data.mul_(3), lambda m: m[0].bn2.weight.data.mul_(-2),
+               lambda m: m[0].expand.weight.data.add_(1), lambda m: m[0].dw.weight.data.mul_(0.5),
+               lambda m: m[0].bn3.running_mean.data.add_(1), lambda m: m[1].weight.data.mul_(-1)]
+    # (an autocast region a call: within one, PyTorch's autocast keeps its casts of the weights, so that
+    # stock would not see the changes)
+    def run(model):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            return model(x).float()
+
+    with torch.no_grad():
+        run(fused)
+        for change in changes:
+            change(fused), change(stock)
+            out, ref = run(fused).double(), run(stock).double()
+            exact = copy.deepcopy(stock).double()(x.double())
+            # (within 4 times stock's own error against float64: a stale folding is off by the output's scale)
+            error, stock_error = (out - exact).abs().max().item(), (ref - exact).abs().max().item()
+            floor = (1e-3 if autocast else 1e-5) * exact.abs().max().item()
+            assert error <= 4 * stock_error + floor, f"{error:.3g} from float64's after a change (stock {stock_error:.3g})"
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
@@ -470,15 +503,19 @@ def test_eval_calls_follow_shapes_autocast_and_dtypes():
 
 
 def test_warmup_of_a_fused_model_records_the_fused_forward():
-    """A fused model's warmup (its fake run) records the block's call as it will run in eval
-    mode without gradients: one activated forward, with the layer's weight shape."""
+    """A fused model's warmup (its fake run) records the block's calls as they will run in eval
+    mode without gradients: the BatchNorm's folding, one activated forward with the layer's weight
+    shape."""
     from dwconv.precompile import layer_calls
 
     fused = dwconv.convert(_block(torch.nn.SiLU).eval().to(DEVICE), fuse=True, precompile=False, verbose=False)
     with torch.no_grad():
         calls = layer_calls(fused, randn(2, 8, 9, 11))
-    assert [(call.arguments[3:], call.tensors[1][0], call.grads) for call in calls] == [
-        (("silu",), (8, 1, 3, 3), (False, False, False))]
+    fold, conv = calls
+    assert (conv.arguments[3:], conv.tensors[1][0], conv.grads) == (("silu",), (8, 1, 3, 3), (False, False, False))
+    assert fold.fold and not conv.fold and fold.arguments == ("fold", "float32", "float32", 1e-5)
+    assert fold.tensors[0][0] == (8, 1, 3, 3) and fold.tensors[1] is None and fold.tensors[2][0] == (8,)
+    assert fold.without_batch() == fold and fold.passes() == ["forward"]
     fused.train()
     calls = layer_calls(fused, randn(2, 8, 9, 11))  # (training: the plain layer's passes, then BatchNorm's)
     assert [call.grads for call in calls] == [(False, True, False), (True, True, True)]

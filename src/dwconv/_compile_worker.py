@@ -47,6 +47,9 @@ def compile_call(call: dict) -> None:
     if arguments[0] == "batch_norm":  # (precompile.BATCH_NORM: a fused block's BatchNorm in training)
         compile_batch_norm(call["pass"], x, weight, bias, *arguments[1:])
         return
+    if arguments[0] == "fold":  # (precompile.FOLD: a BatchNorm folded into its convolution in eval mode)
+        compile_fold(x, weight, bias, *arguments[1:])
+        return
     geom = conv_geometry(x, weight, bias, *arguments[:3])  # (an activation may follow: eager_conv's)
     with torch.no_grad():
         if call["pass"] == "forward":
@@ -70,6 +73,17 @@ def compile_batch_norm(pass_: str, y, weight, bias, activation: str, running_dty
     else:
         statistics = torch.empty(channels, dtype=torch.float64 if y.dtype == torch.float64 else torch.float32)
         batch_norm_backward(torch.empty_like(y), y, weight, bias, statistics, statistics, 1e-5, code)
+
+
+def compile_fold(weight, bias, norm_weight, dtype: str, running_dtype: str, eps: float) -> None:
+    """kernels.batch_norm.fold's kernel for a convolution's weight (and bias) and a BatchNorm."""
+    import torch
+
+    from .kernels.batch_norm import fold
+
+    running = [torch.empty(weight.shape[0], dtype=getattr(torch, running_dtype)) for _ in range(2)]
+    norm_bias = None if norm_weight is None else torch.empty_like(norm_weight)
+    fold(weight, bias, norm_weight, norm_bias, *running, eps, getattr(torch, dtype))
 
 
 class LaunchSelector:

@@ -32,6 +32,7 @@ import torch.nn as nn
 from . import functional, precompile
 from ._geometry import conv_geometry
 from .batch_norm import batch_norm_activation
+from .kernels import batch_norm as batch_norm_kernels
 from .batch_norm import reference as batch_norm_reference
 from .activations import activation_of
 from .functional import _gradient_wanted, depthwise_conv2d
@@ -70,6 +71,8 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
             arguments = (self.stride, self.padding, self.dilation) + ((activation,) if activation else ())
             out = functional._known_layer(x, weight, bias, *arguments)  # (the C++ path's, where it knows the call)
             return functional._DOORS["eager"](x, weight, bias, geom, arguments) if out is None else out
+        if norm is not None and precompile._TRACING.__dict__.get("active") and not torch.is_grad_enabled():
+            precompile.record_fold(self.weight, self.bias, norm, _compute_dtype(input, self.weight))
         weight, bias = (self.weight, self.bias) if norm is None else fold_batch_norm(self.weight, self.bias, norm)
         return depthwise_conv2d(input, weight, bias, self.stride, self.padding, self.dilation, activation)
 
@@ -152,7 +155,7 @@ class _FoldingConv:
         norm = self.dwconv_block[1]
         if norm.training or not fused_now(self.dwconv_block):
             return super().forward(input)
-        return self._conv_forward(input, *_folded_parameters(self, norm))
+        return self._conv_forward(input, *_folded_parameters(self, norm, input))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", the BatchNorm after it folded in eval mode"
@@ -200,24 +203,47 @@ def _trained(norm: nn.BatchNorm2d, activation_module: Optional[nn.Module], activ
     return batch_norm_reference(y, norm, activation_module)
 
 
-def _folded_parameters(conv: nn.Conv2d, norm: nn.BatchNorm2d) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fold_batch_norm of a trained block's convolution: kept from call to call while nothing wants
-    their gradient and the parameters and statistics stay (version counters, storage); computed at
-    each call where autograd, torch.compile, tracing or torch.func must see the folding."""
+def _folded_parameters(conv: nn.Conv2d, norm: nn.BatchNorm2d, input: torch.Tensor
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fold_batch_norm of a trained block's convolution in eval mode, computed at each call: in the
+    graph where autograd, torch.compile, tracing or torch.func must see it, else by one launch in the
+    dtype the convolution computes in (autocast's: its cast of the weight is then none)."""
     tensors = [t for t in (conv._parameters["weight"], conv._parameters["bias"], norm._parameters["weight"],
                            norm._parameters["bias"], norm._buffers["running_mean"], norm._buffers["running_var"])
                if t is not None]
     if (torch.compiler.is_compiling() or torch._C._is_tracing() or _gradient_wanted(*tensors)
             or torch._C._functorch.peek_interpreter_stack() is not None
             or any(type(t) is not torch.Tensor and type(t) is not nn.Parameter for t in tensors)):
+        if precompile._TRACING.__dict__.get("active") and not _gradient_wanted(*tensors):
+            precompile.record_fold(conv.weight, conv.bias, norm, _compute_dtype(input, conv.weight))
         return fold_batch_norm(conv.weight, conv.bias, norm)
-    key = (norm.eps, *[t._version for t in tensors], *[t.data_ptr() for t in tensors])
-    cached = conv.__dict__.get("_dwconv_folded")
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            cached = (key, *fold_batch_norm(conv.weight, conv.bias, norm))
-        conv.__dict__["_dwconv_folded"] = cached
-    return cached[1], cached[2]
+    return folded_now(conv.weight, conv.bias, norm, _compute_dtype(input, conv.weight))
+
+
+def _compute_dtype(input: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a convolution of input by weight computes in: autocast's where it casts (floating
+    tensors other than float64), else the weight's."""
+    device = input.device.type
+    if torch.is_autocast_enabled(device) and weight.is_floating_point() and weight.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+def folded_now(weight: torch.Tensor, bias: Optional[torch.Tensor], norm: nn.BatchNorm2d, dtype: torch.dtype
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fold_batch_norm's (weight, bias) in dtype, nothing differentiated, from the tensors as they
+    are now: never kept from an earlier call, since a change made through `.data` (an old EMA's
+    update, say) moves no version counter and a kept folding would then be silently stale. One
+    launch (kernels/batch_norm.fold) where the kernels read the tensors, else PyTorch's ops."""
+    tensors = [t for t in (weight, bias, norm.weight, norm.bias, norm.running_mean, norm.running_var) if t is not None]
+    if (functional.uses_triton(weight) and all(t.device == weight.device and t.is_floating_point() for t in tensors)
+            and all(t.dim() == 1 and t.stride(0) == 1 for t in tensors[1:])
+            and (weight.is_contiguous() or weight.is_contiguous(memory_format=torch.channels_last))):
+        return batch_norm_kernels.fold(weight, bias, norm.weight, norm.bias, norm.running_mean, norm.running_var,
+                                       norm.eps, dtype)
+    with torch.no_grad():
+        weight, bias = fold_batch_norm(weight, bias, norm)
+    return weight.to(dtype), bias.to(dtype)
 
 
 def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Proxy:
@@ -268,15 +294,16 @@ def fold_batch_norm(weight: torch.Tensor, bias: Optional[torch.Tensor], norm: nn
 
 def _prepared_call(conv: FusedDepthwiseConv2d, norm: Optional[nn.BatchNorm2d], input: torch.Tensor):
     """(input as the kernels take it, the folded weight and bias, the geometry) of an eager call that
-    nothing differentiates, the arguments of the eager door: computed and checked at the first such
-    call of an input layout (and autocast dtype) and kept while the parameters and statistics stay
-    (version counters, storage, dtypes: a load_state_dict, a .to(), a training step change one).
-    None where the call takes depthwise_conv2d's full path: torch.compile, jit.trace and torch.func
-    must see the folding; autograd (either mode) differentiates it; subclasses and fake tensors
-    dispatch in Python; PyTorch computes tensors the kernels cannot read."""
+    nothing differentiates, the arguments of the eager door: the geometry computed and checked at the
+    first such call of an input layout (and autocast dtype) and kept while it stays; the folding (or
+    autocast's cast) done at every call (folded_now: a kept one could go stale unseen). None where
+    the call takes depthwise_conv2d's full path: torch.compile, jit.trace and torch.func must see the
+    folding; autograd (either mode) differentiates it; subclasses and fake tensors dispatch in
+    Python; PyTorch computes tensors the kernels cannot read."""
     # (from the modules' own dicts: this runs every call, and Module.__getattr__ costs a few us here)
     parameters = conv._parameters
-    tensors = [parameters["weight"], parameters["bias"]]
+    weight, bias = parameters["weight"], parameters["bias"]
+    tensors = [weight, bias]
     if norm is not None:
         tensors += [norm._parameters["weight"], norm._parameters["bias"], norm._buffers["running_mean"],
                     norm._buffers["running_var"]]
@@ -290,19 +317,18 @@ def _prepared_call(conv: FusedDepthwiseConv2d, norm: Optional[nn.BatchNorm2d], i
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     if autocast is not None and input.is_floating_point() and input.dtype not in (autocast, torch.float64):
         input = input.to(autocast)  # (as autocast casts F.conv2d's input)
-    # (a cast or a move gives a tensor new storage: its data pointer stands for its dtype and device)
-    key = (input.shape, input.stride(), input.dtype, input.device, autocast, norm.eps if norm is not None else None,
-           conv.stride, conv.padding, conv.dilation, *[t._version for t in tensors], *[t.data_ptr() for t in tensors])
+    dtype = _compute_dtype(input, weight)
+    if norm is not None:
+        weight, bias = folded_now(weight, bias, norm, dtype)
+    elif weight.dtype != dtype:
+        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    key = (input.shape, input.stride(), input.dtype, input.device, weight.shape, weight.dtype, weight.device,
+           bias is not None, conv.stride, conv.padding, conv.dilation)
     cached = conv.__dict__.get("_dwconv_call")
     if cached is None or cached[0] != key:
-        with torch.no_grad():
-            weight, bias = (conv.weight, conv.bias) if norm is None else fold_batch_norm(conv.weight, conv.bias, norm)
-            if autocast is not None:
-                _, weight, bias = functional._autocast(input, weight, bias)
-            geom = conv_geometry(input, weight, bias, conv.stride, conv.padding, conv.dilation)
-        cached = (key, weight, bias, geom)
+        cached = (key, conv_geometry(input, weight, bias, conv.stride, conv.padding, conv.dilation))
         conv.__dict__["_dwconv_call"] = cached
-    return input, cached[1], cached[2], cached[3]
+    return input, weight, bias, cached[1]
 
 
 # ---- finding blocks -------------------------------------------------------------------------------

@@ -58,12 +58,21 @@ class LayerCall:
         running statistics' dtype), not a convolution."""
         return self.arguments[0] == BATCH_NORM
 
+    @property
+    def fold(self) -> bool:
+        """Whether this is a BatchNorm folded into the convolution before it in eval mode
+        (kernels.batch_norm.fold: tensors the convolution's weight and bias and the BatchNorm's weight;
+        arguments FOLD, the folded dtype, the running statistics' dtype, eps), not a convolution."""
+        return self.arguments[0] == FOLD
+
     def without_batch(self) -> "LayerCall":
         """The call as the batch sizes that share its kernel binaries see it: the input's batch size
         (and its stride) replaced by what the launch plans choose by it (dispatch.batch_choices;
         BatchNorm's kernels choose nothing by it)."""
         from .dispatch import batch_choices
 
+        if self.fold:  # (no batch: a weight's)
+            return self
         (shape, strides, dtype), weight = self.tensors[:2]
         batch = ("any batch", *(() if self.batch_norm else batch_choices(shape, getattr(torch, dtype), weight[0])))
         return LayerCall((((batch, *shape[1:]), (0, *strides[1:]), dtype), *self.tensors[1:]), self.grads,
@@ -81,14 +90,15 @@ class LayerCall:
     def cost(self, pass_: str) -> tuple:
         """Larger first: a pool's wall time is bounded by the task that starts last. Backward passes,
         channels_last, strides, then kernel size (the unrolled channels_last tiles compile longest)."""
-        if self.batch_norm:
-            return (pass_ == "backward", self.tensors[0][1][1] == 1, 0, 0)
+        if self.batch_norm or self.fold:
+            return (pass_ == "backward", not self.fold and self.tensors[0][1][1] == 1, 0, 0)
         (_, _, k_h, k_w) = self.tensors[1][0]
         stride = self.arguments[0] if isinstance(self.arguments[0], int) else max(self.arguments[0])
         return (pass_ == "backward", self.tensors[0][1][1] == 1, stride, k_h * k_w)
 
 
 BATCH_NORM = "batch_norm"  # (a LayerCall's first argument: a fused block's BatchNorm in training)
+FOLD = "fold"  # (a LayerCall's first argument: a BatchNorm folded into its convolution in eval mode)
 
 
 def record_batch_norm(y: torch.Tensor, norm: nn.Module, activation: str) -> None:
@@ -100,6 +110,16 @@ def record_batch_norm(y: torch.Tensor, norm: nn.Module, activation: str) -> None
     grads = tuple(bool(train and t is not None and t.requires_grad) for t in (y, norm.weight, norm.bias))
     arguments = (BATCH_NORM, activation, str(norm.running_mean.dtype).replace("torch.", ""))
     calls.setdefault(LayerCall.of(y, norm.weight, norm.bias, arguments, grads), None)
+
+
+def record_fold(weight: torch.Tensor, bias: Optional[torch.Tensor], norm: nn.Module, dtype: torch.dtype) -> None:
+    """Under layer_calls' fake run, a BatchNorm folded into the convolution before it in eval mode
+    (fuse.py calls it where the fold's kernel would run): a call of its own, which compiles it."""
+    calls = getattr(_TRACING, "calls", None)
+    if calls is None:
+        return
+    arguments = (FOLD, *(str(t).replace("torch.", "") for t in (dtype, norm.running_var.dtype)), norm.eps)
+    calls.setdefault(LayerCall.of(weight, bias, norm.weight, arguments), None)
 
 
 def _spec(t: Optional[torch.Tensor]):

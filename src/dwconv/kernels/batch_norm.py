@@ -12,6 +12,10 @@ Forward:  statistics_kernel      per program, (mean, M2) of its chunk of each ch
 Backward: gradient_sums_kernel   per program, sums of g = grad * act'(z) and of g * xhat
           gradient_totals_kernel the chunks added in a fixed order: grad_weight, grad_bias
           grad_input_kernel      grad_y = scale * (g - mean(g) - xhat * mean(g * xhat))
+Eval:     fold_kernel            a convolution's weight and bias with the BatchNorm after it folded
+                                 in (running statistics), in the dtype the convolution computes in:
+                                 at every call, so that no change of a parameter or statistic, seen
+                                 by autograd's version counters or not (`.data`), is missed
 
 z = y * scale + shift is recomputed from y (the only activation saved, with the statistics), in
 the same arithmetic as the forward's. Each tensor is read as [outer, channels, inner]: NCHW
@@ -234,6 +238,37 @@ def grad_input_kernel(grad_ptr, y_ptr, grad_y_ptr, totals_ptr, mean_ptr, invstd_
         tl.store(grad_y_ptr + offsets, grad_y.to(grad_y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["channels", "taps", "eps"])  # (one binary for every layer: the kernel is tiny)
+def fold_kernel(weight_ptr, bias_ptr, norm_weight_ptr, norm_bias_ptr, mean_ptr, var_ptr, out_weight_ptr, out_bias_ptr,
+                channels, taps, eps, HAS_BIAS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_C: tl.constexpr,
+                BLOCK_T: tl.constexpr):
+    """weight [channels, taps] * scale and (bias - mean) * scale + beta, scale = gamma / sqrt(var + eps),
+    per output channel, computed in float32 (float64 for float64 statistics)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    var = tl.load(var_ptr + c, mask=c_ok, other=1.0)
+    acc = tl.float64 if var.dtype == tl.float64 else tl.float32
+    if acc == tl.float64:
+        scale = 1.0 / tl.sqrt(var.to(acc) + eps)
+    else:
+        scale = tl.math.div_rn(1.0, tl.sqrt_rn(var.to(acc) + eps))
+    if AFFINE:
+        scale *= tl.load(norm_weight_ptr + c, mask=c_ok, other=0.0).to(acc)
+    shift = -tl.load(mean_ptr + c, mask=c_ok, other=0.0).to(acc)
+    if HAS_BIAS:
+        shift += tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(acc)
+    shift *= scale
+    if AFFINE:
+        shift += tl.load(norm_bias_ptr + c, mask=c_ok, other=0.0).to(acc)
+    tl.store(out_bias_ptr + c, shift.to(out_bias_ptr.dtype.element_ty), mask=c_ok)
+    for first in range(0, taps, BLOCK_T):
+        t = first + tl.arange(0, BLOCK_T)
+        offsets = c[:, None].to(tl.int64) * taps + t[None, :]
+        mask = c_ok[:, None] & (t < taps)[None, :]
+        w = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(acc) * scale[:, None]
+        tl.store(out_weight_ptr + offsets, w.to(out_weight_ptr.dtype.element_ty), mask=mask)
+
+
 # ---- launchers -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -414,3 +449,32 @@ def batch_norm_grad_sums(grad: torch.Tensor, y: torch.Tensor, weight: Optional[t
     launch(gradient_totals_kernel, plan.gradient_totals, partial, totals,
            *((grad_weight, grad_bias) if affine else (totals, totals)))
     return totals, grad_weight, grad_bias
+
+
+_FOLD_PLANS = plan_cache()
+
+
+def _fold_plan(channels: int, taps: int, eps: float, has_bias: bool, affine: bool, gpu: bool) -> LaunchPlan:
+    block_t = min(next_power_of_2(taps), 128)
+    block_c = max(1, min(next_power_of_2(channels), (2048 if gpu else 8192) // block_t))
+    return LaunchPlan("batch_norm_fold", (cdiv(channels, block_c),), (channels, taps, eps),
+                      dict(HAS_BIAS=has_bias, AFFINE=affine, BLOCK_C=block_c, BLOCK_T=block_t,
+                           num_warps=4 if gpu else 1))
+
+
+def fold(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
+         norm_bias: Optional[torch.Tensor], running_mean: torch.Tensor, running_var: torch.Tensor, eps: float,
+         dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(weight, bias) in dtype of a convolution (weight contiguous, [out_channels, ...]) followed by a
+    BatchNorm in eval mode: one launch."""
+    channels = weight.shape[0]
+    taps = weight.numel() // channels
+    affine = norm_weight is not None
+    key = (channels, taps, eps, bias is not None, affine, weight.device.type)
+    plan = cached_plan(_FOLD_PLANS, key, lambda: _fold_plan(channels, taps, eps, bias is not None, affine,
+                                                            gpu_plan(weight.device)))
+    out_weight = _new(weight, dtype=dtype)
+    out_bias = _new(weight, (channels,), dtype)
+    launch(fold_kernel, plan, weight, bias if bias is not None else running_mean, norm_weight if affine else running_mean,
+           norm_bias if affine else running_mean, running_mean, running_var, out_weight, out_bias)
+    return out_weight, out_bias
