@@ -403,6 +403,43 @@ def test_eval_folding_sees_changes_made_through_data(autocast):
             assert error <= 4 * stock_error + floor, f"{error:.3g} from float64's after a change (stock {stock_error:.3g})"
 
 
+@pytest.mark.parametrize("member", ["expand", "dw", "bn1", "bn2"])
+def test_a_parametrized_module_runs_its_block_as_stock(member):
+    """A parametrization added after convert (torch.nn.utils.parametrize: weight_norm on a
+    convolution, or any on a BatchNorm's weight) computes the parameter at each access: that block
+    runs its modules as before (in eval and training, with and without gradients), the others stay
+    fused; stock's outputs and gradients either way."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class Doubled(torch.nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    stock = InvertedResidual().to(DEVICE)
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    for model in (stock, fused):
+        module = getattr(model, member)
+        weight_norm(module) if member in ("expand", "dw") else parametrize.register_parametrization(
+            module, "weight", Doubled())
+    x = randn(4, 8, 7, 9)
+    for mode in ("train", "eval"):
+        fused.train(mode == "train"), stock.train(mode == "train")
+        with torch.no_grad():
+            assert_close(fused(x), stock(x), torch.float32, f"{mode} output, no gradient")
+        out, ref = fused(x), stock(x)
+        assert_close(out, ref, torch.float32, f"{mode} output")
+        grad = randn(*out.shape)
+        grads = [torch.autograd.grad(y, list(model.parameters()), grad) for y, model in ((out, fused), (ref, stock))]
+        for (name, _), g, g_ref in zip(fused.named_parameters(), *grads):
+            scale = max(1.0, g_ref.abs().max().item())
+            assert_close(g / scale, g_ref / scale, torch.float32, f"{mode} grad of {name} over {scale:.3g}")
+    from dwconv.fuse import fused_now
+
+    blocks = {id(m.dwconv_block): m.dwconv_block for m in fused.modules() if hasattr(m, "dwconv_block")}
+    assert sorted(fused_now(block) for block in blocks.values()) == [False, True, True]
+
+
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_fused_model_under_torch_compile(mode):
     """fullgraph=True: the foldings (into the depthwise layers and into the pointwise convolutions) and

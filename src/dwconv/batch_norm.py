@@ -118,6 +118,8 @@ def batch_norm_activation(y: Tensor, norm: nn.BatchNorm2d, activation: str) -> T
         y = y.contiguous()  # (the kernels read NCHW or dense channels_last; the convolution gives those)
     tensors = (parameters.get("weight"), parameters.get("bias"), buffers.get("running_mean"),
                buffers.get("running_var"))
+    if "weight" not in parameters or "bias" not in parameters:  # (parametrized: computed at each access)
+        tensors = (norm.weight, norm.bias, *tensors[2:])
     if norm.momentum is not None and tensors[0] is not None and tensors[1] is not None and native.enabled(y):
         out = native.batch_norm(y, *tensors, (momentum, norm.eps, activation_code(activation)),
                                 _passes(activation, norm.eps))

@@ -105,7 +105,9 @@ def fused_now(block: tuple) -> bool:
     where it was found (a tool that swaps a module for another, as convert_sync_batchnorm or timm's
     freeze_batch_norm_2d do, leaves the old one behind: the new one computes, not the old), and no
     hook, on its modules or on every module, that would see a value inside it (the layer's or the
-    BatchNorm's output, which the fused call never makes). Each of the three modules asks at each
+    BatchNorm's output, which the fused call never makes), and no parametrization (torch.nn.utils.
+    parametrize, as weight_norm and spectral_norm are now: the fused calls read the modules' own
+    parameters). Each of the three modules asks at each
     call and gets the same answer: no state passes between them (threads, re-entrant calls)."""
     for owner, name, member in block[3]:
         if owner._modules.get(name) is not member:
@@ -115,7 +117,8 @@ def fused_now(block: tuple) -> bool:
             or getattr(module, "_global_backward_pre_hooks", None):
         return False
     for m in block[:3]:
-        if m is not None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks):
+        if m is not None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                              or "parametrizations" in m._modules):
             return False
     return True
 
