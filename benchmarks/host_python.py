@@ -31,6 +31,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import dwconv  # noqa: E402
 from dwconv import functional, replay  # noqa: E402
+from dwconv.fuse import folded_now, tensors_of  # noqa: E402
+from dwconv.kernels import batch_norm as batch_norm_kernels  # noqa: E402
 
 
 def per_call_us(fn, calls: int, rounds: int) -> float:
@@ -77,6 +79,7 @@ def pieces() -> list:
         replay.native._DEFAULT_MODULE[:] = [type("StubbedLookup", (), {"conv_known": staticmethod(lambda *a: out)})()]
         replay.native.has_known_layers = lambda: True
         _library.conv_forward = lambda *args, **kwargs: out
+        batch_norm_kernels.launch = lambda *args: None  # (the eval blocks' folding: its Python, no launch)
     rows += [("depthwise_conv2d, bfloat16 weight", False, lambda: dwconv.depthwise_conv2d(x, half_weight, None, 1, 1, 1)),
              ("  of which the lookup's checks (_known_layer)", False,
               lambda: functional._known_layer(x, half_weight, None, 1, 1, 1))]
@@ -107,9 +110,19 @@ def pieces() -> list:
     fused = dwconv.convert(block, fuse=True, verbose=False, precompile=False)
     if CUDA:
         rows.append(("stock block (conv, BatchNorm2d, ReLU6) in eval, bfloat16 autocast", True, lambda: block(x)))
+    norm = fused[1]
     rows += [("fused block (convert(fuse=True)) in eval, bfloat16 autocast", True, lambda: fused(x)),
              ("  of which depthwise_conv2d(activation='relu6')", False,
-              lambda: dwconv.depthwise_conv2d(x, half_weight, None, 1, 1, 1, "relu6"))]
+              lambda: dwconv.depthwise_conv2d(x, half_weight, None, 1, 1, 1, "relu6")),
+             ("  of which the folding (fuse.folded_now)", False,
+              lambda: folded_now(*tensors_of(fused[0], norm), norm.eps, torch.bfloat16))]
+    if CUDA:  # (a pointwise convolution's block: PyTorch's convolution, the BatchNorm folded into it)
+        pointwise = torch.nn.Sequential(torch.nn.Conv2d(channels, channels, 1, bias=False), torch.nn.BatchNorm2d(channels),
+                                        torch.nn.ReLU6()).to(device).eval()
+        folding = dwconv.convert(pointwise, fuse=True, verbose=False, precompile=False)
+        rows += [("stock pointwise block (1x1 conv, BatchNorm2d, ReLU6) in eval, autocast", True,
+                  lambda: pointwise(x)),
+                 ("the same, its BatchNorm folded (convert(fuse=True))", True, lambda: folding(x))]
     return rows
 
 

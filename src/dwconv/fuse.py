@@ -220,7 +220,7 @@ def _folded_parameters(conv: nn.Conv2d, norm: nn.BatchNorm2d, input: torch.Tenso
         if precompile._TRACING.__dict__.get("active") and not _gradient_wanted(*tensors):
             precompile.record_fold(conv.weight, conv.bias, norm, _compute_dtype(input, conv.weight))
         return fold_batch_norm(conv.weight, conv.bias, norm)
-    return folded_now(conv.weight, conv.bias, norm, _compute_dtype(input, conv.weight))
+    return folded_now(*tensors_of(conv, norm), norm.eps, _compute_dtype(input, conv.weight))
 
 
 def _compute_dtype(input: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -232,20 +232,31 @@ def _compute_dtype(input: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def folded_now(weight: torch.Tensor, bias: Optional[torch.Tensor], norm: nn.BatchNorm2d, dtype: torch.dtype
-               ) -> Tuple[torch.Tensor, torch.Tensor]:
+def tensors_of(conv: nn.Conv2d, norm: nn.BatchNorm2d) -> tuple:
+    """(weight, bias, norm's weight, norm's bias, running mean, running variance) from the modules' own
+    dicts (Module.__getattr__ costs at every call; a parametrized module never gets here: fused_now)."""
+    parameters, norm_parameters, buffers = conv._parameters, norm._parameters, norm._buffers
+    return (parameters["weight"], parameters["bias"], norm_parameters["weight"], norm_parameters["bias"],
+            buffers["running_mean"], buffers["running_var"])
+
+
+def folded_now(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
+               norm_bias: Optional[torch.Tensor], running_mean: torch.Tensor, running_var: torch.Tensor,
+               eps: float, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """fold_batch_norm's (weight, bias) in dtype, nothing differentiated, from the tensors as they
     are now: never kept from an earlier call, since a change made through `.data` (an old EMA's
     update, say) moves no version counter and a kept folding would then be silently stale. One
     launch (kernels/batch_norm.fold) where the kernels read the tensors, else PyTorch's ops."""
-    tensors = [t for t in (weight, bias, norm.weight, norm.bias, norm.running_mean, norm.running_var) if t is not None]
-    if (functional.uses_triton(weight) and all(t.device == weight.device and t.is_floating_point() for t in tensors)
-            and all(t.dim() == 1 and t.stride(0) == 1 for t in tensors[1:])
-            and (weight.is_contiguous() or weight.is_contiguous(memory_format=torch.channels_last))):
-        return batch_norm_kernels.fold(weight, bias, norm.weight, norm.bias, norm.running_mean, norm.running_var,
-                                       norm.eps, dtype)
+    device = weight.device
+    for t in (bias, norm_weight, norm_bias, running_mean, running_var):  # (each 1-D, as the modules make them)
+        if t is not None and (t.device != device or t.stride(0) != 1 or not t.is_floating_point()):
+            break
+    else:
+        if functional.uses_triton(weight) and (weight.is_contiguous()
+                                               or weight.is_contiguous(memory_format=torch.channels_last)):
+            return batch_norm_kernels.fold(weight, bias, norm_weight, norm_bias, running_mean, running_var, eps, dtype)
     with torch.no_grad():
-        weight, bias = fold_batch_norm(weight, bias, norm)
+        weight, bias = fold_parameters(weight, bias, norm_weight, norm_bias, running_mean, running_var, eps)
     return weight.to(dtype), bias.to(dtype)
 
 
@@ -286,12 +297,19 @@ def fold_batch_norm(weight: torch.Tensor, bias: Optional[torch.Tensor], norm: nn
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(weight, bias) of the convolution followed by norm in eval mode: y = (conv(x) + b - mean) *
     gamma / sqrt(var + eps) + beta, per output channel (differentiable in every parameter)."""
-    scale = torch.rsqrt(norm.running_var + norm.eps)
-    if norm.weight is not None:
-        scale = scale * norm.weight
-    shift = -norm.running_mean * scale if bias is None else (bias - norm.running_mean) * scale
-    if norm.bias is not None:
-        shift = shift + norm.bias
+    return fold_parameters(weight, bias, norm.weight, norm.bias, norm.running_mean, norm.running_var, norm.eps)
+
+
+def fold_parameters(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
+                    norm_bias: Optional[torch.Tensor], running_mean: torch.Tensor, running_var: torch.Tensor,
+                    eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fold_batch_norm from the BatchNorm's tensors, in PyTorch's ops, in the weight's dtype."""
+    scale = torch.rsqrt(running_var + eps)
+    if norm_weight is not None:
+        scale = scale * norm_weight
+    shift = -running_mean * scale if bias is None else (bias - running_mean) * scale
+    if norm_bias is not None:
+        shift = shift + norm_bias
     return weight * scale.to(weight.dtype).view(-1, 1, 1, 1), shift.to(weight.dtype)
 
 
@@ -322,7 +340,7 @@ def _prepared_call(conv: FusedDepthwiseConv2d, norm: Optional[nn.BatchNorm2d], i
         input = input.to(autocast)  # (as autocast casts F.conv2d's input)
     dtype = _compute_dtype(input, weight)
     if norm is not None:
-        weight, bias = folded_now(weight, bias, norm, dtype)
+        weight, bias = folded_now(*tensors_of(conv, norm), norm.eps, dtype)
     elif weight.dtype != dtype:
         weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     key = (input.shape, input.stride(), input.dtype, input.device, weight.shape, weight.dtype, weight.device,

@@ -473,8 +473,10 @@ def fold(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Option
     key = (channels, taps, eps, bias is not None, affine, weight.device.type)
     plan = cached_plan(_FOLD_PLANS, key, lambda: _fold_plan(channels, taps, eps, bias is not None, affine,
                                                             gpu_plan(weight.device)))
-    out_weight = _new(weight, dtype=dtype)
-    out_bias = _new(weight, (channels,), dtype)
+    out_weight = torch.empty_like(weight, dtype=dtype)
+    out_bias = torch.empty((channels,), dtype=dtype, device=weight.device)
+    if tuned().poison_partials:  # (the tests: an element no program wrote then shows)
+        out_weight.fill_(float("nan")), out_bias.fill_(float("nan"))
     launch(fold_kernel, plan, weight, bias if bias is not None else running_mean, norm_weight if affine else running_mean,
            norm_bias if affine else running_mean, running_mean, running_var, out_weight, out_bias)
     return out_weight, out_bias
