@@ -553,6 +553,19 @@ def test_warmup_of_a_fused_model_records_the_fused_forward():
     assert fold.fold and not conv.fold and fold.arguments == ("fold", "float32", "float32", 1e-5)
     assert fold.tensors[0][0] == (8, 1, 3, 3) and fold.tensors[1] is None and fold.tensors[2][0] == (8,)
     assert fold.without_batch() == fold and fold.passes() == ["forward"]
+    # a pointwise convolution's folded BatchNorm: recorded in the fake run, nothing launched there
+    from dwconv.kernels import batch_norm as batch_norm_kernels
+
+    folding = dwconv.convert(InvertedResidual().eval().to(DEVICE), fuse=True, precompile=False, verbose=False)
+    launched, real_fold = [], batch_norm_kernels.fold
+    batch_norm_kernels.fold = lambda *args: launched.append(1) or real_fold(*args)
+    try:
+        with torch.no_grad():
+            calls = layer_calls(folding, randn(2, 8, 9, 11))
+    finally:
+        batch_norm_kernels.fold = real_fold
+    assert [call.tensors[0][0] for call in calls if call.fold] == [(16, 8, 1, 1), (16, 1, 3, 3), (8, 16, 1, 1)]
+    assert not launched
     fused.train()
     calls = layer_calls(fused, randn(2, 8, 9, 11))  # (training: the plain layer's passes, then BatchNorm's)
     assert [call.grads for call in calls] == [(False, True, False), (True, True, True)]

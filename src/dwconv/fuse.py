@@ -214,11 +214,13 @@ def _folded_parameters(conv: nn.Conv2d, norm: nn.BatchNorm2d, input: torch.Tenso
     tensors = [t for t in (conv._parameters["weight"], conv._parameters["bias"], norm._parameters["weight"],
                            norm._parameters["bias"], norm._buffers["running_mean"], norm._buffers["running_var"])
                if t is not None]
+    if precompile._TRACING.__dict__.get("active"):  # (a warmup's fake run: the fold compiles in its pool)
+        if not _gradient_wanted(*tensors):
+            precompile.record_fold(conv.weight, conv.bias, norm, _compute_dtype(input, conv.weight))
+        return fold_batch_norm(conv.weight, conv.bias, norm)
     if (torch.compiler.is_compiling() or torch._C._is_tracing() or _gradient_wanted(*tensors)
             or torch._C._functorch.peek_interpreter_stack() is not None
             or any(type(t) is not torch.Tensor and type(t) is not nn.Parameter for t in tensors)):
-        if precompile._TRACING.__dict__.get("active") and not _gradient_wanted(*tensors):
-            precompile.record_fold(conv.weight, conv.bias, norm, _compute_dtype(input, conv.weight))
         return fold_batch_norm(conv.weight, conv.bias, norm)
     return folded_now(*tensors_of(conv, norm), norm.eps, _compute_dtype(input, conv.weight))
 
