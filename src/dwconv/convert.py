@@ -58,7 +58,8 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     BatchNorm folded into its weight and bias, the activation in the kernel's epilogue; in training
     the BatchNorm and activation on dwconv's BatchNorm kernels (dwconv.fuse). Every other
     BatchNorm2d (after a pointwise convolution, say) computes itself and the activation module
-    after it on those kernels in training, and as before in eval mode. A block one of whose modules
+    after it on those kernels in training, and in eval mode is folded into the nn.Conv2d whose
+    output it alone takes (where there is one; else it runs as before). A block one of whose modules
     has a hook (or while a global module hook is registered) runs every module as before, so hooks
     see stock's values. Parameters, buffers and state_dict keys stay the same; the blocks fused and
     the layers left are printed when verbose."""

@@ -211,9 +211,8 @@ def _folded_parameters(conv: nn.Conv2d, norm: nn.BatchNorm2d, input: torch.Tenso
     """fold_batch_norm of a trained block's convolution in eval mode, computed at each call: in the
     graph where autograd, torch.compile, tracing or torch.func must see it, else by one launch in the
     dtype the convolution computes in (autocast's: its cast of the weight is then none)."""
-    tensors = [t for t in (conv._parameters["weight"], conv._parameters["bias"], norm._parameters["weight"],
-                           norm._parameters["bias"], norm._buffers["running_mean"], norm._buffers["running_var"])
-               if t is not None]
+    block_tensors = tensors_of(conv, norm)
+    tensors = [t for t in block_tensors if t is not None]
     if precompile._TRACING.__dict__.get("active"):  # (a warmup's fake run: the fold compiles in its pool)
         if not _gradient_wanted(*tensors):
             precompile.record_fold(conv.weight, conv.bias, norm, _compute_dtype(input, conv.weight))
@@ -222,7 +221,7 @@ def _folded_parameters(conv: nn.Conv2d, norm: nn.BatchNorm2d, input: torch.Tenso
             or torch._C._functorch.peek_interpreter_stack() is not None
             or any(type(t) is not torch.Tensor and type(t) is not nn.Parameter for t in tensors)):
         return fold_batch_norm(conv.weight, conv.bias, norm)
-    return folded_now(*tensors_of(conv, norm), norm.eps, _compute_dtype(input, conv.weight))
+    return folded_now(*block_tensors, norm.eps, _compute_dtype(input, block_tensors[0]))
 
 
 def _compute_dtype(input: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -234,10 +233,14 @@ def _compute_dtype(input: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def tensors_of(conv: nn.Conv2d, norm: nn.BatchNorm2d) -> tuple:
-    """(weight, bias, norm's weight, norm's bias, running mean, running variance) from the modules' own
-    dicts (Module.__getattr__ costs at every call; a parametrized module never gets here: fused_now)."""
-    parameters, norm_parameters, buffers = conv._parameters, norm._parameters, norm._buffers
+def tensors_of(conv: nn.Conv2d, norm: Optional[nn.BatchNorm2d]) -> tuple:
+    """(weight, bias, norm's weight, norm's bias, running mean, running variance), the last four
+    without a norm, from the modules' own dicts (Module.__getattr__ costs a few us at every call; a
+    parametrized module never gets here: fused_now)."""
+    parameters = conv._parameters
+    if norm is None:
+        return parameters["weight"], parameters["bias"]
+    norm_parameters, buffers = norm._parameters, norm._buffers
     return (parameters["weight"], parameters["bias"], norm_parameters["weight"], norm_parameters["bias"],
             buffers["running_mean"], buffers["running_var"])
 
@@ -286,8 +289,7 @@ def folded_class(role: str, cls: type) -> type:
 
 def _reduce(module: nn.Module, protocol: int):
     cls = type(module)
-    state = {k: v for k, v in module.__dict__.items() if not k.startswith("_dwconv_")}  # (caches stay behind)
-    return _rebuild, (cls.dwconv_role, cls.__mro__[2]), state
+    return _rebuild, (cls.dwconv_role, cls.__mro__[2]), module.__dict__.copy()
 
 
 def _rebuild(role: str, cls: type) -> nn.Module:
@@ -323,14 +325,9 @@ def _prepared_call(conv: FusedDepthwiseConv2d, norm: Optional[nn.BatchNorm2d], i
     the call takes depthwise_conv2d's full path: torch.compile, jit.trace and torch.func must see the
     folding; autograd (either mode) differentiates it; subclasses and fake tensors dispatch in
     Python; PyTorch computes tensors the kernels cannot read."""
-    # (from the modules' own dicts: this runs every call, and Module.__getattr__ costs a few us here)
-    parameters = conv._parameters
-    weight, bias = parameters["weight"], parameters["bias"]
-    tensors = [weight, bias]
-    if norm is not None:
-        tensors += [norm._parameters["weight"], norm._parameters["bias"], norm._buffers["running_mean"],
-                    norm._buffers["running_var"]]
-    tensors = [t for t in tensors if t is not None]
+    block_tensors = tensors_of(conv, norm)
+    weight, bias = block_tensors[:2]
+    tensors = [t for t in block_tensors if t is not None]
     if (type(input) is not torch.Tensor or not functional.uses_triton(input) or torch.compiler.is_compiling()
             or torch._C._is_tracing() or _gradient_wanted(input, *tensors)
             or torch._C._functorch.peek_interpreter_stack() is not None
@@ -342,7 +339,7 @@ def _prepared_call(conv: FusedDepthwiseConv2d, norm: Optional[nn.BatchNorm2d], i
         input = input.to(autocast)  # (as autocast casts F.conv2d's input)
     dtype = _compute_dtype(input, weight)
     if norm is not None:
-        weight, bias = folded_now(*tensors_of(conv, norm), norm.eps, dtype)
+        weight, bias = folded_now(*block_tensors, norm.eps, dtype)
     elif weight.dtype != dtype:
         weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     key = (input.shape, input.stride(), input.dtype, input.device, weight.shape, weight.dtype, weight.device,
@@ -505,20 +502,17 @@ def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
         block = (conv, norm, activation_module, places)  # (each member asks fused_now of the whole block)
         conv.__class__ = FusedDepthwiseConv2d
         conv.__dict__.update(dwconv_activation=activation, dwconv_block=block)
-        if norm is not None:
-            norm.__dict__["dwconv_block"] = block
-            norm.__class__ = folded_class("norm", type(norm))
-        if activation_module is not None:
-            activation_module.__dict__["dwconv_block"] = block
-            activation_module.__class__ = folded_class("activation", type(activation_module))
+        _join(block, ((norm, "norm"), (activation_module, "activation")))
     for conv, norm, activation_module, activation, places in norm_blocks:
         block = (conv, norm, activation_module, places)
-        norm.__dict__.update(dwconv_block=block, dwconv_activation=activation)
-        norm.__class__ = folded_class("trained norm", type(norm))
-        if conv is not None:
-            conv.__dict__["dwconv_block"] = block
-            conv.__class__ = folded_class("trained conv", type(conv))
-        if activation_module is not None:
-            activation_module.__dict__["dwconv_block"] = block
-            activation_module.__class__ = folded_class("trained activation", type(activation_module))
+        norm.__dict__["dwconv_activation"] = activation
+        _join(block, ((norm, "trained norm"), (conv, "trained conv"), (activation_module, "trained activation")))
     return blocks + norm_blocks, left
+
+
+def _join(block: tuple, members: tuple) -> None:
+    """Each (module or None, role): the module takes its role's class and knows its block."""
+    for module, role in members:
+        if module is not None:
+            module.__dict__["dwconv_block"] = block
+            module.__class__ = folded_class(role, type(module))
