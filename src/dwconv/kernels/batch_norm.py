@@ -473,10 +473,13 @@ def fold(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Option
     key = (channels, taps, eps, bias is not None, affine, weight.device.type)
     plan = cached_plan(_FOLD_PLANS, key, lambda: _fold_plan(channels, taps, eps, bias is not None, affine,
                                                             gpu_plan(weight.device)))
-    out_weight = torch.empty_like(weight, dtype=dtype)
-    out_bias = torch.empty((channels,), dtype=dtype, device=weight.device)
+    # (Triton's interpreter truncates float32 to bfloat16 where the GPU rounds to nearest, cvt.rn.bf16.f32
+    # in the PTX: off the GPU's plans the kernel writes float32 and PyTorch rounds, as the GPU does)
+    written = dtype if gpu_plan(weight.device) or dtype.itemsize >= 4 else torch.float32
+    out_weight = torch.empty_like(weight, dtype=written)
+    out_bias = torch.empty((channels,), dtype=written, device=weight.device)
     if tuned().poison_partials:  # (the tests: an element no program wrote then shows)
         out_weight.fill_(float("nan")), out_bias.fill_(float("nan"))
     launch(fold_kernel, plan, weight, bias if bias is not None else running_mean, norm_weight if affine else running_mean,
            norm_bias if affine else running_mean, running_mean, running_var, out_weight, out_bias)
-    return out_weight, out_bias
+    return out_weight.to(dtype), out_bias.to(dtype)
