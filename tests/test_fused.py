@@ -754,14 +754,19 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
     x = randn(4, 8, 7, 9).contiguous(memory_format=memory_format)
     _trains_as_stock(stock, fused, x)
     assert calls == ["relu6", "relu6", "identity"] * 2, calls  # (none in eval mode)
-    # eval mode: no BatchNorm computes (each folded into its convolution), the folded parameters follow
-    # an in-place change of the statistics, and with gradients every parameter's is stock's
-    norms, batch_norm = [], F.batch_norm
+    # eval mode: no BatchNorm computes (each folded into its convolution; a 1x1 one of a channels_last
+    # input as a matrix product, whose epilogue adds the bias), the folded parameters follow an in-place
+    # change of the statistics, and with gradients every parameter's is stock's
+    norms, batch_norm, products, linear = [], F.batch_norm, [], F.linear
     monkeypatch.setattr(F, "batch_norm", lambda *a, **k: norms.append(1) or batch_norm(*a, **k))
+    monkeypatch.setattr(F, "linear", lambda *a, **k: products.append(1) or linear(*a, **k))
     with torch.no_grad():
-        fused(x)
+        out = fused(x)
     monkeypatch.setattr(F, "batch_norm", batch_norm)
+    monkeypatch.setattr(F, "linear", linear)
     assert not norms, "a BatchNorm computed in eval mode"
+    assert len(products) == (2 if layout == "channels_last" else 0), products
+    assert out.is_contiguous(memory_format=memory_format)
     with torch.no_grad():
         fused.bn3.running_var.mul_(3), stock.bn3.running_var.mul_(3)
     _assert_same_model(stock, fused, x, "eval after a change of statistics")

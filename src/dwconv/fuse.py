@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn as nn
+import torch.nn.functional as F
 
 from . import functional, precompile
 from ._geometry import conv_geometry
@@ -158,10 +159,32 @@ class _FoldingConv:
         norm = self.dwconv_block[1]
         if norm.training or not fused_now(self.dwconv_block):
             return super().forward(input)
-        return self._conv_forward(input, *_folded_parameters(self, norm, input))
+        weight, bias = _folded_parameters(self, norm, input)
+        if _pointwise_rows(self, input):
+            return _pointwise_as_product(input, weight, bias)
+        return self._conv_forward(input, weight, bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", the BatchNorm after it folded in eval mode"
+
+
+def _pointwise_rows(conv: nn.Conv2d, input: torch.Tensor) -> bool:
+    """Whether conv of input is a matrix product of the input's rows of channels as they lie: a 1x1
+    convolution (stride 1, no padding, one group) of a channels_last input."""
+    return (conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.groups == 1
+            and (conv.padding == (0, 0) or isinstance(conv.padding, str)) and input.dim() == 4
+            and input.is_contiguous(memory_format=torch.channels_last))
+
+
+def _pointwise_as_product(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """A 1x1 convolution of a channels_last input (_pointwise_rows) as (N*H*W, C_in) @ (C_in, C_out)
+    plus the bias, the output channels_last: cuBLAS adds the bias in its product's epilogue, where
+    cuDNN's convolution adds it in a pass of its own over the output (docs/decisions.md, "In eval
+    mode the other BatchNorms fold")."""
+    batch, channels, height, width = input.shape
+    rows = input.permute(0, 2, 3, 1).reshape(-1, channels)
+    out = F.linear(rows, weight.reshape(weight.shape[0], -1), bias)
+    return out.view(batch, height, width, -1).permute(0, 3, 1, 2)
 
 
 class _TrainedActivation:
