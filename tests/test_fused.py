@@ -371,12 +371,14 @@ def test_eval_block_runs_one_activated_kernel(monkeypatch):
     assert activations == [6, 6, 6] and len(folds) == 3
 
 
+@pytest.mark.parametrize("native", ["0", "1"], ids=["python-path", "cpp-path"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
-def test_eval_folding_sees_changes_made_through_data(autocast):
+def test_eval_folding_sees_changes_made_through_data(autocast, native, monkeypatch):
     """A parameter or statistic changed in place through `.data` (no version counter moves, as in an
     old EMA's update) between two eval calls: the next call folds the new values, in a depthwise
     block and in a pointwise convolution's block, and the activation-only block's autocast cast
-    follows its weight too."""
+    follows its weight too; on the Python path and replayed from C++."""
+    monkeypatch.setenv("DWCONV_NATIVE", native)
     stock = torch.nn.Sequential(InvertedResidual(), _block(torch.nn.SiLU)[0], torch.nn.SiLU()).eval().to(DEVICE)
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     assert [type(m).__name__ for m in (fused[0].expand, fused[0].dw, fused[1])] == \

@@ -39,6 +39,7 @@ from .activations import activation_of
 from .functional import _gradient_wanted, depthwise_conv2d
 from .kernels._launch import PLAIN_TENSORS
 from .modules import DepthwiseConv2d
+from .replay.native import replayed
 
 # a block: the layer, its BatchNorm2d, its activation module, the activation's name, and where the
 # modules are ((owner, attribute name, module): a block whose module another replaced is no longer one)
@@ -282,7 +283,9 @@ def folded_now(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: 
     else:
         if functional.uses_triton(weight) and (weight.is_contiguous()
                                                or weight.is_contiguous(memory_format=torch.channels_last)):
-            return batch_norm_kernels.fold(weight, bias, norm_weight, norm_bias, running_mean, running_var, eps, dtype)
+            # (from C++ where the replayer is on: the Python of the launch was most of the folding's host time)
+            return replayed(batch_norm_kernels.fold, [weight, bias, norm_weight, norm_bias, running_mean, running_var],
+                            eps, dtype)
     with torch.no_grad():
         weight, bias = fold_parameters(weight, bias, norm_weight, norm_bias, running_mean, running_var, eps)
     return weight.to(dtype), bias.to(dtype)
