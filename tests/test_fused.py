@@ -789,6 +789,20 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
             assert_close(other(x), fused(x), torch.float32, "a copy's eval output")
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_fused_eval_model_under_torch_func(layout):
+    """torch.func's vmap and jacrev over a fused model in eval mode: stock's values (the foldings
+    in the graph, the pointwise convolutions as convolutions: vmap cannot ask a memory format)."""
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    stock = InvertedResidual().eval().to(DEVICE)
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    xs = torch.stack([randn(2, 8, 5, 7).contiguous(memory_format=memory_format) for _ in range(3)])
+    assert_close(torch.func.vmap(fused)(xs), torch.func.vmap(stock)(xs), torch.float32, "vmap")
+    x = xs[0]
+    jacobians = [torch.func.jacrev(lambda t, m=m: m(t).square().sum())(x) for m in (fused, stock)]
+    assert_close(*jacobians, torch.float32, "jacrev")
+
+
 def test_a_hooked_batch_norm_trains_as_stock():
     """A hook on a trained block's module (its convolution, BatchNorm or activation) sees stock's
     values, in training and in eval mode: that block runs its modules as before while the hook is

@@ -171,9 +171,11 @@ class _FoldingConv:
 
 def _pointwise_rows(conv: nn.Conv2d, input: torch.Tensor) -> bool:
     """Whether conv of input is a matrix product of the input's rows of channels as they lie: a 1x1
-    convolution (stride 1, no padding, one group) of a channels_last input."""
+    convolution (stride 1, no padding, one group) of a channels_last input. (Not under torch.func's
+    transforms: vmap cannot ask a tensor's memory format.)"""
     return (conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.groups == 1
             and (conv.padding == (0, 0) or isinstance(conv.padding, str)) and input.dim() == 4
+            and torch._C._functorch.peek_interpreter_stack() is None
             and input.is_contiguous(memory_format=torch.channels_last))
 
 
