@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import dwconv  # noqa: E402
 from dwconv import functional, replay  # noqa: E402
+from dwconv import fuse  # noqa: E402
 from dwconv.fuse import folded_now, tensors_of  # noqa: E402
 from dwconv.kernels import batch_norm as batch_norm_kernels  # noqa: E402
 
@@ -80,6 +81,7 @@ def pieces() -> list:
         replay.native.has_known_layers = lambda: True
         _library.conv_forward = lambda *args, **kwargs: out
         batch_norm_kernels.launch = lambda *args: None  # (the eval blocks' folding: its Python, no launch)
+        fuse.replayed = lambda fn, inputs, *args, **kwargs: fn(*inputs, *args)  # (the folding's Python path)
     rows += [("depthwise_conv2d, bfloat16 weight", False, lambda: dwconv.depthwise_conv2d(x, half_weight, None, 1, 1, 1)),
              ("  of which the lookup's checks (_known_layer)", False,
               lambda: functional._known_layer(x, half_weight, None, 1, 1, 1))]
