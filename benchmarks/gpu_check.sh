@@ -12,7 +12,8 @@
 #   models     whole models' steady state, stock against converted (MODELS, PRECISION, MODEL_BATCH,
 #              MODEL_COMPILE no|default|all, MODEL_EAGER yes|no: no for the compiled paths alone,
 #              MODEL_ITERS steps a path, default 100: fewer for the large-kernel net, whose stock step is 0.4 s;
-#              MODEL_FUSE=1: also the model converted with fuse=True)
+#              MODEL_FUSE=1: also the model converted with fuse=True; MODEL_UNFUSED=no with it: stock's and
+#              the fused model's paths alone)
 #   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
 #              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference, MODEL_FUSE=1: also the model converted with fuse=True)
 #   compiled   where compiled models' steps go, stock against converted (benchmarks/compiled_profile.py,
@@ -73,7 +74,8 @@ for step in "$@"; do
            for model in ${MODELS:-mobilenet_v2}; do
              python3 -m dwconv bench --model "$model" --model-precision "${PRECISION:-bf16}" --cold-start $mode \
                --model-batch "${MODEL_BATCH:-64}" --model-compile "${MODEL_COMPILE:-default}" \
-               --model-eager "${MODEL_EAGER:-yes}" --iters "${MODEL_ITERS:-100}" ${image[@]+"${image[@]}"} \
+               --model-eager "${MODEL_EAGER:-yes}" --model-unfused "${MODEL_UNFUSED:-yes}" \
+               --iters "${MODEL_ITERS:-100}" ${image[@]+"${image[@]}"} \
                ${MODEL_FUSE:+--fuse} --csv "$OUT/${step}_${model}_$(date +%F)_$commit.csv" 2>&1
            done ;;
     profile) for model in ${MODELS:-mobilenet_v2}; do

@@ -721,6 +721,9 @@ def test_model_paths_compare_with_stock_of_the_same_compilation():
     for label, variant, mode, native in fused:
         base = next(p for p in fused if p[0] == stock_path(label))
         assert base[1] == "stock" and base[2] == mode
+    assert [label for label, *_ in model_paths(COMPILE_MODES["default"], fuse=True, unfused=False)] == [
+        "stock eager", "stock eager, CUDA graph", "dwconv fused eager", "dwconv fused eager, CUDA graph",
+        "stock compiled", "dwconv fused compiled"]
 
 
 def test_launched_kernels_from_profiler_events():

@@ -183,6 +183,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                         "max-autotune-no-cudagraphs and reduce-overhead (CUDA graphs)")
     p.add_argument("--model-eager", choices=["yes", "no"], default="yes",
                    help="--model: no: the torch.compile paths alone (no eager, CUDA-graph or profiler rows)")
+    p.add_argument("--model-unfused", choices=["yes", "no"], default="yes",
+                   help="--model with --fuse: no: stock's and the fused model's paths alone (not the model "
+                        "converted without fuse)")
     p.add_argument("--cold-start-unwarmed", action="store_true",
                    help="--cold-start: also the converted model without its first-call warmup (each layer then "
                         "compiles at its first call, one after another)")
@@ -612,7 +615,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                                     compile_modes=args.model_compile,
                                                                     precisions=args.model_precision,
                                                                     eager=args.model_eager == "yes",
-                                                                    fuse=args.fuse)]
+                                                                    fuse=args.fuse,
+                                                                    unfused=args.model_unfused == "yes")]
             print_model_table(steady)
             rows += steady
         write_csv(args.csv, rows)

@@ -316,14 +316,15 @@ COMPILE_MODES = {"no": [], "default": ["default"],
 CUDA_GRAPH = "CUDA graph"  # (a path's "mode": the eager step captured whole in a CUDA graph and replayed)
 
 
-def model_paths(compile_modes: List[str], eager: bool = True, fuse: bool = False) -> List[tuple]:
+def model_paths(compile_modes: List[str], eager: bool = True, fuse: bool = False, unfused: bool = True) -> List[tuple]:
     """(path label, model, mode, DWCONV_NATIVE for the timing or None): stock and converted eager,
     the converted model's eager calls also through the Python path (the C++ replayer off: whether
     it wins on whole models), both eager steps captured in a CUDA graph (GPU time alone: the host
     issues nothing), and each torch.compile mode for both. Without eager: the compiled paths alone
     (a device call's time for torch.compile's compiles). fuse: the model converted with fuse=True too
     (its BatchNorms folded and activations fused in eval mode: its inference rows), in eager, in a
-    CUDA graph and compiled."""
+    CUDA graph and compiled; unfused=False: stock's and the fused model's paths alone (a device call's
+    time for the fused rows)."""
     paths = [("stock eager", "stock", None, None), ("dwconv eager", "dwconv", None, None),
              ("dwconv eager, Python path", "dwconv", None, "0"),
              (f"stock eager, {CUDA_GRAPH}", "stock", CUDA_GRAPH, None),
@@ -335,7 +336,7 @@ def model_paths(compile_modes: List[str], eager: bool = True, fuse: bool = False
         label = "compiled" if mode == "default" else f"compiled {mode}"
         paths += [(f"stock {label}", "stock", mode, None), (f"dwconv {label}", "dwconv", mode, None)]
         paths += [(f"dwconv fused {label}", "fused", mode, None)] if fuse else []
-    return paths
+    return [path for path in paths if unfused or not fuse or path[1] != "dwconv"]
 
 
 def stock_path(path: str) -> str:
@@ -360,7 +361,8 @@ class native_setting:
 
 
 def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, compile_modes: str = "default",
-                precisions: str = "all", rounds: int = 10, eager: bool = True, fuse: bool = False) -> List[Dict]:
+                precisions: str = "all", rounds: int = 10, eager: bool = True, fuse: bool = False,
+                unfused: bool = True) -> List[Dict]:
     """Steady state of every path (model_paths) for each precision, training step and inference.
     The paths are timed in turn, `rounds` times over (iters / rounds steps a path each round, after
     one untimed), and each path's median taken over all its steps: the GPU machine's host speed
@@ -395,7 +397,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
         inputs = x.contiguous(memory_format=memory_format)
         timed = []  # (path, step, native setting, fn, model run): built, warmed and profiled first, then timed in turns
         captured = []  # the same for the CUDA-graph paths: captured and timed after the others, one at a time
-        for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes], eager, fuse):
+        for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes], eager, fuse, unfused):
             model = copy.deepcopy(models[variant]).to(memory_format=memory_format)
             run = torch.compile(model, mode=mode) if mode and mode != CUDA_GRAPH else model
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
