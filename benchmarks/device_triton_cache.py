@@ -17,7 +17,14 @@ then finds the kernels: `gpu_check.sh` prints "Triton cache: N new entries" afte
     PYTHONPATH=.triton36:src python benchmarks/device_triton_cache.py --suite models --dtype bfloat16 --out /tmp/kbuild
     python benchmarks/device_triton_cache.py --out /tmp/kbuild --pack .tcache/triton_cache.tar.xz
 
-The whole-model runs' cache (about 8 minutes on 2 cores): the models suite in bfloat16 channels_last
+Whole models' kernels as their first calls compile them (`--model`: convert's warmup, converted and with
+fuse=True, training and eval, bfloat16 autocast channels_last, 224 x 224 images; torchvision or timm
+importable; MobileNetV2, EfficientNet-B0 and MobileNetV4-conv-medium at batch 256: about 4 minutes):
+
+    PYTHONPATH=.triton36:src python benchmarks/device_triton_cache.py --model mobilenet_v2 efficientnet_b0 \
+        mobilenetv4_conv_medium --batch 256 --out /tmp/kbuild256
+
+The layers' cache for the whole-model runs (about 8 minutes on 2 cores): the models suite in bfloat16 channels_last
 and float32 nchw, ConvNeXt-T's 7x7 layers at batch 64, and the large-kernel net's (ConvNeXt-T with
 kernels 31, 29, 27, 13) in bfloat16 channels_last and float32 nchw:
 
@@ -50,6 +57,10 @@ def parse_args():
     p.add_argument("--layer", nargs=6, type=int, action="append", metavar="N C H W K PAD".split(),
                    help="instead of suites: these layers (stride 1, with a bias), as compile_case does a suite's "
                         "(e.g. the depthwise layers of ConvNeXt-T at batch 2 on 96 x 96 images, the GPU test's)")
+    p.add_argument("--model", nargs="+", help="instead of suites: whole models' kernels (bench --model's names), "
+                   "by dwconv.warmup as a first call would (fake run, a pool of compiles), converted and with "
+                   "fuse=True, training and eval, bfloat16 autocast channels_last")
+    p.add_argument("--batch", type=int, default=256, help="--model: the batch (224 x 224 images)")
     p.add_argument("--out", required=True, help="the cache directory to fill (created)")
     p.add_argument("--libtriton", help="the device's libtriton.so, to hash instead of the constant")
     p.add_argument("--pack", metavar="FILE.tar.xz", help="only pack --out for the device (no compiles)")
@@ -64,20 +75,16 @@ def main():
     os.environ["TRITON_CACHE_DIR"] = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    import compile_check  # noqa: F401  (compile-only sm_90 driver, GPU plans; before dwconv's kernels)
-    import torch
-    import triton
-    from triton.runtime import cache
-
-    assert triton.__version__ == "3.6.0", f"the device runs Triton 3.6.0, this is {triton.__version__}"
-    local_lib = os.path.join(os.path.dirname(triton.__file__), "_C", "libtriton.so")
     device_lib = DEVICE_LIBTRITON_SHA256
     if args.libtriton:
         device_lib = hashlib.sha256(open(args.libtriton, "rb").read()).hexdigest()
-    local_key = cache.triton_key()
-    device_key = local_key.replace(hashlib.sha256(open(local_lib, "rb").read()).hexdigest(), device_lib)
-    assert device_key != local_key or device_lib in local_key, "libtriton's hash not found in triton_key()"
-    cache.triton_key = lambda: device_key  # (get_cache_key reads the module's global at each call)
+    if args.model:
+        compile_models(args.model, args.batch, args.out, device_lib)
+        return
+    import compile_check  # noqa: F401  (compile-only sm_90 driver, GPU plans; before dwconv's kernels)
+    import torch
+
+    use_device_key(device_lib)
 
     import dwconv
     from dwconv import bench, functional
@@ -97,6 +104,54 @@ def main():
                 if index < len(rows):
                     compile_case(rows[index], args.layouts, torch, dwconv, bench)
     print(f"{len(os.listdir(args.out))} cache entries in {args.out} ({time.time() - started:.0f} s)")
+
+
+def use_device_key(device_lib: str) -> None:
+    """Triton's cache key in this process as the device's Triton 3.6.0 computes it (its libtriton.so's
+    hash in place of the local one's)."""
+    import triton
+    from triton.runtime import cache
+
+    assert triton.__version__ == "3.6.0", f"the device runs Triton 3.6.0, this is {triton.__version__}"
+    local_lib = os.path.join(os.path.dirname(triton.__file__), "_C", "libtriton.so")
+    local_key = cache.triton_key()
+    device_key = local_key.replace(hashlib.sha256(open(local_lib, "rb").read()).hexdigest(), device_lib)
+    assert device_key != local_key or device_lib in local_key, "libtriton's hash not found in triton_key()"
+    cache.triton_key = lambda: device_key  # (get_cache_key reads the module's global at each call)
+
+
+def compile_models(names, batch, out, device_lib):
+    """Each model's kernels as its first calls on the device compile them (convert's warmup): the
+    model converted, and converted with fuse=True, in training and in eval mode, under bfloat16
+    autocast with channels_last inputs, for sm_90. The warmup's compile workers are processes of
+    their own: a sitecustomize on their path gives them the device's cache key too."""
+    import tempfile
+
+    import torch
+
+    import dwconv
+    from dwconv import precompile
+    from dwconv.bench_models import build_model
+
+    with tempfile.TemporaryDirectory() as site:
+        with open(os.path.join(site, "sitecustomize.py"), "w") as hook:
+            hook.write(f"import sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+                       f"import device_triton_cache\ndevice_triton_cache.use_device_key({device_lib!r})\n")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+        use_device_key(device_lib)
+        started = time.time()
+        for name in names:
+            for fuse in (False, True):
+                torch.manual_seed(0)
+                model = dwconv.convert(build_model(name), fuse=fuse, precompile=False, verbose=False)
+                model = model.to(memory_format=torch.channels_last)
+                x = torch.randn(batch, 3, 224, 224).contiguous(memory_format=torch.channels_last)
+                for train in (True, False):
+                    model.train(train)
+                    report = precompile.warmup(model, x, arch=90, autocast=torch.bfloat16, verbose=False)
+                    print(f"{name} fuse={fuse} train={train}: {report.seconds:.0f} s, {len(report.errors)} errors",
+                          flush=True)
+        print(f"{len(os.listdir(out))} cache entries in {out} ({time.time() - started:.0f} s)")
 
 
 def compile_case(case, layouts, torch, dwconv, bench):
