@@ -789,6 +789,39 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
             assert_close(other(x), fused(x), torch.float32, "a copy's eval output")
 
 
+@pytest.mark.parametrize("shape, options", [
+    ((2, 5, 7, 3), {}), ((1, 1, 1, 1), dict(bias=True)), ((3, 6, 1, 1), dict(padding="same")),
+    ((2, 4, 5, 1), dict(padding_mode="reflect", bias=True)), ((1, 3, 2, 9), dict(out_channels=1)),
+    ((2, 4, 6, 5), dict(stride=2)), ((2, 4, 6, 5), dict(padding=1))])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_folding_pointwise_convolution_in_eval(shape, options, layout, monkeypatch):
+    """A 1x1 convolution with its BatchNorm folded in eval mode, tiny and odd sizes, a bias, string and
+    non-zero paddings and modes, a stride: stock's output in stock's memory format (float64's within
+    float32's error), as a matrix product exactly where it is one (a channels_last input, stride 1, no
+    padding)."""
+    out_channels = options.pop("out_channels", 7)
+    conv = torch.nn.Conv2d(shape[1], out_channels, 1, bias=options.pop("bias", False), **options)
+    stock = torch.nn.Sequential(conv, torch.nn.BatchNorm2d(out_channels), torch.nn.SiLU()).to(DEVICE)
+    with torch.no_grad():
+        stock[1].running_mean.normal_(), stock[1].running_var.uniform_(0.5, 2), stock[1].weight.normal_()
+    stock.eval()
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    assert type(fused[0]).__name__ == "FoldingConv2d"
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = randn(*shape).contiguous(memory_format=memory_format)
+    products, linear = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: products.append(1) or linear(*a, **k))
+    with torch.no_grad():
+        out, ref = fused(x), stock(x)
+    assert_close(out, stock.double()(x.double()), torch.float32, "folded output")
+    assert out.shape == ref.shape and out.is_contiguous(memory_format=memory_format) == \
+        ref.is_contiguous(memory_format=memory_format)
+    # (a 1x1 image is channels_last in either layout)
+    expected = x.is_contiguous(memory_format=torch.channels_last) and conv.stride == (1, 1) \
+        and conv.padding in ((0, 0), "same")
+    assert len(products) == expected, (products, expected)
+
+
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_fused_eval_model_under_torch_func(layout):
     """torch.func's vmap and jacrev over a fused model in eval mode: stock's values (the foldings
