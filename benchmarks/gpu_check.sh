@@ -25,6 +25,8 @@
 #              without torch.compile's paths)
 #   kernels    the depthwise block's training step kernel by kernel, stock against dwconv (benchmarks/block_kernels.py;
 #              DTYPES' first, BLOCK_ACTIVATIONS' first)
+#   fold       a convolution, an eval-mode BatchNorm and its activation computed each way the folding could
+#              (benchmarks/fold_ab.py: stock, folded into cuDNN's convolution, a 1x1 one as a matrix product)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
 #   host       host time per eager call, .ab_old/src against src (benchmarks/host_time.py)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
@@ -68,6 +70,7 @@ for step in "$@"; do
     kernels) dtypes=(${DTYPES:-bfloat16}); activations=(${BLOCK_ACTIVATIONS:-relu6})
              python3 benchmarks/block_kernels.py --dtype "${dtypes[0]}" --activation "${activations[0]}" \
                --out "$OUT/block_kernels_${dtypes[0]}_$(date +%F)_$commit.txt" 2>&1 | grep -v -i warn ;;
+    fold)  python3 benchmarks/fold_ab.py --out "$OUT/fold_ab_$(date +%F)_$commit.txt" 2>&1 | grep -v -i warn ;;
     coldstart|models)
            mode=only; [ "$step" = models ] && mode=no
            image=(); [ "$step" = coldstart ] && [ -n "${COLDSTART_IMAGE:-}" ] && image=(--cold-start-image)

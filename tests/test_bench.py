@@ -193,6 +193,23 @@ def test_host_python_tool_runs():
     assert len([line for line in done.stdout.splitlines() if line.endswith(" us")]) == 12, done.stdout
 
 
+def test_fold_ab_tool_runs():
+    """benchmarks/fold_ab.py --smoke (no GPU: its layers shrunk, on the CPU): every path of every layer
+    computes the block (checked against float64 inside the tool), the products where they apply."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "fold_ab.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    paths = [line.split()[-6] for line in done.stdout.splitlines() if line.endswith(tuple("0123456789"))
+             and "x " in line]
+    assert sorted(set(paths)) == ["converted", "fold+conv", "fold+product", "fold+product+relu", "stock"], paths
+    assert len(paths) == 20 and paths.count("fold+product") == 4 and paths.count("fold+product+relu") == 1, paths
+
+
 def test_compile_cost_keys_at_another_image_size():
     """benchmarks/compile_cost.py --keys-at (no GPU, nothing compiled): the kernel binaries another
     image size adds, each with what differs from the same layer's key at the suite's size. ConvNeXt-T's
