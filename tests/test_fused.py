@@ -756,19 +756,22 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
     x = randn(4, 8, 7, 9).contiguous(memory_format=memory_format)
     _trains_as_stock(stock, fused, x)
     assert calls == ["relu6", "relu6", "identity"] * 2, calls  # (none in eval mode)
-    # eval mode: no BatchNorm computes (each folded into its convolution; a 1x1 one of a channels_last
-    # input as a matrix product, whose epilogue adds the bias), the folded parameters follow an in-place
-    # change of the statistics, and with gradients every parameter's is stock's
+    # eval mode: no BatchNorm computes (each folded into its convolution; in bfloat16 a 1x1 one of a
+    # channels_last input as a matrix product, whose epilogue adds the bias), the folded parameters
+    # follow an in-place change of the statistics, and with gradients every parameter's is stock's
     norms, batch_norm, products, linear = [], F.batch_norm, [], F.linear
     monkeypatch.setattr(F, "batch_norm", lambda *a, **k: norms.append(1) or batch_norm(*a, **k))
     monkeypatch.setattr(F, "linear", lambda *a, **k: products.append(1) or linear(*a, **k))
     with torch.no_grad():
         out = fused(x)
+        assert not products, "a float32 product"
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out16 = fused(x)
     monkeypatch.setattr(F, "batch_norm", batch_norm)
     monkeypatch.setattr(F, "linear", linear)
     assert not norms, "a BatchNorm computed in eval mode"
     assert len(products) == (2 if layout == "channels_last" else 0), products
-    assert out.is_contiguous(memory_format=memory_format)
+    assert out.is_contiguous(memory_format=memory_format) and out16.is_contiguous(memory_format=memory_format)
     with torch.no_grad():
         fused.bn3.running_var.mul_(3), stock.bn3.running_var.mul_(3)
     _assert_same_model(stock, fused, x, "eval after a change of statistics")
@@ -794,11 +797,12 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
     ((2, 4, 5, 1), dict(padding_mode="reflect", bias=True)), ((1, 3, 2, 9), dict(out_channels=1)),
     ((2, 4, 6, 5), dict(stride=2)), ((2, 4, 6, 5), dict(padding=1))])
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-def test_folding_pointwise_convolution_in_eval(shape, options, layout, monkeypatch):
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_folding_pointwise_convolution_in_eval(shape, options, layout, autocast, monkeypatch):
     """A 1x1 convolution with its BatchNorm folded in eval mode, tiny and odd sizes, a bias, string and
     non-zero paddings and modes, a stride: stock's output in stock's memory format (float64's within
-    float32's error), as a matrix product exactly where it is one (a channels_last input, stride 1, no
-    padding)."""
+    the dtype's error), as a matrix product exactly where it is one in 16 bits (a channels_last input,
+    stride 1, no padding; float32 keeps the convolution, which computes in TF32 by torch's defaults)."""
     out_channels = options.pop("out_channels", 7)
     conv = torch.nn.Conv2d(shape[1], out_channels, 1, bias=options.pop("bias", False), **options)
     stock = torch.nn.Sequential(conv, torch.nn.BatchNorm2d(out_channels), torch.nn.SiLU()).to(DEVICE)
@@ -811,13 +815,14 @@ def test_folding_pointwise_convolution_in_eval(shape, options, layout, monkeypat
     x = randn(*shape).contiguous(memory_format=memory_format)
     products, linear = [], F.linear
     monkeypatch.setattr(F, "linear", lambda *a, **k: products.append(1) or linear(*a, **k))
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
         out, ref = fused(x), stock(x)
-    assert_close(out, stock.double()(x.double()), torch.float32, "folded output")
+    assert out.dtype == ref.dtype
+    assert_close(out, stock.double()(x.double()), out.dtype, "folded output")
     assert out.shape == ref.shape and out.is_contiguous(memory_format=memory_format) == \
         ref.is_contiguous(memory_format=memory_format)
     # (a 1x1 image is channels_last in either layout)
-    expected = x.is_contiguous(memory_format=torch.channels_last) and conv.stride == (1, 1) \
+    expected = autocast and x.is_contiguous(memory_format=torch.channels_last) and conv.stride == (1, 1) \
         and conv.padding in ((0, 0), "same")
     assert len(products) == expected, (products, expected)
 

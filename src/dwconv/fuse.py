@@ -161,12 +161,17 @@ class _FoldingConv:
         if norm.training or not fused_now(self.dwconv_block):
             return super().forward(input)
         weight, bias = _folded_parameters(self, norm, input)
-        if _pointwise_rows(self, input):
+        if weight.dtype in _PRODUCT_DTYPES and _pointwise_rows(self, input):
             return _pointwise_as_product(input, weight, bias)
         return self._conv_forward(input, weight, bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", the BatchNorm after it folded in eval mode"
+
+
+# (float32 keeps cuDNN's convolution: by torch's defaults it computes in TF32 where a float32 matmul does
+# not, so a product would be slower where the layer is compute-bound, with other numerics than stock's)
+_PRODUCT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _pointwise_rows(conv: nn.Conv2d, input: torch.Tensor) -> bool:
