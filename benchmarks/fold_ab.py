@@ -84,7 +84,7 @@ def paths(stock: nn.Module, x: torch.Tensor) -> dict:
     return {label: under_autocast(fn) for label, fn in calls.items()}
 
 
-def run(layers, timer, iters: int) -> list:
+def run(layers, timer) -> tuple:
     rows = []
     copy_gbps = None
     if timer is not None:
@@ -128,11 +128,11 @@ def main(argv=None) -> int:
     if args.smoke:
         layers = [(name, 2, c_in, max(h // 16, 5), max(w // 16, 5), c_out, k, s, act)
                   for name, _, c_in, h, w, c_out, k, s, act in LAYERS]
-        rows, copy_gbps = run(layers, None, 1)
+        rows, copy_gbps = run(layers, None)
     else:
         from dwconv.bench import Timer, environment
 
-        rows, copy_gbps = run(LAYERS, Timer(5, args.iters), args.iters)
+        rows, copy_gbps = run(LAYERS, Timer(5, args.iters))
     lines = [environment() if not args.smoke else "CPU smoke run (times are not measurements)",
              f"copy bandwidth {copy_gbps:.0f} GB/s" if copy_gbps else "",
              f"{'layer':<16}{'path':<20}{'ms':>9}{'GB/s':>9}{'% copy':>8}{'vs stock':>10}{'error':>10}"]

@@ -469,13 +469,12 @@ def fold(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Option
     BatchNorm in eval mode: one launch."""
     channels = weight.shape[0]
     taps = weight.numel() // channels
-    affine = norm_weight is not None
+    affine, gpu = norm_weight is not None, gpu_plan(weight.device)
     key = (channels, taps, eps, bias is not None, affine, weight.device.type)
-    plan = cached_plan(_FOLD_PLANS, key, lambda: _fold_plan(channels, taps, eps, bias is not None, affine,
-                                                            gpu_plan(weight.device)))
+    plan = cached_plan(_FOLD_PLANS, key, lambda: _fold_plan(channels, taps, eps, bias is not None, affine, gpu))
     # (Triton's interpreter truncates float32 to bfloat16 where the GPU rounds to nearest, cvt.rn.bf16.f32
     # in the PTX: off the GPU's plans the kernel writes float32 and PyTorch rounds, as the GPU does)
-    written = dtype if gpu_plan(weight.device) or dtype.itemsize >= 4 else torch.float32
+    written = dtype if gpu or dtype.itemsize >= 4 else torch.float32
     out_weight = torch.empty_like(weight, dtype=written)
     out_bias = torch.empty((channels,), dtype=written, device=weight.device)
     if tuned().poison_partials:  # (the tests: an element no program wrote then shows)
