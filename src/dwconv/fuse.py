@@ -189,10 +189,9 @@ def _pointwise_as_product(input: torch.Tensor, weight: torch.Tensor, bias: Optio
     plus the bias, the output channels_last: cuBLAS adds the bias in its product's epilogue, where
     cuDNN's convolution adds it in a pass of its own over the output (docs/decisions.md, "In eval
     mode the other BatchNorms fold")."""
-    batch, channels, height, width = input.shape
-    rows = input.permute(0, 2, 3, 1).reshape(-1, channels)
-    out = F.linear(rows, weight.reshape(weight.shape[0], -1), bias)
-    return out.view(batch, height, width, -1).permute(0, 3, 1, 2)
+    # (the NHWC view is contiguous: F.linear multiplies it as one (N*H*W, C_in) matrix, no copy)
+    out = F.linear(input.permute(0, 2, 3, 1), weight.reshape(weight.shape[0], weight.shape[1]), bias)
+    return out.permute(0, 3, 1, 2)
 
 
 class _TrainedActivation:
