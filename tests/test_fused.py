@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import dwconv
-from dwconv._geometry import conv_geometry
+from dwconv._geometry import INPUT_ACTIVATIONS, conv_geometry
+from dwconv._library import conv_arguments
 from dwconv.activations import FUNCTIONS, activation_code
 from dwconv.dispatch import ForwardConfig, conv_forward
 from dwconv.kernels import large_fma
@@ -32,7 +33,9 @@ FAMILIES = {
 }
 
 
-def activated_forward(family, activation, dtype, has_bias=True):
+def activated_forward(family, activation, dtype, has_bias=True, input_activation=None):
+    """The family's forward through activation (and of input_activation's values of the input, where
+    given), and its reference."""
     config, layout, kernel, stride, padding = FAMILIES[family]
     # values around the activations' corners (relu6's 6, hardswish's -3 and 3): a 3x3 of these
     # spans about -15 .. 15
@@ -45,8 +48,10 @@ def activated_forward(family, activation, dtype, has_bias=True):
     if family == "large_fma":
         config = ForwardConfig("large_fma", *large_fma.large_fma_blocks(geom))
     out = poisoned(geom.output_shape, dtype, memory_format=output_memory_format(x))
-    out = conv_forward(x, weight, bias, geom, config=config, out=out, activation=activation_code(activation))
-    return out, FUNCTIONS[activation](reference_conv(x, weight, bias, stride, padding, 1))
+    code = activation_code(activation if input_activation is None else (input_activation, activation))
+    out = conv_forward(x, weight, bias, geom, config=config, out=out, activation=code)
+    activated_input = x if input_activation is None else FUNCTIONS[input_activation](x.double())
+    return out, FUNCTIONS[activation](reference_conv(activated_input, weight, bias, stride, padding, 1))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -69,6 +74,42 @@ def test_half_precision_activates_before_rounding(activation, dtype):
     """Half precision: one rounding, after the activation (the channels_last pixel tiles, bfloat16 pairs)."""
     out, ref = activated_forward("nhwc_pixels", activation, dtype)
     assert_close(out, ref, dtype, activation)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_activates_its_input(family):
+    """An input activation (the layer before's): the tile kernels apply it as they load, the other
+    families read PyTorch's; the padding stays zeros."""
+    out, ref = activated_forward(family, "relu6", torch.float32, input_activation="silu")
+    assert_close(out, ref, torch.float32, family)
+
+
+@pytest.mark.parametrize("input_activation", INPUT_ACTIVATIONS)
+@pytest.mark.parametrize("family", ["tile", "nhwc_pixels", "nhwc"])
+def test_every_input_activation(family, input_activation):
+    out, ref = activated_forward(family, "identity", torch.float32, input_activation=input_activation)
+    assert_close(out, ref, torch.float32, f"{family} {input_activation}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_input_activation(dtype):
+    """The bfloat16 pairs' widened values are activated (the pixel tiles)."""
+    out, ref = activated_forward("nhwc_pixels", "hardswish", dtype, input_activation="gelu")
+    assert_close(out, ref, dtype)
+
+
+def test_input_activation_codes():
+    """Only activations that map 0 to 0 apply to an input (the padding's zeros); bad codes raise."""
+    from dwconv._geometry import split_activation_code
+
+    assert split_activation_code(activation_code(("relu6", "silu"))) == (activation_code("relu6"), activation_code("silu"))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        activation_code(("hardsigmoid", "relu"))
+    x, weight = randn(1, 3, 6, 6), randn(3, 1, 3, 3)
+    conv = conv_arguments(conv_geometry(x, weight, None, 1, 1, 1))
+    for bad in (activation_code("hardsigmoid") * 16, 16 * 16, -1, 8):
+        with pytest.raises(ValueError, match="activation must be a code"):
+            torch.ops.dwconv.conv2d_activated(x, weight, None, *conv, bad)
 
 
 @pytest.mark.parametrize("family", ["tile", "rows", "nhwc"])
@@ -472,7 +513,6 @@ def test_fx_trace_of_a_fused_model_decides_when_it_runs():
 
 def test_opcheck_activated_op():
     """The forward op with an activation (what a compiled graph holds where no gradient is wanted)."""
-    from dwconv._library import conv_arguments
 
     x, weight, bias = randn(1, 3, 6, 11), randn(6, 1, 3, 3), randn(6)
     conv = conv_arguments(conv_geometry(x, weight, bias, 2, 1, 1))
@@ -483,7 +523,7 @@ def test_opcheck_activated_op():
         ref = FUNCTIONS[["relu6", "silu"][code - 2]](reference_conv(x, weight, bias, 2, 1, 1))
         assert_close(out, ref, torch.float32)
     with pytest.raises(ValueError, match="activation must be a code"):
-        torch.ops.dwconv.conv2d_activated(x, weight, bias, *conv, 99)
+        torch.ops.dwconv.conv2d_activated(x, weight, bias, *conv, 8)
 
 
 def test_compiled_eval_graph_holds_the_activated_op():
@@ -745,7 +785,8 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
     fused = dwconv.convert(stock, fuse=True, precompile=False)
     assert ("fused 1 depthwise block(s) (1 BatchNorm2d folded in eval mode, on dwconv's kernels in training; "
             "1 activation(s) fused); 2 other BatchNorm2d on dwconv's kernels in training (1 with their activation, "
-            "2 folded into their convolution in eval mode)") in capsys.readouterr().out
+            "2 folded into their convolution in eval mode, 1 of whose activations their depthwise layer applies to "
+            "its input in eval mode)") in capsys.readouterr().out
     assert [type(getattr(fused, name)).__name__ for name in ("expand", "bn1", "act1", "project", "bn3")] == \
         ["FoldingConv2d", "TrainedBatchNorm2d", "TrainedReLU6", "FoldingConv2d", "TrainedBatchNorm2d"]
     assert list(fused.state_dict()) == list(stock.state_dict())
@@ -884,3 +925,103 @@ def test_batch_norms_no_block_holds_train_alone():
         fuse.batch_norm_activation = original
     # (Branching's own block and its BatchNorm, Shared's BatchNorm twice, BatchNormAct2d's hardswish; none in eval)
     assert calls == ["relu6", "identity", "identity", "identity", "hardswish"] * 2, calls
+
+
+class NestedInvertedResidual(torch.nn.Module):
+    """torchvision's MobileNetV2 block: conv-norm-activation Sequentials inside a Sequential, the
+    expansion's activation the last module of one and the depthwise layer the first of the next;
+    expand=False: the depthwise layer first (the block after the stem)."""
+
+    def __init__(self, activation=torch.nn.ReLU6, channels=8, hidden=16, residual=True, expand=True):
+        super().__init__()
+        self.residual = residual
+        expansion = [torch.nn.Sequential(torch.nn.Conv2d(channels, hidden, 1, bias=False), _bn(hidden), activation())]
+        width = hidden if expand else channels
+        self.conv = torch.nn.Sequential(
+            *(expansion if expand else []),
+            torch.nn.Sequential(torch.nn.Conv2d(width, width, 3, padding=1, groups=width, bias=False), _bn(width),
+                                activation()),
+            torch.nn.Conv2d(width, channels, 1, bias=False), _bn(channels))
+
+    def forward(self, x):
+        return x + self.conv(x) if self.residual else self.conv(x)
+
+
+def _expanding_model(activation):
+    """A stem (conv, BatchNorm, activation) into a block without expansion (linked two levels down), a
+    nested block without a residual, one with (its input also feeds the add: the stem's activation is
+    not linked there), the flat InvertedResidual (ReLU6)."""
+    stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, 2, 1, bias=False), _bn(8), activation())
+    return torch.nn.Sequential(stem, NestedInvertedResidual(activation, residual=False, expand=False),
+                               NestedInvertedResidual(activation, residual=False), NestedInvertedResidual(activation),
+                               InvertedResidual())
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("activation", [torch.nn.ReLU6, torch.nn.SiLU, torch.nn.Hardswish, torch.nn.GELU])
+def test_expansion_activation_applied_by_the_depthwise_layer(activation, layout, capsys):
+    """fuse=True: where a trained block's activation feeds a fused depthwise layer alone (through
+    nested Sequentials), in eval mode the layer applies it to its input as it loads and the
+    activation module passes through: stock's values without and with gradients (float64's, and
+    under bfloat16 autocast within its error); in training mode the activation runs as before."""
+    from dwconv.fuse import input_activation_now
+
+    stock = _expanding_model(activation).to(DEVICE).eval()
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False)
+    assert "4 of whose activations their depthwise layer applies to its input" in capsys.readouterr().out
+    depthwise = [m for m in fused.modules() if type(m).__name__ == "FusedDepthwiseConv2d"]
+    name = dwconv.activations.activation_of(activation())
+    assert [input_activation_now(m) for m in depthwise] == [name, name, name, "relu6"]
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = randn(2, 3, 10, 9).contiguous(memory_format=memory_format)
+    _assert_same_model(stock, fused, x, "eval")
+    leaf = x.clone().requires_grad_()
+    out, ref = fused(leaf), stock(x.clone().requires_grad_())
+    assert_close(out, ref, torch.float32, "eval, gradients wanted")
+    out.sum().backward()
+    ref_leaf = x.clone().requires_grad_()
+    stock(ref_leaf).sum().backward()
+    assert_close(leaf.grad, ref_leaf.grad, torch.float32, "grad of the input")
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        half, stock_half = fused(x), stock(x)
+        exact = stock.double()(x.double())
+    stock.float()
+    # (five layers in bfloat16: the error against float64 is stock's own, not one rounding's)
+    error, stock_error = ((y.double() - exact).abs().max().item() for y in (half, stock_half))
+    assert error <= 2 * stock_error, f"bfloat16 autocast: {error:.3g} from float64's (stock's {stock_error:.3g})"
+    fused.train(), stock.train()
+    assert [input_activation_now(m) for m in depthwise] == [None] * 4
+    _trains_as_stock(stock, fused, x, steps=1)
+
+
+def test_input_activation_only_where_proven(capsys):
+    """No link for an activation that does not map 0 to 0 (Hardsigmoid), an activation that also feeds
+    a residual add, a module used twice; a hook on a module between unlinks at the call (it sees
+    stock's activated value), as does a module swapped for another."""
+    from dwconv.fuse import input_activation_now
+
+    hard = dwconv.convert(_expanding_model(torch.nn.Hardsigmoid).to(DEVICE).eval(), fuse=True, precompile=False)
+    assert "1 of whose activations" in capsys.readouterr().out  # (the flat InvertedResidual's ReLU6 alone)
+    assert [input_activation_now(m) for m in hard.modules() if type(m).__name__ == "FusedDepthwiseConv2d"] == \
+        [None, None, None, "relu6"]
+    stock = _expanding_model(torch.nn.ReLU6).to(DEVICE).eval()
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    x = randn(2, 3, 10, 9)
+    seen = []
+    handle = fused[2].conv[0].register_forward_hook(lambda module, args, out: seen.append(out.detach().clone()))
+    linked = fused[2].conv[1][0]
+    assert input_activation_now(linked) is None
+    _assert_same_model(stock, fused, x, "hooked between")
+    assert seen[0].min() >= 0 and seen[0].max() <= 6, "the hook saw the value before its activation"
+    handle.remove()
+    assert input_activation_now(linked) == "relu6"
+    fused[2].conv[0][2] = torch.nn.ReLU6()  # (swapped: the old module's link no longer holds)
+    stock[2].conv[0][2] = torch.nn.ReLU6()
+    assert input_activation_now(linked) is None
+    _assert_same_model(stock, fused, x, "swapped between")
+    twice = torch.nn.Sequential(stock[0], stock[1], stock[1])  # (a module used twice is never linked)
+    dwconv.convert(twice, fuse=True, precompile=False)
+    assert "0 of whose activations" in capsys.readouterr().out
+    residual = torch.nn.Sequential(stock[0], NestedInvertedResidual(expand=False))  # (the add reads it too)
+    dwconv.convert(residual, fuse=True, precompile=False)
+    assert "0 of whose activations" in capsys.readouterr().out

@@ -25,13 +25,34 @@ ACTIVATION_CODES = {"identity": 0, "relu": 1, "relu6": 2, "silu": 3, "gelu": 4, 
                     "hardsigmoid": 7}
 
 
-def activation_code(name: Optional[str]) -> int:
-    """The kernels' code of an activation name (None: identity); a clear error for any other value."""
+# The activations a forward can also apply to its input's values as they load (the layer before's,
+# fused into this one): those that map 0 to 0, so that the zeros of the padding stay zeros.
+INPUT_ACTIVATIONS = ("identity", "relu", "relu6", "silu", "gelu", "gelu_tanh", "hardswish")
+# a forward's code: the output's activation + INPUT_ACTIVATION_UNIT * the input's
+INPUT_ACTIVATION_UNIT = 16
+_INPUT_CODES = frozenset(ACTIVATION_CODES[name] for name in INPUT_ACTIVATIONS)
+
+
+def activation_code(name) -> int:
+    """The kernels' code of an activation name (None: identity), or of a pair (the input's
+    activation, of INPUT_ACTIVATIONS; the output's); a clear error for any other value."""
     if name is None:
         return 0
+    if isinstance(name, tuple) and len(name) == 2 and name[0] in INPUT_ACTIVATIONS:
+        return ACTIVATION_CODES[name[0]] * INPUT_ACTIVATION_UNIT + activation_code(name[1])
     if not isinstance(name, str) or name not in ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {sorted(ACTIVATION_CODES)} or None, got {name!r}")
     return ACTIVATION_CODES[name]
+
+
+def split_activation_code(code: int) -> Tuple[int, int]:
+    """(the input's activation code, the output's) of a forward's code (activation_code); a clear
+    error for a code that is none."""
+    input_code, output_code = divmod(code, INPUT_ACTIVATION_UNIT) if isinstance(code, int) else (-1, -1)
+    if output_code not in ACTIVATION_CODES.values() or input_code not in _INPUT_CODES:
+        raise ValueError(f"activation must be a code of {ACTIVATION_CODES}, plus {INPUT_ACTIVATION_UNIT} times "
+                         f"that of an input activation of {INPUT_ACTIVATIONS}, got {code!r}")
+    return input_code, output_code
 
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are jit functions: calling them

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from . import dispatch as _dispatch
 from . import replay
-from ._geometry import ACTIVATION_CODES, ConvGeometry, activation_code, conv_geometry
+from ._geometry import ConvGeometry, activation_code, conv_geometry, split_activation_code
 from .dispatch import conv_forward
 from .kernels._shared import output_memory_format
 from .kernels.layout import nchw_copy
@@ -108,7 +108,8 @@ def _(input, weight, bias, stride, padding, dilation):
 def conv2d_activated(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
                      dilation: List[int], activation: int) -> Tensor:
     """conv2d through an activation (its code in _geometry.ACTIVATION_CODES) in the kernel's
-    epilogue. Forward only: depthwise_conv2d calls it where no gradient is wanted (it has no
+    epilogue, and of the input through one as it loads where the code says so (_geometry.activation_code
+    of a pair: the layer before's activation, fused). Forward only: depthwise_conv2d calls it where no gradient is wanted (it has no
     backward; where one is wanted, conv2d and PyTorch's activation run)."""
     _served_from_cpp(input)
     geom = _geometry(input, weight, bias, stride, padding, dilation)
@@ -122,8 +123,7 @@ def _(input, weight, bias, stride, padding, dilation, activation):
 
 
 def _checked_code(activation: int) -> int:
-    if activation not in ACTIVATION_CODES.values():
-        raise ValueError(f"activation must be a code of {ACTIVATION_CODES}, got {activation!r}")
+    split_activation_code(activation)  # (raises for a code that is none)
     return activation
 
 

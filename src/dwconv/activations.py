@@ -10,7 +10,7 @@ from typing import Callable, Dict, Optional
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._geometry import ACTIVATION_CODES, activation_code  # noqa: F401  (activation_code: checks a name)
+from ._geometry import ACTIVATION_CODES, INPUT_ACTIVATIONS, activation_code  # noqa: F401  (activation_code: checks a name)
 
 FUNCTIONS: Dict[str, Callable] = {
     "identity": lambda t: t,
@@ -23,6 +23,8 @@ FUNCTIONS: Dict[str, Callable] = {
     "hardsigmoid": F.hardsigmoid,
 }
 assert FUNCTIONS.keys() == ACTIVATION_CODES.keys()
+# code -> PyTorch's function, of the activations a forward can apply to its input (_geometry.INPUT_ACTIVATIONS)
+INPUT_FUNCTIONS: Dict[int, Callable] = {ACTIVATION_CODES[name]: FUNCTIONS[name] for name in INPUT_ACTIVATIONS}
 
 
 def activation_of(module: nn.Module) -> Optional[str]:

@@ -59,7 +59,9 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     the BatchNorm and activation on dwconv's BatchNorm kernels (dwconv.fuse). Every other
     BatchNorm2d (after a pointwise convolution, say) computes itself and the activation module
     after it on those kernels in training, and in eval mode is folded into the nn.Conv2d whose
-    output it alone takes (where there is one; else it runs as before). A block one of whose modules
+    output it alone takes (where there is one; else it runs as before), and where such a block's
+    activation feeds a fused depthwise layer alone (an inverted residual's expansion), that layer
+    applies the activation to its input as it loads it. A block one of whose modules
     has a hook (or while a global module hook is registered) runs every module as before, so hooks
     see stock's values. Parameters, buffers and state_dict keys stay the same; the blocks fused and
     the layers left are printed when verbose."""
@@ -83,7 +85,7 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     if fuse:
         from .fuse import fuse_blocks
 
-        blocks, not_fused = fuse_blocks(model)
+        blocks, not_fused, input_activations = fuse_blocks(model)
         if verbose:
             depthwise = [block for block in blocks if isinstance(block[0], DepthwiseConv2d)]
             trained = [block for block in blocks if not isinstance(block[0], DepthwiseConv2d)]
@@ -94,7 +96,8 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
                   f"mode, on dwconv's kernels in training; {activations} activation(s) fused){why}; "
                   f"{len(trained)} other BatchNorm2d on dwconv's kernels in training "
                   f"({sum(activation != 'identity' for *_, activation, _ in trained)} with their activation, "
-                  f"{sum(conv is not None for conv, *_ in trained)} folded into their convolution in eval mode)")
+                  f"{sum(conv is not None for conv, *_ in trained)} folded into their convolution in eval mode, "
+                  f"{input_activations} of whose activations their depthwise layer applies to its input in eval mode)")
     from .precompile import warm_up_on_first_call, warmup
 
     if precompile and layers:

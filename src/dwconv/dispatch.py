@@ -18,7 +18,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._geometry import ConvGeometry, grad_input_as_forward, input_grad_geometry, next_power_of_2
+from ._geometry import (INPUT_ACTIVATION_UNIT, ConvGeometry, grad_input_as_forward, input_grad_geometry,
+                        next_power_of_2)
+from .activations import INPUT_FUNCTIONS
 from .kernels import grad_input as grad_input_family
 from .kernels import grad_weight as grad_weight_family
 from .kernels import large_fma, nchw_pixels, pairs, rows, tile, toeplitz
@@ -177,7 +179,8 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None,
                  activation: int = 0) -> torch.Tensor:
     """The forward convolution of checked arguments (out: written into when given), through an
-    activation (a code of _geometry.ACTIVATION_CODES, applied before the outputs' rounding)."""
+    activation (a code of _geometry.activation_code, applied before the outputs' rounding; with an
+    input activation, that of the input too)."""
     return launch_forward(x, weight, bias, geom, config, out, activation=activation)[0]
 
 
@@ -189,7 +192,12 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     "nchw_pixels", stride 1, multiplier 1) this call is grad_input (x = grad_out, weight flipped) and
     also returns partial[program, tap], the weight gradient's partial sums in the weight's tap order.
     flip_weight: convolve with weight.flip(2, 3) (the kernels read the taps in reverse). activation:
-    conv_forward's."""
+    conv_forward's: the tile family applies an input activation as it loads the input, the others
+    read PyTorch's activation of it."""
+    input_activation, activation = divmod(activation, INPUT_ACTIVATION_UNIT)
+    if input_activation and not _takes_input_activation(geom, x, config, flip_weight):
+        x = INPUT_FUNCTIONS[input_activation](x)
+        input_activation = 0
     if out is None:
         out = torch.empty(geom.output_shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
     if out.numel() == 0:
@@ -209,9 +217,10 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                                            (config.block_h, config.block_w, config.num_warps, config.vec),
                                            activation), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
-           layout_key(weight_grad_from) if fused else None, flip_weight, runs, activation)
+           layout_key(weight_grad_from) if fused else None, flip_weight, runs, activation, input_activation)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
-                                                                  weight_grad_from, flip_weight, runs, activation))
+                                                                  weight_grad_from, flip_weight, runs, activation,
+                                                                  input_activation))
     if plan.kernel == "nchw_pixels":
         return out, nchw_pixels.launch_nchw_pixels(plan, x, weight, bias, out, weight_grad_from)
     if plan.kernel == "rows":
@@ -225,9 +234,10 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.Tensor, out: torch.Tensor,
                   has_bias: bool, features: Optional[torch.Tensor], flip_weight: bool = False,
-                  runs: Optional[int] = None, activation: int = 0):
+                  runs: Optional[int] = None, activation: int = 0, input_activation: int = 0):
     if config is None:
         config = forward_config(geom, x, out, backward=flip_weight)
+    assert not input_activation or config.kernel in tile.TILE_KERNELS, "only the tile kernels activate their input"
     if config.kernel == "nchw_pixels":
         return nchw_pixels.plan(geom, config, x, out, has_bias, features, flip_weight, runs, activation)
     if config.kernel == "rows":
@@ -235,7 +245,19 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     assert features is None, "the NCHW fused backward runs on the rows or nchw_pixels kernel"
     if config.kernel == "pairs":
         return pairs.plan(geom, config, x, out, has_bias, flip_weight, activation)
-    return tile.forward_plan(geom, config, x, out, has_bias, flip_weight, activation)
+    return tile.forward_plan(geom, config, x, out, has_bias, flip_weight, activation, input_activation)
+
+
+def _takes_input_activation(geom: ConvGeometry, x: torch.Tensor, config: Optional[ForwardConfig],
+                            flip_weight: bool) -> bool:
+    """Whether the forward's family applies an input activation as it loads (the tile kernels)."""
+    if config is None:
+        config = cached_plan(_INPUT_ACTIVATED_CONFIGS, (geom, layout_key(x), flip_weight),
+                             lambda: forward_config(geom, x, backward=flip_weight))
+    return config.kernel in tile.TILE_KERNELS
+
+
+_INPUT_ACTIVATED_CONFIGS = plan_cache()
 
 
 def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry, input_like: torch.Tensor,

@@ -35,7 +35,8 @@ from ._geometry import conv_geometry
 from .batch_norm import batch_norm_activation
 from .kernels import batch_norm as batch_norm_kernels
 from .batch_norm import reference as batch_norm_reference
-from .activations import activation_of
+from ._geometry import INPUT_ACTIVATIONS
+from .activations import FUNCTIONS, activation_of
 from .functional import _gradient_wanted, depthwise_conv2d
 from .kernels._launch import PLAIN_TENSORS
 from .modules import DepthwiseConv2d
@@ -63,20 +64,24 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
             return _traced_as_a_call(self, input)
         if not fused_now(self.dwconv_block):
             return super().forward(input)  # (the block as it was: the BatchNorm and activation run)
+        input_activation = input_activation_now(self)
         norm = self.dwconv_norm
         if norm is not None and norm.training:
-            return _normalized_in_training(self, super().forward(input))
+            return _normalized_in_training(self, super().forward(_activated(input, input_activation)))
         activation = None if self.dwconv_activation == "identity" else self.dwconv_activation
         call = _prepared_call(self, norm, input)
         if call is not None:  # (an eager call like the one before, nothing differentiated: no checks again)
             x, weight, bias, geom = call
+            if input_activation is not None:  # (the kernel activates its input as it loads it)
+                activation = (input_activation, activation or "identity")
             arguments = (self.stride, self.padding, self.dilation) + ((activation,) if activation else ())
             out = functional._known_layer(x, weight, bias, *arguments)  # (the C++ path's, where it knows the call)
             return functional._DOORS["eager"](x, weight, bias, geom, arguments) if out is None else out
         if norm is not None and precompile._TRACING.__dict__.get("active") and not torch.is_grad_enabled():
             precompile.record_fold(self.weight, self.bias, norm, _compute_dtype(input, self.weight))
         weight, bias = (self.weight, self.bias) if norm is None else fold_batch_norm(self.weight, self.bias, norm)
-        return depthwise_conv2d(input, weight, bias, self.stride, self.padding, self.dilation, activation)
+        return depthwise_conv2d(_activated(input, input_activation), weight, bias, self.stride, self.padding,
+                                self.dilation, activation)
 
     def extra_repr(self) -> str:
         fused = ([f"norm={type(self.dwconv_norm).__mro__[2].__name__}"] if self.dwconv_norm is not None
@@ -111,9 +116,8 @@ def fused_now(block: tuple) -> bool:
     parametrize, as weight_norm and spectral_norm are now: the fused calls read the modules' own
     parameters). Each of the three modules asks at each
     call and gets the same answer: no state passes between them (threads, re-entrant calls)."""
-    for owner, name, member in block[3]:
-        if owner._modules.get(name) is not member:
-            return False
+    if not _holds(block[3]):
+        return False
     module = nn.modules.module
     if module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks \
             or getattr(module, "_global_backward_pre_hooks", None):
@@ -121,6 +125,44 @@ def fused_now(block: tuple) -> bool:
     for m in block[:3]:
         if m is not None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                               or "parametrizations" in m._modules):
+            return False
+    return True
+
+
+def input_activation_now(conv: "FusedDepthwiseConv2d") -> Optional[str]:
+    """The activation of the layer before that this depthwise layer applies to its input at this call
+    (the name), or None. Where a trained block's activation (`find_input_activations`: its BatchNorm
+    in eval mode) feeds this layer alone, the layer applies it as it loads its input, and that
+    activation's module (or timm's BatchNormAct2d) passes its input through: one pass less over the
+    widest tensor of an inverted residual block. Both ask this at each call and get the same answer:
+    both blocks fused at the call, the BatchNorm before in eval mode, the modules between where they
+    were found and without hooks (a hook there would see the value before its activation)."""
+    link = conv.__dict__.get("dwconv_input")
+    if link is None:
+        return None
+    before, activation, between = link
+    if before[1].training or not fused_now(before) or not fused_now(conv.dwconv_block) or not _holds(between):
+        return None
+    for _, _, module in between:
+        if _hooked(module):
+            return None
+    return activation
+
+
+def _activated(input: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+    return input if activation is None else FUNCTIONS[activation](input)
+
+
+def _applied_after(module: nn.Module) -> bool:
+    """Whether the depthwise layer after this activation (or BatchNormAct2d) applies it at this call."""
+    after = module.__dict__.get("dwconv_applied_by")
+    return after is not None and input_activation_now(after) is not None
+
+
+def _holds(places: tuple) -> bool:
+    """Whether each (owner, name, module) is still where it was found."""
+    for owner, name, member in places:
+        if owner._modules.get(name) is not member:
             return False
     return True
 
@@ -140,7 +182,7 @@ class _TrainedNorm:
             if self.training:
                 return _trained(self, activation_module, self.dwconv_activation, input)
             act = self._modules.get("act")
-            return input if act is None else act(input)
+            return input if act is None or _applied_after(self) else act(input)
         return super().forward(input)
 
     def extra_repr(self) -> str:
@@ -202,7 +244,7 @@ class _TrainedActivation:
         if isinstance(input, torch.fx.Proxy):
             return _traced_as_a_call(self, input)
         block = self.dwconv_block
-        if block[1].training and fused_now(block):
+        if (block[1].training and fused_now(block)) or _applied_after(self):
             return input
         return super().forward(input)
 
@@ -522,10 +564,106 @@ def find_norm_blocks(model: nn.Module, taken: set) -> List[Block]:
     return blocks
 
 
-def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
+def find_input_activations(model: nn.Module, blocks: List[Block], norm_blocks: List[Block]) -> list:
+    """(trained block, its activation, the depthwise layer its output feeds alone, the modules
+    between) for each trained block with a convolution whose activation (one of INPUT_ACTIVATIONS,
+    not the identity) feeds a fused depthwise layer and nothing else: MobileNets' and EfficientNets'
+    expansion -> depthwise. Proven through the module tree with torch.fx (each parent's forward
+    traced with its children as leaves, in both modes): from the activation up through each parent
+    whose forward returns it alone, across to the one sibling that alone takes it, down through each
+    module whose forward passes its one input to one child alone; nn.Identity modules on the way
+    pass it on. Each module on the path is used once in the model."""
+    uses = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    parents = {}
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            parents[id(child)] = (parent, name)
+    flows, ends = {}, {}
+
+    def flow_of(parent):
+        if id(parent) not in flows:
+            flows[id(parent)] = _in_both_modes(parent)
+        return flows[id(parent)]
+
+    def ends_of(parent):
+        if id(parent) not in ends:
+            ends[id(parent)] = _ends_in_both_modes(parent)
+        return ends[id(parent)]
+
+    depthwise = {id(block[0]) for block in blocks}
+    links = []
+    for block in norm_blocks:
+        conv, norm, activation_module, activation, _ = block
+        if conv is None or activation not in INPUT_ACTIVATIONS or activation == "identity":
+            continue
+        current, between, target = activation_module if activation_module is not None else norm, [], None
+        while target is None:  # (up, then across)
+            if id(current) not in parents:
+                break
+            parent, name = parents[id(current)]
+            flow = flow_of(parent)
+            following = flow.get(name) if flow is not None else None
+            if following:
+                target = parent._modules[following[0]]
+            elif following is not None and (ends_of(parent) or (None, None))[1] == name and id(parent) in parents:
+                between.append((*parents[id(parent)], parent))
+                current = parent
+            else:
+                break
+            if target is not None and type(target) is nn.Identity and not _hooked(target) and uses[id(target)] == 1:
+                between.append((parent, following[0], target))
+                current, target = target, None
+        while target is not None and id(target) not in depthwise:  # (down)
+            entry = (ends_of(target) or (None, None))[0] if target._modules else None
+            if entry not in target._modules or uses[id(target)] != 1:
+                target = None
+                break
+            between.append((*parents[id(target)], target))
+            target = target._modules[entry]
+        if target is not None and uses[id(target)] == 1:
+            links.append((block, activation, target, tuple(between)))
+    return links
+
+
+def _ends(parent: nn.Module) -> Optional[Tuple[Optional[str], Optional[str]]]:
+    """(the child that alone takes parent.forward's one input, the child whose output parent.forward
+    alone returns), each called once, or None for either; None where the forward does not trace."""
+    try:
+        graph = _ChildrenAsLeaves(parent).trace(parent)
+    except Exception:
+        return None
+    nodes = list(graph.nodes)
+    calls = collections.Counter(node.target for node in nodes if node.op == "call_module")
+    inputs = [node for node in nodes if node.op == "placeholder"]
+    entry = exit = None
+    if len(inputs) == 1 and len(inputs[0].users) == 1:
+        user = next(iter(inputs[0].users))
+        if user.op == "call_module" and user.args == (inputs[0],) and not user.kwargs and calls[user.target] == 1:
+            entry = user.target
+    output = [node for node in nodes if node.op == "output"]
+    if len(output) == 1 and isinstance(output[0].args[0], torch.fx.Node):
+        result = output[0].args[0]
+        if result.op == "call_module" and len(result.users) == 1 and calls[result.target] == 1:
+            exit = result.target
+    return entry, exit
+
+
+def _ends_in_both_modes(parent: nn.Module) -> Optional[Tuple[Optional[str], Optional[str]]]:
+    """_ends with parent.training False and True; None unless the same."""
+    was = parent.training
+    found = []
+    for mode in (False, True):
+        parent.training = mode
+        found.append(_ends(parent))
+    parent.training = was
+    return found[0] if found[0] == found[1] else None
+
+
+def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter, int]:
     """Makes each block find_blocks proves a fused one, and each find_norm_blocks proves a trained
-    one (the modules' classes change); returns them (the depthwise blocks first) and why other
-    converted layers are not fused."""
+    one (the modules' classes change), and links each find_input_activations finds; returns the
+    blocks (the depthwise blocks first), why other converted layers are not fused, and how many
+    activations their depthwise layer applies in eval mode."""
     blocks, left = find_blocks(model)
     taken = {id(m) for block in blocks for m in block[1:3] if m is not None}
     norm_blocks = find_norm_blocks(model, taken)
@@ -539,7 +677,11 @@ def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter]:
         block = (conv, norm, activation_module, places)
         norm.__dict__["dwconv_activation"] = activation
         _join(block, ((norm, "trained norm"), (conv, "trained conv"), (activation_module, "trained activation")))
-    return blocks + norm_blocks, left
+    links = find_input_activations(model, blocks, norm_blocks)
+    for (conv, norm, activation_module, _, _), activation, depthwise, between in links:
+        depthwise.__dict__["dwconv_input"] = (norm.dwconv_block, activation, between)
+        (activation_module if activation_module is not None else norm).__dict__["dwconv_applied_by"] = depthwise
+    return blocks + norm_blocks, left, len(links)
 
 
 def _join(block: tuple, members: tuple) -> None:

@@ -49,9 +49,10 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                stride_w, pad_top, pad_left, dilation_w, KH: tl.constexpr, KW: tl.constexpr,
                STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                UNROLL: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
-               BLOCK_C: tl.constexpr, MASKED: tl.constexpr):
+               BLOCK_C: tl.constexpr, MASKED: tl.constexpr, INPUT_ACTIVATION: tl.constexpr):
     """Computes and stores output rows first_row .. first_row + BLOCK_H - 1 of a [cols, channels]
-    strip. UNROLL: the loops are unrolled over the band's input rows, and each input row's shifted
+    strip (of INPUT_ACTIVATION's values of the input: _activate's code, one that maps 0 to 0, so that
+    the zeros of masked loads stay the padding's). UNROLL: the loops are unrolled over the band's input rows, and each input row's shifted
     pixels are loaded (and converted) once for all the output rows that use them, not once a tap;
     otherwise (large kernels, BLOCK_H 1) a loop over the kernel rows bounds the code size. MASKED=False
     for strips that read only inside the image and write only inside the output: no bounds tests."""
@@ -84,6 +85,7 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                                 other=0.0).to(ACC_DTYPE)
                 else:
                     x = tl.load(col_ptrs[kw] + in_row * x_stride_h).to(ACC_DTYPE)
+                x = _activate(x, INPUT_ACTIVATION)
                 for kh in tl.static_range(KH):
                     for j in tl.static_range(BLOCK_H):
                         if j * STRIDE_H + kh * DILATION_H == r:  # output row j reads this row through kh
@@ -101,6 +103,7 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                     x = tl.load(ptrs, mask=tl.where(row_ok, col_ok, False), other=0.0).to(ACC_DTYPE)
                 else:
                     x = tl.load(ptrs).to(ACC_DTYPE)
+                x = _activate(x, INPUT_ACTIVATION)
                 w = _load_weights(w_taps + (kh * KW + kw) * w_stride_tap, c_ok, ACC_DTYPE, MASKED)
                 acc = tl.fma(x, w, acc)
         accs = (acc,)
@@ -130,12 +133,13 @@ def _pairs_ok(c_ok, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr):
 @triton.jit
 def _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok, COUNT: tl.constexpr, x_stride_w,
                 ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr,
-                ROW_MASKED: tl.constexpr, WIDEN: tl.constexpr = True):
+                ROW_MASKED: tl.constexpr, WIDEN: tl.constexpr = True, INPUT_ACTIVATION: tl.constexpr = 0):
     """COUNT pixels of an input row from row_ptr (pixel p at p * x_stride_w; [1, BLOCK_C] channel
     vectors in ACC_DTYPE) as a tuple. MASKED: zero outside the row's columns, the channels or the
     image's rows (row_ok); ROW_MASKED: only the row and channel tests (columns inside).
     BF16_PAIRS: bfloat16 channel pairs load as one 32-bit word (the launcher checks alignment).
-    WIDEN False: the loaded values as they are, for _widen_pixels later (a load in flight)."""
+    WIDEN False: the loaded values as they are, for _widen_pixels later (a load in flight), else
+    widened through INPUT_ACTIVATION (_conv_band's)."""
     if BF16_PAIRS:
         row_pairs = tl.split(tl.reshape(row_ptr, [1, BLOCK_C // 2, 2]))[0].to(tl.pointer_type(tl.int32))
     pixels = ()  # (one no output reads is dropped by the compiler)
@@ -158,14 +162,16 @@ def _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok, COUNT: tl.c
                 x = tl.load(row_ptr + p * x_stride_w)
         pixels = pixels + (x,)
     if WIDEN:
-        pixels = _widen_pixels(pixels, ACC_DTYPE, BLOCK_C, BF16_PAIRS)
+        pixels = _widen_pixels(pixels, ACC_DTYPE, BLOCK_C, BF16_PAIRS, INPUT_ACTIVATION)
     return pixels
 
 
 @triton.jit
-def _widen_pixels(loaded, ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr):
-    """_row_pixels' loaded values in ACC_DTYPE. bfloat16 pairs (32-bit words) widen by a shift and a
-    mask (the compiler's conversion takes three instructions a pair)."""
+def _widen_pixels(loaded, ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
+                  INPUT_ACTIVATION: tl.constexpr = 0):
+    """_row_pixels' loaded values in ACC_DTYPE (through INPUT_ACTIVATION: _conv_band's). bfloat16
+    pairs (32-bit words) widen by a shift and a mask (the compiler's conversion takes three
+    instructions a pair)."""
     pixels = ()
     for p in tl.static_range(len(loaded)):
         if BF16_PAIRS:
@@ -174,6 +180,11 @@ def _widen_pixels(loaded, ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_P
                                                   (pair & -65536).to(tl.float32, bitcast=True)), [1, BLOCK_C]),)
         else:
             pixels = pixels + (loaded[p].to(ACC_DTYPE),)
+    if INPUT_ACTIVATION != 0:
+        activated = ()
+        for p in tl.static_range(len(pixels)):
+            activated = activated + (_activate(pixels[p], INPUT_ACTIVATION),)
+        pixels = activated
     return pixels
 
 
@@ -262,7 +273,7 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                  STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACTIVATION: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
                  BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr, OUTPUTS: tl.constexpr,
-                 WEIGHT_GRAD: tl.constexpr, weight_grads, inputs_at_outputs):
+                 WEIGHT_GRAD: tl.constexpr, weight_grads, inputs_at_outputs, INPUT_ACTIVATION: tl.constexpr = 0):
     """_conv_band for channels_last with the columns unrolled (weights: the taps' [1, BLOCK_C]
     values, _tap_weights; loaded once by the caller): each pixel of a row (a [1, BLOCK_C]
     channel vector; a thread holds the same channels of every pixel) is loaded and converted once
@@ -275,7 +286,8 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
     that tap's weight gradient meets in exactly one FMA of one tile. The fused channels_last
     backward: x is grad_out, w the flipped weight, y grad_input, inputs_at_outputs the forward's
     input. The channels_last weight gradient: OUTPUTS False (no outputs computed or stored), x the
-    forward's input, inputs_at_outputs grad_out. Else returns weight_grads as given."""
+    forward's input, inputs_at_outputs grad_out. Else returns weight_grads as given.
+    INPUT_ACTIVATION: _conv_band's."""
     first_in_row = first_row * STRIDE_H - pad_top
     first_in_col = first_col * STRIDE_W - pad_left
     start = tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE)
@@ -295,7 +307,7 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
         row_ok = (in_row >= 0) & (in_row < in_h)
         pixels = _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok,
                              (BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1, x_stride_w, ACC_DTYPE, BLOCK_C,
-                             BF16_PAIRS, MASKED, False)
+                             BF16_PAIRS, MASKED, False, INPUT_ACTIVATION=INPUT_ACTIVATION)
         accs, weight_grads = _row_taps(pixels, r, weights, accs, weight_grads, inputs_at_outputs, KH, KW, STRIDE_H,
                                        DILATION_H, STRIDE_W, DILATION_W, BLOCK_H, BLOCK_W, OUTPUTS, WEIGHT_GRAD)
     if OUTPUTS:
@@ -330,8 +342,8 @@ def depthwise_fwd_tile_kernel(
     w_stride_c, w_stride_tap, w_first_tap,
     stride_w, pad_top, pad_left, dilation_w,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
-    DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, UNROLL: tl.constexpr,
-    INDEX_64: tl.constexpr,
+    DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_ACTIVATION: tl.constexpr,
+    UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
     PIXELS: tl.constexpr, PIXEL_STRIDE_W: tl.constexpr, PIXEL_DILATION_W: tl.constexpr,
     PIXEL_X_STRIDE_W: tl.constexpr, PIXEL_Y_STRIDE_W: tl.constexpr, BF16_PAIRS: tl.constexpr,
@@ -348,6 +360,9 @@ def depthwise_fwd_tile_kernel(
     PIXEL_X_STRIDE_W / PIXEL_Y_STRIDE_W known to the compiler (pixel addresses become immediate
     offsets from a row's: a binary per channel count; taken at run time they cost 4-19% of GPU
     time, docs/decisions.md, "Cold start").
+    INPUT_ACTIVATION: an activation's code (_activate's) applied to each input value as it loads,
+    one that maps 0 to 0 (the masked loads' zeros stay the padding's): the activation of the layer
+    before, fused (no pass of its own over that layer's output).
     INTERIOR_TILES: whether any tile can be interior (ConvGeometry.has_interior_tile); if not, only
     the masked branch is compiled (Triton's coalescing pass takes time superlinear in the code: a
     7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine)."""
@@ -391,26 +406,26 @@ def depthwise_fwd_tile_kernel(
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACTIVATION,
-                         ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), ())
+                         ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), (), INPUT_ACTIVATION)
         else:
             weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True,
                                       BRANCH_WEIGHT_TAPS)
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACTIVATION,
-                         ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), ())
+                         ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), (), INPUT_ACTIVATION)
     else:  # (BLOCK_W a power of 2 here; "nhwc_pixels" takes any)
         out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
         if interior:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
                        pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, ACTIVATION, UNROLL, ACC_DTYPE,
-                       BLOCK_H, BLOCK_W, BLOCK_C, False)
+                       BLOCK_H, BLOCK_W, BLOCK_C, False, INPUT_ACTIVATION)
         else:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
                        pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, ACTIVATION, UNROLL, ACC_DTYPE,
-                       BLOCK_H, BLOCK_W, BLOCK_C, True)
+                       BLOCK_H, BLOCK_W, BLOCK_C, True, INPUT_ACTIVATION)
 
 
 
@@ -767,6 +782,7 @@ def depthwise_grad_nhwc_rows_kernel(
 # ---- blocks and launch plans ------------------------------------------------------------------
 
 NHWC_KERNELS = ("nhwc", "nhwc_pixels")
+TILE_KERNELS = ("tile",) + NHWC_KERNELS  # (the forwards of depthwise_fwd_tile_kernel)
 
 
 def band_rows(geom: ConvGeometry, wanted: int, device: torch.device) -> int:
@@ -858,9 +874,10 @@ def _weight_strides(kernel: str, geom: ConvGeometry, flipped: bool, x: torch.Ten
 
 
 def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
-                 flip_weight: bool = False, activation: int = 0) -> LaunchPlan:
+                 flip_weight: bool = False, activation: int = 0, input_activation: int = 0) -> LaunchPlan:
     """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc", "nhwc_pixels":
-    unit channel strides)."""
+    unit channel strides). input_activation: the code of one applied to the input's values as they
+    load (one that maps 0 to 0: dispatch.INPUT_ACTIVATIONS)."""
     nhwc = config.kernel in NHWC_KERNELS
     assert not nhwc or channels_last_kernel_applies(x, out), "the NHWC tiles need unit channel strides"
     taps = geom.kernel_h * geom.kernel_w
@@ -876,7 +893,7 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
     assert config.block_h * taps <= _band_limit(x.device) or config.block_h == 1, "band too long to unroll"
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
     constants = dict(
-        forward_constants(geom, config, x, out, has_bias, activation),
+        forward_constants(geom, config, x, out, has_bias, activation), INPUT_ACTIVATION=input_activation,
         # offsets inside one image (not one plane) for the channels_last tiles
         INDEX_64=needs_int64(x, out, first_dim=1 if nhwc else 2), STRIDE_H=geom.stride_h,
         DILATION_H=geom.dilation_h, UNROLL=unroll, BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,
