@@ -31,7 +31,7 @@ from dwconv import tuning  # noqa: E402
 
 tuning.override(plan_as_gpu=True)  # the launchers' GPU choices for these CPU tensors (what the GPU compiles)
 
-from dwconv._geometry import activation_code, conv_geometry  # noqa: E402
+from dwconv._geometry import conv_geometry, forward_activation_code  # noqa: E402
 from dwconv.dispatch import (ForwardConfig, GradWeightConfig, conv_forward, conv_grad_input,  # noqa: E402
                              conv_grad_input_and_weight, conv_grad_weight, launch_forward)
 
@@ -133,10 +133,10 @@ CASES = [
      dict(stride=2, padding=3, layout=CL)),
     ("nhwc pixels, bfloat16 pairs, ReLU6 of the input as it loads and of the output (a fused eval block)", forward,
      ((1, 128, 12, 20), (3, 3), bf16, ForwardConfig("nhwc_pixels", 2, 4, 2, block_c=128)),
-     dict(padding=1, layout=CL, activation=activation_code(("relu6", "relu6")))),
+     dict(padding=1, layout=CL, activation=forward_activation_code(("relu6", "relu6")))),
     ("nhwc, bfloat16, k7, SiLU of the input as it loads", forward,
      ((1, 96, 12, 12), (7, 7), bf16, ForwardConfig("nhwc", 5, 8, 4, block_c=32)),
-     dict(padding=3, layout=CL, activation=activation_code(("silu", "identity")))),
+     dict(padding=3, layout=CL, activation=forward_activation_code(("silu", "identity")))),
     ("nhwc, k17 (kernel-row loop)", forward, ((1, 32, 20, 20), (17, 17), f32, ForwardConfig("nhwc", 1, 8, 4, block_c=32)),
      dict(padding=8, layout=CL)),
     # (the GPU's blocks for the large suite's layers, at a small batch: 28 outputs a thread, one warp)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import dwconv
-from dwconv._geometry import INPUT_ACTIVATIONS, conv_geometry
+from dwconv._geometry import INPUT_ACTIVATIONS, conv_geometry, forward_activation_code
 from dwconv._library import conv_arguments
 from dwconv.activations import FUNCTIONS, activation_code
 from dwconv.dispatch import ForwardConfig, conv_forward
@@ -48,7 +48,7 @@ def activated_forward(family, activation, dtype, has_bias=True, input_activation
     if family == "large_fma":
         config = ForwardConfig("large_fma", *large_fma.large_fma_blocks(geom))
     out = poisoned(geom.output_shape, dtype, memory_format=output_memory_format(x))
-    code = activation_code(activation if input_activation is None else (input_activation, activation))
+    code = forward_activation_code(activation if input_activation is None else (input_activation, activation))
     out = conv_forward(x, weight, bias, geom, config=config, out=out, activation=code)
     activated_input = x if input_activation is None else FUNCTIONS[input_activation](x.double())
     return out, FUNCTIONS[activation](reference_conv(activated_input, weight, bias, stride, padding, 1))
@@ -102,9 +102,12 @@ def test_input_activation_codes():
     """Only activations that map 0 to 0 apply to an input (the padding's zeros); bad codes raise."""
     from dwconv._geometry import split_activation_code
 
-    assert split_activation_code(activation_code(("relu6", "silu"))) == (activation_code("relu6"), activation_code("silu"))
-    with pytest.raises(ValueError, match="activation must be one of"):
-        activation_code(("hardsigmoid", "relu"))
+    code = forward_activation_code(("relu6", "silu"))
+    assert split_activation_code(code) == (activation_code("relu6"), activation_code("silu"))
+    with pytest.raises(ValueError, match="an input activation must be one of"):
+        forward_activation_code(("hardsigmoid", "relu"))
+    with pytest.raises(ValueError, match="activation must be one of"):  # (the public calls take names only)
+        dwconv.depthwise_conv2d(randn(1, 3, 6, 6), randn(3, 1, 3, 3), activation=("relu", "relu"))
     x, weight = randn(1, 3, 6, 6), randn(3, 1, 3, 3)
     conv = conv_arguments(conv_geometry(x, weight, None, 1, 1, 1))
     for bad in (activation_code("hardsigmoid") * 16, 16 * 16, -1, 8):
@@ -608,6 +611,8 @@ def test_warmup_of_a_fused_model_records_the_fused_forward():
         batch_norm_kernels.fold = real_fold
     assert [call.tensors[0][0] for call in calls if call.fold] == [(16, 8, 1, 1), (16, 1, 3, 3), (8, 16, 1, 1)]
     assert not launched
+    # (the expansion's ReLU6 applied by the depthwise layer: the forward that will run, both activations)
+    assert [call.arguments[3:] for call in calls if not call.fold] == [(("relu6", "relu6"),)]
     fused.train()
     calls = layer_calls(fused, randn(2, 8, 9, 11))  # (training: the plain layer's passes, then BatchNorm's)
     assert [call.grads for call in calls] == [(False, True, False), (True, True, True)]

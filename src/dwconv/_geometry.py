@@ -33,16 +33,24 @@ INPUT_ACTIVATION_UNIT = 16
 _INPUT_CODES = frozenset(ACTIVATION_CODES[name] for name in INPUT_ACTIVATIONS)
 
 
-def activation_code(name) -> int:
-    """The kernels' code of an activation name (None: identity), or of a pair (the input's
-    activation, of INPUT_ACTIVATIONS; the output's); a clear error for any other value."""
+def activation_code(name: Optional[str]) -> int:
+    """The kernels' code of an activation name (None: identity); a clear error for any other value."""
     if name is None:
         return 0
-    if isinstance(name, tuple) and len(name) == 2 and name[0] in INPUT_ACTIVATIONS:
-        return ACTIVATION_CODES[name[0]] * INPUT_ACTIVATION_UNIT + activation_code(name[1])
     if not isinstance(name, str) or name not in ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {sorted(ACTIVATION_CODES)} or None, got {name!r}")
     return ACTIVATION_CODES[name]
+
+
+def forward_activation_code(activation) -> int:
+    """A forward's code: activation_code of a name, or of a pair (the input's activation, one of
+    INPUT_ACTIVATIONS; the output's: a fused block's, dwconv.fuse); a clear error for any other value."""
+    if isinstance(activation, tuple):
+        if len(activation) != 2 or activation[0] not in INPUT_ACTIVATIONS:
+            raise ValueError(f"an input activation must be one of {INPUT_ACTIVATIONS} (each maps 0 to 0), "
+                             f"in a pair with the output's, got {activation!r}")
+        return ACTIVATION_CODES[activation[0]] * INPUT_ACTIVATION_UNIT + activation_code(activation[1])
+    return activation_code(activation)
 
 
 def split_activation_code(code: int) -> Tuple[int, int]:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from . import dispatch as _dispatch
 from . import replay
-from ._geometry import ConvGeometry, activation_code, conv_geometry, split_activation_code
+from ._geometry import ConvGeometry, conv_geometry, forward_activation_code, split_activation_code
 from .dispatch import conv_forward
 from .kernels._shared import output_memory_format
 from .kernels.layout import nchw_copy
@@ -417,7 +417,7 @@ def eager_conv(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: Conv
     the forward with the activation in its epilogue."""
     input, weight, bias = plain(input), plain(weight), plain(bias)
     if len(arguments) > 3:
-        code = activation_code(arguments[3])
+        code = forward_activation_code(arguments[3])
         out = replay.conv(input, weight, bias, geom, _activated_passes(code), arguments) if replay.enabled(input) \
             else None
         return conv_forward(input, weight, bias, geom, activation=code) if out is None else out

@@ -12,7 +12,7 @@ from torch.fx import Proxy
 
 from . import replay
 from ._env import triton_interpreter_enabled
-from ._geometry import IntOrPair, Padding, conv_geometry
+from ._geometry import IntOrPair, Padding, conv_geometry, forward_activation_code
 from .activations import FUNCTIONS, activation_code
 
 
@@ -55,15 +55,20 @@ def depthwise_conv2d(
     fused = activation_code(activation) > 0
     if fused and _gradient_wanted(input, weight, bias):
         return FUNCTIONS[activation](depthwise_conv2d(input, weight, bias, stride, padding, dilation))
+    return _forward(input, weight, bias, stride, padding, dilation, *((activation,) if fused else ()))
+
+
+def _forward(input, weight, bias, stride, padding, dilation, *activation) -> torch.Tensor:
+    """depthwise_conv2d's call, with an activation (a name, or a pair: the input's and the output's,
+    a fused block's, dwconv.fuse) only where no gradient is wanted of it."""
     # (seen before: no checks again, and autocast's casts made in C++)
-    out = _known_layer(input, weight, bias, stride, padding, dilation, *([activation] if fused else []))
+    out = _known_layer(input, weight, bias, stride, padding, dilation, *activation)
     if out is None:
         if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
             input, weight, bias = _autocast(input, weight, bias)
         geom = _geometry(input, weight, bias, stride, padding, dilation)
         # (the arguments as passed, and an activation after them: what a warmup's recording keeps)
-        arguments = (stride, padding, dilation, activation) if fused else (stride, padding, dilation)
-        out = _DOORS[_door(input, weight, bias)](input, weight, bias, geom, arguments)
+        out = _DOORS[_door(input, weight, bias)](input, weight, bias, geom, (stride, padding, dilation, *activation))
     return out
 
 
@@ -119,8 +124,10 @@ def _door(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 
 
 def _pytorch(input, weight, bias, geom, arguments):
-    out = F.conv2d(input, weight, bias, *arguments[:3], groups=geom.in_channels)
-    return FUNCTIONS[arguments[3]](out) if len(arguments) > 3 else out
+    activation = arguments[3] if len(arguments) > 3 else "identity"
+    if isinstance(activation, tuple):  # (an input activation too: a fused block's)
+        input, activation = FUNCTIONS[activation[0]](input), activation[1]
+    return FUNCTIONS[activation](F.conv2d(input, weight, bias, *arguments[:3], groups=geom.in_channels))
 
 
 def _registered_op(input, weight, bias, geom, arguments):
@@ -128,7 +135,7 @@ def _registered_op(input, weight, bias, geom, arguments):
 
     if len(arguments) > 3:  # (an activation: no gradient is wanted)
         return torch.ops.dwconv.conv2d_activated(input, weight, bias, *conv_arguments(geom),
-                                                 activation_code(arguments[3]))
+                                                 forward_activation_code(arguments[3]))
     return torch.ops.dwconv.conv2d(input, weight, bias, *conv_arguments(geom))
 
 

@@ -80,6 +80,10 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
         if norm is not None and precompile._TRACING.__dict__.get("active") and not torch.is_grad_enabled():
             precompile.record_fold(self.weight, self.bias, norm, _compute_dtype(input, self.weight))
         weight, bias = (self.weight, self.bias) if norm is None else fold_batch_norm(self.weight, self.bias, norm)
+        if input_activation is not None and not _gradient_wanted(input, weight, bias):
+            # (one call with both activations: compiled graphs and a warmup's recording hold the kernel that runs)
+            return functional._forward(input, weight, bias, self.stride, self.padding, self.dilation,
+                                       (input_activation, activation or "identity"))
         return depthwise_conv2d(_activated(input, input_activation), weight, bias, self.stride, self.padding,
                                 self.dilation, activation)
 
