@@ -962,8 +962,8 @@ def _expanding_model(activation):
                                InvertedResidual())
 
 
-@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-@pytest.mark.parametrize("activation", [torch.nn.ReLU6, torch.nn.SiLU, torch.nn.Hardswish, torch.nn.GELU])
+@pytest.mark.parametrize("activation, layout", [(torch.nn.ReLU6, "nchw"), (torch.nn.SiLU, "channels_last"),
+                                                (torch.nn.Hardswish, "nchw"), (torch.nn.GELU, "channels_last")])
 def test_expansion_activation_applied_by_the_depthwise_layer(activation, layout, capsys):
     """fuse=True: where a trained block's activation feeds a fused depthwise layer alone (through
     nested Sequentials), in eval mode the layer applies it to its input as it loads and the

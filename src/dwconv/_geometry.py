@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 
 IntOrPair = Union[int, Sequence[int]]
 Padding = Union[int, Sequence[int], str]
@@ -25,12 +26,27 @@ ACTIVATION_CODES = {"identity": 0, "relu": 1, "relu6": 2, "silu": 3, "gelu": 4, 
                     "hardsigmoid": 7}
 
 
+# PyTorch's function of each (the reference, what computes them where a gradient is wanted, and the
+# input activation of the families that do not apply one as they load)
+ACTIVATION_FUNCTIONS = {
+    "identity": lambda t: t,
+    "relu": F.relu,
+    "relu6": F.relu6,
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "hardswish": F.hardswish,
+    "hardsigmoid": F.hardsigmoid,
+}
+assert ACTIVATION_FUNCTIONS.keys() == ACTIVATION_CODES.keys()
 # The activations a forward can also apply to its input's values as they load (the layer before's,
 # fused into this one): those that map 0 to 0, so that the zeros of the padding stay zeros.
 INPUT_ACTIVATIONS = ("identity", "relu", "relu6", "silu", "gelu", "gelu_tanh", "hardswish")
 # a forward's code: the output's activation + INPUT_ACTIVATION_UNIT * the input's
 INPUT_ACTIVATION_UNIT = 16
 _INPUT_CODES = frozenset(ACTIVATION_CODES[name] for name in INPUT_ACTIVATIONS)
+# code -> PyTorch's function, of the input activations
+INPUT_FUNCTIONS = {ACTIVATION_CODES[name]: ACTIVATION_FUNCTIONS[name] for name in INPUT_ACTIVATIONS}
 
 
 def activation_code(name: Optional[str]) -> int:

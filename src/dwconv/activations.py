@@ -4,27 +4,13 @@ accumulator's precision, then rounded and stored once): their names, PyTorch's f
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Dict, Optional
 
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ._geometry import ACTIVATION_CODES, INPUT_ACTIVATIONS, activation_code  # noqa: F401  (activation_code: checks a name)
+from ._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS, activation_code  # noqa: F401  (activation_code: checks a name)
 
-FUNCTIONS: Dict[str, Callable] = {
-    "identity": lambda t: t,
-    "relu": F.relu,
-    "relu6": F.relu6,
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "hardswish": F.hardswish,
-    "hardsigmoid": F.hardsigmoid,
-}
-assert FUNCTIONS.keys() == ACTIVATION_CODES.keys()
-# code -> PyTorch's function, of the activations a forward can apply to its input (_geometry.INPUT_ACTIVATIONS)
-INPUT_FUNCTIONS: Dict[int, Callable] = {ACTIVATION_CODES[name]: FUNCTIONS[name] for name in INPUT_ACTIVATIONS}
+FUNCTIONS: Dict[str, Callable] = ACTIVATION_FUNCTIONS  # (defined beside the codes: the dispatcher reads them too)
 
 
 def activation_of(module: nn.Module) -> Optional[str]:

@@ -18,9 +18,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._geometry import (INPUT_ACTIVATION_UNIT, ConvGeometry, grad_input_as_forward, input_grad_geometry,
-                        next_power_of_2)
-from .activations import INPUT_FUNCTIONS
+from ._geometry import (INPUT_ACTIVATION_UNIT, INPUT_FUNCTIONS, ConvGeometry, grad_input_as_forward,
+                        input_grad_geometry, next_power_of_2)
 from .kernels import grad_input as grad_input_family
 from .kernels import grad_weight as grad_weight_family
 from .kernels import large_fma, nchw_pixels, pairs, rows, tile, toeplitz
