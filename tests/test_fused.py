@@ -1012,6 +1012,15 @@ def test_input_activation_only_where_proven(capsys):
     stock = _expanding_model(torch.nn.ReLU6).to(DEVICE).eval()
     fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
     x = randn(2, 3, 10, 9)
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(fused), torch.load(buffer, weights_only=False)):  # (links to its own modules)
+        assert input_activation_now(other[2].conv[1][0]) == "relu6"
+        assert other[2].conv[1][0].dwconv_input[0][1] is other[2].conv[0][1]
+        _assert_same_model(stock, other, x, "a copy")
     seen = []
     handle = fused[2].conv[0].register_forward_hook(lambda module, args, out: seen.append(out.detach().clone()))
     linked = fused[2].conv[1][0]
