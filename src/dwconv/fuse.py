@@ -9,7 +9,8 @@ pointwise convolution, before a residual add) makes a trained block with the nn.
 the activation module after it: in training the BatchNorm computes both on the same kernels and the
 activation module passes its input through; in eval mode the BatchNorm is folded into the
 convolution's weight and bias (PyTorch's convolution then computes both) and the activation runs as
-before.
+before, unless a fused depthwise layer alone reads it (an inverted residual's expansion): that layer
+then applies it to its input as it loads it (`find_input_activations`, `input_activation_now`).
 
 Nothing is replaced: the three modules keep their identity, parameters, buffers and state_dict
 keys; only their classes change (FusedDepthwiseConv2d, and subclasses of the norm's and the
