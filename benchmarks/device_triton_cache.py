@@ -19,7 +19,11 @@ then finds the kernels: `gpu_check.sh` prints "Triton cache: N new entries" afte
 
 Whole models' kernels as their first calls compile them (`--model`: convert's warmup, converted and with
 fuse=True, training and eval, bfloat16 autocast channels_last, 224 x 224 images; torchvision or timm
-importable; MobileNetV2, EfficientNet-B0 and MobileNetV4-conv-medium at batch 256: about 4 minutes):
+importable; MobileNetV2, EfficientNet-B0 and MobileNetV4-conv-medium at batch 256: about 4 minutes).
+The models' code only is needed here, beside the venv's torch: `pip install --no-deps --target
+/tmp/tv_pkgs torchvision==0.28.0 pillow` and `--target /tmp/timm_pkgs timm huggingface_hub safetensors
+pyyaml`, with both on PYTHONPATH (torchvision's C operators do not load against this torch: their
+schemas are defined here first, `_torchvision_without_its_operators`):
 
     PYTHONPATH=.triton36:src python benchmarks/device_triton_cache.py --model mobilenet_v2 efficientnet_b0 \
         mobilenetv4_conv_medium --batch 256 --out /tmp/kbuild256
@@ -120,6 +124,27 @@ def use_device_key(device_lib: str) -> None:
     cache.triton_key = lambda: device_key  # (get_cache_key reads the module's global at each call)
 
 
+def _torchvision_without_its_operators() -> None:
+    """Makes torchvision importable where its C library does not load against this torch (a CPU
+    wheel of another build): its meta registrations need the schemas of two operators, defined here;
+    the models never call them."""
+    import torch
+
+    try:
+        import torchvision  # noqa: F401
+    except RuntimeError as error:
+        if "torchvision::" not in str(error):
+            raise
+        for name in [m for m in list(sys.modules) if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        library = torch.library.Library("torchvision", "DEF")
+        for op in ("nms", "qnms"):
+            library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        _torchvision_without_its_operators.library = library  # (kept: the schemas live while it does)
+    except ImportError:
+        pass  # (timm's models alone)
+
+
 def compile_models(names, batch, out, device_lib):
     """Each model's kernels as its first calls on the device compile them (convert's warmup): the
     model converted, and converted with fuse=True, in training and in eval mode, under bfloat16
@@ -133,6 +158,7 @@ def compile_models(names, batch, out, device_lib):
     from dwconv import precompile
     from dwconv.bench_models import build_model
 
+    _torchvision_without_its_operators()
     with tempfile.TemporaryDirectory() as site:
         with open(os.path.join(site, "sitecustomize.py"), "w") as hook:
             hook.write(f"import sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
