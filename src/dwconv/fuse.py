@@ -32,11 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import functional, precompile
-from ._geometry import conv_geometry
+from ._geometry import INPUT_ACTIVATIONS, conv_geometry
 from .batch_norm import batch_norm_activation
 from .kernels import batch_norm as batch_norm_kernels
 from .batch_norm import reference as batch_norm_reference
-from ._geometry import INPUT_ACTIVATIONS
 from .activations import FUNCTIONS, activation_of
 from .functional import _gradient_wanted, depthwise_conv2d
 from .kernels._launch import PLAIN_TENSORS
@@ -610,7 +609,8 @@ def find_input_activations(model: nn.Module, blocks: List[Block], norm_blocks: L
             following = flow.get(name) if flow is not None else None
             if following:
                 target = parent._modules[following[0]]
-            elif following is not None and (ends_of(parent) or (None, None))[1] == name and id(parent) in parents:
+            elif (following is not None and (ends_of(parent) or (None, None))[1] == name and id(parent) in parents
+                  and uses[id(parent)] == 1):
                 between.append((*parents[id(parent)], parent))
                 current = parent
             else:
