@@ -108,9 +108,10 @@ def _(input, weight, bias, stride, padding, dilation):
 def conv2d_activated(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
                      dilation: List[int], activation: int) -> Tensor:
     """conv2d through an activation (its code in _geometry.ACTIVATION_CODES) in the kernel's
-    epilogue, and of the input through one as it loads where the code says so (_geometry.activation_code
-    of a pair: the layer before's activation, fused). Forward only: depthwise_conv2d calls it where no gradient is wanted (it has no
-    backward; where one is wanted, conv2d and PyTorch's activation run)."""
+    epilogue, and of the input through one as it loads where the code says so
+    (_geometry.forward_activation_code of a pair: the layer before's activation, fused). Forward only:
+    depthwise_conv2d calls it where no gradient is wanted (it has no backward; where one is wanted,
+    conv2d and PyTorch's activation run)."""
     _served_from_cpp(input)
     geom = _geometry(input, weight, bias, stride, padding, dilation)
     return conv_forward(plain(input), plain(weight), plain(bias), geom, activation=_checked_code(activation))

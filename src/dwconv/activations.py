@@ -8,7 +8,8 @@ from typing import Callable, Dict, Optional
 
 import torch.nn as nn
 
-from ._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS, activation_code  # noqa: F401  (activation_code: checks a name)
+# (activation_code: checks a name)
+from ._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS, activation_code  # noqa: F401
 
 FUNCTIONS: Dict[str, Callable] = ACTIVATION_FUNCTIONS  # (defined beside the codes: the dispatcher reads them too)
 

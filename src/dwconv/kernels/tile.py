@@ -52,8 +52,9 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                BLOCK_C: tl.constexpr, MASKED: tl.constexpr, INPUT_ACTIVATION: tl.constexpr):
     """Computes and stores output rows first_row .. first_row + BLOCK_H - 1 of a [cols, channels]
     strip (of INPUT_ACTIVATION's values of the input: _activate's code, one that maps 0 to 0, so that
-    the zeros of masked loads stay the padding's). UNROLL: the loops are unrolled over the band's input rows, and each input row's shifted
-    pixels are loaded (and converted) once for all the output rows that use them, not once a tap;
+    the zeros of masked loads stay the padding's). UNROLL: the loops are unrolled over the band's
+    input rows, and each input row's shifted pixels are loaded (and converted) once for all the
+    output rows that use them, not once a tap;
     otherwise (large kernels, BLOCK_H 1) a loop over the kernel rows bounds the code size. MASKED=False
     for strips that read only inside the image and write only inside the output: no bounds tests."""
     col_c_ok = (out_cols < out_w) & c_ok
@@ -85,7 +86,8 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                                 other=0.0).to(ACC_DTYPE)
                 else:
                     x = tl.load(col_ptrs[kw] + in_row * x_stride_h).to(ACC_DTYPE)
-                x = _activate(x, INPUT_ACTIVATION)
+                if INPUT_ACTIVATION != 0:  # (tested here: the interpreter pays for every helper call)
+                    x = _activate(x, INPUT_ACTIVATION)
                 for kh in tl.static_range(KH):
                     for j in tl.static_range(BLOCK_H):
                         if j * STRIDE_H + kh * DILATION_H == r:  # output row j reads this row through kh
@@ -103,7 +105,8 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                     x = tl.load(ptrs, mask=tl.where(row_ok, col_ok, False), other=0.0).to(ACC_DTYPE)
                 else:
                     x = tl.load(ptrs).to(ACC_DTYPE)
-                x = _activate(x, INPUT_ACTIVATION)
+                if INPUT_ACTIVATION != 0:
+                    x = _activate(x, INPUT_ACTIVATION)
                 w = _load_weights(w_taps + (kh * KW + kw) * w_stride_tap, c_ok, ACC_DTYPE, MASKED)
                 acc = tl.fma(x, w, acc)
         accs = (acc,)
@@ -176,15 +179,13 @@ def _widen_pixels(loaded, ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_P
     for p in tl.static_range(len(loaded)):
         if BF16_PAIRS:
             pair = loaded[p]
-            pixels = pixels + (tl.reshape(tl.join((pair << 16).to(tl.float32, bitcast=True),
-                                                  (pair & -65536).to(tl.float32, bitcast=True)), [1, BLOCK_C]),)
+            pixel = tl.reshape(tl.join((pair << 16).to(tl.float32, bitcast=True),
+                                       (pair & -65536).to(tl.float32, bitcast=True)), [1, BLOCK_C])
         else:
-            pixels = pixels + (loaded[p].to(ACC_DTYPE),)
-    if INPUT_ACTIVATION != 0:
-        activated = ()
-        for p in tl.static_range(len(pixels)):
-            activated = activated + (_activate(pixels[p], INPUT_ACTIVATION),)
-        pixels = activated
+            pixel = loaded[p].to(ACC_DTYPE)
+        if INPUT_ACTIVATION != 0:
+            pixel = _activate(pixel, INPUT_ACTIVATION)
+        pixels = pixels + (pixel,)
     return pixels
 
 
@@ -877,7 +878,7 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
                  flip_weight: bool = False, activation: int = 0, input_activation: int = 0) -> LaunchPlan:
     """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc", "nhwc_pixels":
     unit channel strides). input_activation: the code of one applied to the input's values as they
-    load (one that maps 0 to 0: dispatch.INPUT_ACTIVATIONS)."""
+    load (one that maps 0 to 0: _geometry.INPUT_ACTIVATIONS)."""
     nhwc = config.kernel in NHWC_KERNELS
     assert not nhwc or channels_last_kernel_applies(x, out), "the NHWC tiles need unit channel strides"
     taps = geom.kernel_h * geom.kernel_w
