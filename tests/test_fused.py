@@ -873,6 +873,38 @@ def test_folding_pointwise_convolution_in_eval(shape, options, layout, autocast,
     assert len(products) == expected, (products, expected)
 
 
+@pytest.mark.parametrize("how", ["gradients", "compiled"])
+def test_folding_pointwise_convolution_as_product_wherever_folded_in_the_graph(how):
+    """Where the folding is computed in the graph (gradients wanted, torch.compile) the folded weight
+    stays float32 and autocast casts it at the call: the 1x1 convolution is still the matrix product
+    it is in eager without gradients (it computes in bfloat16), with stock's values and gradients."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    stock = torch.nn.Sequential(torch.nn.Conv2d(6, 5, 1), torch.nn.BatchNorm2d(5), torch.nn.SiLU()).to(DEVICE)
+    with torch.no_grad():
+        stock[1].running_mean.normal_(), stock[1].running_var.uniform_(0.5, 2), stock[1].weight.normal_()
+    stock.eval()
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    x = randn(2, 6, 5, 3).contiguous(memory_format=torch.channels_last)
+    backend = EagerAndRecordGraphs()
+    run = torch.compile(fused, fullgraph=True, backend=backend) if how == "compiled" else fused
+    with torch.set_grad_enabled(how == "gradients"), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out, ref = run(x), stock(x)
+    assert out.dtype == ref.dtype == torch.bfloat16 and out.is_contiguous(memory_format=torch.channels_last)
+    assert_close(out, stock.double()(x.double()), out.dtype, "folded output")
+    if how == "compiled":
+        code = backend.graphs[0].code
+        assert "linear" in code and "conv2d" not in code, code
+    else:
+        # (against float64's: PyTorch's CPU BatchNorm has no backward for a bfloat16 input)
+        reference = copy.deepcopy(stock).double()
+        out.float().sum().backward()
+        reference(x.double()).sum().backward()
+        for (name, p), p_ref in zip(fused.named_parameters(), reference.parameters()):
+            scale = max(1.0, p_ref.grad.abs().max().item())
+            assert_close(p.grad / scale, (p_ref.grad / scale).float(), torch.bfloat16, f"gradient of {name}")
+
+
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_fused_eval_model_under_torch_func(layout):
     """torch.func's vmap and jacrev over a fused model in eval mode: stock's values (the foldings

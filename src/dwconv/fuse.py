@@ -207,7 +207,9 @@ class _FoldingConv:
         if norm.training or not fused_now(self.dwconv_block):
             return super().forward(input)
         weight, bias = _folded_parameters(self, norm, input)
-        if weight.dtype in _PRODUCT_DTYPES and _pointwise_rows(self, input):
+        # (the dtype the product computes in, not the folded weight's: folded in the graph, under
+        # torch.compile or with gradients, the weight stays float32 and autocast casts it at the call)
+        if _compute_dtype(input, weight) in _PRODUCT_DTYPES and _pointwise_rows(self, input):
             return _pointwise_as_product(input, weight, bias)
         return self._conv_forward(input, weight, bias)
 
@@ -223,10 +225,12 @@ _PRODUCT_DTYPES = (torch.float16, torch.bfloat16)
 def _pointwise_rows(conv: nn.Conv2d, input: torch.Tensor) -> bool:
     """Whether conv of input is a matrix product of the input's rows of channels as they lie: a 1x1
     convolution (stride 1, no padding, one group) of a channels_last input. (Not under torch.func's
-    transforms: vmap cannot ask a tensor's memory format.)"""
+    transforms: vmap cannot ask a tensor's memory format. torch.compile's tracing answers the
+    interpreter stack's question as a transform would, and may ask the format: the product is the
+    convolution's value in any layout, the layout only decides which is faster.)"""
     return (conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.groups == 1
             and (conv.padding == (0, 0) or isinstance(conv.padding, str)) and input.dim() == 4
-            and torch._C._functorch.peek_interpreter_stack() is None
+            and (torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None)
             and input.is_contiguous(memory_format=torch.channels_last))
 
 
