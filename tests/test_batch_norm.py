@@ -374,6 +374,86 @@ def test_training_block_under_forward_mode_ad_runs_stock():
     assert_close(results[1], results[0], torch.float32, "tangent")
 
 
+def test_opcheck_training_ops():
+    """The ops a compiled training graph holds (the statistics, updating the running ones; the
+    normalisation with its activation, whose backward op is BatchNorm's whole backward): opcheck,
+    and their values against float64 F.batch_norm."""
+    ops = torch.ops.dwconv
+    y, weight, bias = _inputs((2, 5, 3, 7), torch.float32, "channels_last")
+    running_mean, running_var = randn(5), randn(5).abs() + 0.5
+    torch.library.opcheck(ops.batch_norm_statistics.default, (y, running_mean.clone(), running_var.clone(), 0.1, 1e-5),
+                          test_utils=("test_schema", "test_faketensor"))
+    for affine in ((weight, bias), (None, None)):
+        mean, invstd = ops.batch_norm_statistics(y, running_mean.clone(), running_var.clone(), 0.1, 1e-5)
+        arguments = (y.clone().requires_grad_(), *affine, mean, invstd, 1e-5, "silu")
+        torch.library.opcheck(ops.batch_norm_activation.default, arguments)
+        grad = randn(*y.shape)
+        torch.library.opcheck(ops.batch_norm_activation_backward.default, (grad, y, *affine, mean, invstd, 1e-5, "silu"),
+                              test_utils=("test_schema", "test_faketensor"))
+    updated_mean, updated_var = running_mean.clone(), running_var.clone()
+    mean, invstd = ops.batch_norm_statistics(y, updated_mean, updated_var, 0.1, 1e-5)
+    leaves = [t.detach().clone().requires_grad_() for t in (y, weight, bias)]
+    out = ops.batch_norm_activation(*leaves, mean, invstd, 1e-5, "silu")
+    grads = torch.autograd.grad(out, leaves, grad)
+    ref, ref_mean, ref_var, ref_grads = _reference(y, weight, bias, running_mean, running_var, 0.1, 1e-5, "silu", grad)
+    assert_close(out, ref, torch.float32, "output")
+    assert_close(updated_mean, ref_mean, torch.float32, "running mean")
+    assert_close(updated_var, ref_var, torch.float32, "running variance")
+    for name, g, g_ref in zip(("y", "weight", "bias"), grads, ref_grads):
+        assert_close(g, g_ref, torch.float32, f"grad of {name}")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ops.batch_norm_activation(y, weight, bias, mean, invstd, 1e-5, "tanh")
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative-average"])
+def test_compiled_training_block_runs_the_registered_ops(momentum):
+    """Under torch.compile (fullgraph) the fused model's BatchNorms in training are dwconv's ops
+    (not Inductor's decomposition of F.batch_norm), in one graph with the convolutions; with a
+    cumulative average (momentum None, whose weight reads the count back) the stock modules. Over
+    three steps: outputs, every gradient, running statistics and num_batches_tracked as float64
+    stock's."""
+    from dwconv._env import triton_interpreter_enabled
+    from test_fused import InvertedResidual
+    from test_integration import BACKEND
+
+    torch.manual_seed(0)
+    stock = torch.nn.Sequential(_stock_and_fused(torch.nn.SiLU)[0], InvertedResidual()).to(DEVICE)
+    for module in stock.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.momentum = momentum
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    stock.double()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return torch._dynamo.lookup_backend(BACKEND)(gm, example_inputs)
+
+    # (stock's BatchNorm itself breaks the graph with a cumulative average: it reads the count back)
+    compiled = torch.compile(fused, fullgraph=momentum is not None, backend=backend)
+    triton_interpreter_enabled()  # (read once before tracing: read first inside it, the CPU would recompile once)
+    for step in range(3):
+        x = randn(3, 8, 7, 5).contiguous(memory_format=torch.channels_last)
+        out, ref = compiled(x), stock(x.double())
+        assert_close(out, ref, torch.float32, f"step {step}")
+        grad = randn(*out.shape)
+        out.backward(grad)
+        ref.backward(grad.double())
+    code = "".join(graphs)
+    if momentum is not None:
+        assert len(graphs) == 1 and code.count("dwconv.batch_norm_statistics") == 4 and "batch_norm(" not in code, code
+    else:  # (the modules' forwards, run by Dynamo's graph breaks)
+        assert "dwconv.batch_norm" not in code, code
+    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
+        scale = max(1.0, p_ref.grad.abs().max().item())
+        assert_close(p.grad / scale, p_ref.grad / scale, torch.float32, f"grad of {name} over {scale:.3g}")
+    for (name, b), b_ref in zip(fused.named_buffers(), stock.buffers()):
+        if b.is_floating_point():
+            assert_close(b, b_ref, torch.float32, name)
+        else:
+            assert torch.equal(b, b_ref.to(b.device)), name
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_training_block_under_activation_checkpointing(reentrant):
     """torch.utils.checkpoint recomputes the block in the backward (its saved tensors through

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from . import functional, precompile
 from ._geometry import INPUT_ACTIVATIONS, conv_geometry
-from .batch_norm import batch_norm_activation
+from .batch_norm import batch_norm_activation, compiled_batch_norm_activation
 from .kernels import batch_norm as batch_norm_kernels
 from .batch_norm import reference as batch_norm_reference
 from .activations import FUNCTIONS, activation_of
@@ -270,7 +270,8 @@ def _trained(norm: nn.BatchNorm2d, activation_module: Optional[nn.Module], activ
              y: torch.Tensor) -> torch.Tensor:
     """activation(norm(y)) for norm in training: on the kernels of dwconv.batch_norm where they read
     y and nothing would see inside the call (autograd of any order is fine; forward-mode AD,
-    torch.func, torch.compile, tracing, subclasses are not), else the modules' own forwards."""
+    torch.func, tracing, subclasses are not), under torch.compile as its registered op, else the
+    modules' own forwards."""
     # (from the modules' own dicts: this runs at every training call, Module.__getattr__ costs)
     buffers, parameters = norm._buffers, norm._parameters
     running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
@@ -279,10 +280,13 @@ def _trained(norm: nn.BatchNorm2d, activation_module: Optional[nn.Module], activ
         precompile.record_batch_norm(y, norm, activation)  # (a warmup's fake run: compile its kernels)
     if (type(y) is torch.Tensor and running_mean is not None and running_var is not None and y.dim() == 4
             and y.is_floating_point() and functional.uses_triton(y) and forward_ad._current_level < 0
-            and norm.track_running_stats and not torch.compiler.is_compiling() and not torch._C._is_tracing()
-            and all(t is None or (type(t) in PLAIN_TENSORS and t.device == y.device) for t in tensors)
-            and not functional._pytorch_must_run(y, *tensors)):
-        return batch_norm_activation(y, norm, activation)
+            and norm.track_running_stats
+            and all(t is None or (type(t) in PLAIN_TENSORS and t.device == y.device) for t in tensors)):
+        if torch.compiler.is_compiling():  # (the registered op; Dynamo answers the transforms' questions itself)
+            if norm.momentum is not None:
+                return compiled_batch_norm_activation(y, norm, activation)
+        elif not torch._C._is_tracing() and not functional._pytorch_must_run(y, *tensors):
+            return batch_norm_activation(y, norm, activation)
     return batch_norm_reference(y, norm, activation_module)
 
 

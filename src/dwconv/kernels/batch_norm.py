@@ -398,8 +398,16 @@ def batch_norm_forward(y: torch.Tensor, weight: Optional[torch.Tensor], bias: Op
     """(act(batch_norm(y)) in y's dtype and strides, the batch's mean, 1 / sqrt(var + eps)) for y
     NCHW or dense channels_last (_like); the running statistics, where given, updated in place
     (momentum: the weight of the batch's). Statistics in float32 (float64 for float64 y)."""
-    affine, update = weight is not None, running_mean is not None
-    plan = plans(y, affine, update, momentum, eps, activation)
+    mean, invstd = batch_norm_statistics(y, running_mean, running_var, momentum, eps)
+    return batch_norm_normalize(y, weight, bias, mean, invstd, eps, activation), mean, invstd
+
+
+def batch_norm_statistics(y: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                          momentum: float, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """batch_norm_forward's first two passes: (the batch's mean, 1 / sqrt(var + eps)), the running
+    statistics, where given, updated in place."""
+    update = running_mean is not None
+    plan = plans(y, False, update, momentum, eps, 0)  # (the summing passes' plans take neither option)
     channels = y.shape[1]
     statistics = torch.float64 if y.dtype == torch.float64 else torch.float32
     partial = _new(y, (plan.split.parts, 2, channels), statistics)
@@ -407,9 +415,17 @@ def batch_norm_forward(y: torch.Tensor, weight: Optional[torch.Tensor], bias: Op
     mean, invstd = _new(y, (channels,), statistics), _new(y, (channels,), statistics)
     launch(statistics_sums_kernel, plan.statistics_sums, partial, mean, invstd,
            running_mean if update else mean, running_var if update else invstd)
+    return mean, invstd
+
+
+def batch_norm_normalize(y: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                         mean: torch.Tensor, invstd: torch.Tensor, eps: float, activation: int) -> torch.Tensor:
+    """batch_norm_forward's last pass: act(batch_norm(y)) from the batch's statistics, y's strides."""
+    affine = weight is not None
     out = _new(y)
-    launch(normalize_kernel, plan.normalize, y, out, mean, invstd, *((weight, bias) if affine else (mean, mean)))
-    return out, mean, invstd
+    launch(normalize_kernel, plans(y, affine, False, 0.0, eps, activation).normalize, y, out, mean, invstd,
+           *((weight, bias) if affine else (mean, mean)))
+    return out
 
 
 def batch_norm_backward(grad: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor],
