@@ -2,7 +2,10 @@
 (default mode), bfloat16 autocast, channels_last, batch 64; the profiler's operators and kernels
 over 5 calls after warm-up, by GPU time and by calls.
 
-    python benchmarks/compiled_profile.py --model mobilenet_v2 [--train]
+    python benchmarks/compiled_profile.py --model mobilenet_v2 [--train] [--fuse] [--batch 256]
+
+--fuse: the dwconv model converted with fuse=True (its blocks; in training, its BatchNorms as
+dwconv's registered ops).
 """
 
 import argparse
@@ -24,13 +27,14 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--train", action="store_true")
     p.add_argument("--rows", type=int, default=18)
+    p.add_argument("--fuse", action="store_true")
     args = p.parse_args()
     torch.backends.cudnn.benchmark = True
     replay.prepare()
     stock = build_model(args.model).cuda().to(memory_format=torch.channels_last)
     x = torch.randn(args.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device="cuda")
-    for label, model in (("stock", stock), ("dwconv", dwconv.convert(stock, verbose=False))):
+    for label, model in (("stock", stock), ("dwconv", dwconv.convert(stock, fuse=args.fuse, verbose=False))):
         compiled = torch.compile(model)
         model.train(args.train)
         fn = (training_step(compiled, x, y, torch.optim.SGD(model.parameters(), lr=1e-3), torch.bfloat16)
@@ -40,10 +44,15 @@ def main():
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
             for _ in range(5):
                 fn()
+            end.record()
             torch.cuda.synchronize()
         events = prof.key_averages()
+        print(f"\n=== {args.model} {label}: {start.elapsed_time(end) / 5:.3f} ms a call (wall, profiled)")
         print(f"\n=== {args.model} {label} {'train' if args.train else 'inference'}: by GPU time")
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
         print(f"=== {label}: by calls")
