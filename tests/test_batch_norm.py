@@ -385,15 +385,16 @@ def test_opcheck_training_ops():
                           test_utils=("test_schema", "test_faketensor"))
     for affine in ((weight, bias), (None, None)):
         mean, invstd = ops.batch_norm_statistics(y, running_mean.clone(), running_var.clone(), 0.1, 1e-5)
-        arguments = (y.clone().requires_grad_(), *affine, mean, invstd, 1e-5, "silu")
+        arguments = (y.clone().requires_grad_(), *affine, mean, invstd, 1e-5, ACTIVATION_CODES["silu"])
         torch.library.opcheck(ops.batch_norm_activation.default, arguments)
         grad = randn(*y.shape)
-        torch.library.opcheck(ops.batch_norm_activation_backward.default, (grad, y, *affine, mean, invstd, 1e-5, "silu"),
+        torch.library.opcheck(ops.batch_norm_activation_backward.default,
+                              (grad, y, *affine, mean, invstd, 1e-5, ACTIVATION_CODES["silu"]),
                               test_utils=("test_schema", "test_faketensor"))
     updated_mean, updated_var = running_mean.clone(), running_var.clone()
     mean, invstd = ops.batch_norm_statistics(y, updated_mean, updated_var, 0.1, 1e-5)
     leaves = [t.detach().clone().requires_grad_() for t in (y, weight, bias)]
-    out = ops.batch_norm_activation(*leaves, mean, invstd, 1e-5, "silu")
+    out = ops.batch_norm_activation(*leaves, mean, invstd, 1e-5, ACTIVATION_CODES["silu"])
     grads = torch.autograd.grad(out, leaves, grad)
     ref, ref_mean, ref_var, ref_grads = _reference(y, weight, bias, running_mean, running_var, 0.1, 1e-5, "silu", grad)
     assert_close(out, ref, torch.float32, "output")
@@ -401,21 +402,27 @@ def test_opcheck_training_ops():
     assert_close(updated_var, ref_var, torch.float32, "running variance")
     for name, g, g_ref in zip(("y", "weight", "bias"), grads, ref_grads):
         assert_close(g, g_ref, torch.float32, f"grad of {name}")
-    with pytest.raises(ValueError, match="activation must be one of"):
-        ops.batch_norm_activation(y, weight, bias, mean, invstd, 1e-5, "tanh")
+    with pytest.raises(ValueError, match="activation must be a code"):
+        ops.batch_norm_activation(y, weight, bias, mean, invstd, 1e-5, 8)
 
 
-@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative-average"])
-def test_compiled_training_block_runs_the_registered_ops(momentum):
+@pytest.mark.parametrize("momentum,native", [(0.1, "0"), (0.1, "1"), (None, "0")],
+                         ids=["momentum", "momentum-served-from-cpp", "cumulative-average"])
+def test_compiled_training_block_runs_the_registered_ops(momentum, native, monkeypatch):
     """Under torch.compile (fullgraph) the fused model's BatchNorms in training are dwconv's ops
     (not Inductor's decomposition of F.batch_norm), in one graph with the convolutions; with a
     cumulative average (momentum None, whose weight reads the count back) the stock modules. Over
     three steps: outputs, every gradient, running statistics and num_batches_tracked as float64
-    stock's."""
+    stock's; with the C++ replayer serving the ops (DWCONV_NATIVE=1), the statistics op updating the
+    running ones once a call, and each call recorded once."""
     from dwconv._env import triton_interpreter_enabled
     from test_fused import InvertedResidual
     from test_integration import BACKEND
 
+    from dwconv.replay import native as replayer
+
+    monkeypatch.setenv("DWCONV_NATIVE", native)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # (the 1x1 convolutions: float32's error alone)
     torch.manual_seed(0)
     stock = torch.nn.Sequential(_stock_and_fused(torch.nn.SiLU)[0], InvertedResidual()).to(DEVICE)
     for module in stock.modules():
@@ -432,6 +439,7 @@ def test_compiled_training_block_runs_the_registered_ops(momentum):
     # (stock's BatchNorm itself breaks the graph with a cumulative average: it reads the count back)
     compiled = torch.compile(fused, fullgraph=momentum is not None, backend=backend)
     triton_interpreter_enabled()  # (read once before tracing: read first inside it, the CPU would recompile once)
+    programs = []
     for step in range(3):
         x = randn(3, 8, 7, 5).contiguous(memory_format=torch.channels_last)
         out, ref = compiled(x), stock(x.double())
@@ -439,6 +447,10 @@ def test_compiled_training_block_runs_the_registered_ops(momentum):
         grad = randn(*out.shape)
         out.backward(grad)
         ref.backward(grad.double())
+        if native == "1":
+            programs.append(replayer.extension().served_programs())
+    if native == "1":  # (step 0 starts serving mid-graph; from step 1 on every call is known)
+        assert programs[2] == programs[1] >= 12, programs  # (4 BatchNorms' 3 ops, the convolutions' more)
     code = "".join(graphs)
     if momentum is not None:
         assert len(graphs) == 1 and code.count("dwconv.batch_norm_statistics") == 4 and "batch_norm(" not in code, code

@@ -10,7 +10,8 @@ Two doors to the same launchers and the same backward formula:
   kernels stubbed), which small layers cannot afford.
 
 Reading order: the pass implementations (taking a checked geometry), the ops and their fake
-implementations, the backward formula, the autograd Function. Padding reaches the ops resolved to
+implementations, the trained BatchNorm's ops (dwconv.batch_norm's kernels, the fused blocks' under
+torch.compile), the backward formula, the autograd Function. Padding reaches the ops resolved to
 [top, bottom, left, right] ('same' may be asymmetric); each op checks its arguments again through
 conv_geometry, so a direct call with bad ones raises as well.
 """
@@ -26,10 +27,15 @@ from torch import Tensor
 
 from . import dispatch as _dispatch
 from . import replay
-from ._geometry import ConvGeometry, conv_geometry, forward_activation_code, split_activation_code
+from ._geometry import (ACTIVATION_CODES, ACTIVATION_FUNCTIONS, ConvGeometry, conv_geometry, forward_activation_code,
+                        split_activation_code)
 from .dispatch import conv_forward
+from .kernels import batch_norm as _batch_norm_kernels
 from .kernels._shared import output_memory_format
 from .kernels.layout import nchw_copy
+
+
+ACTIVATION_NAMES = {code: name for name, code in ACTIVATION_CODES.items()}
 
 
 def _geometry(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
@@ -62,12 +68,15 @@ def _like(t: Tensor, shape=None) -> Tensor:
 # serves them (no Python a call). As torch.library.triton_ops, whose kernels Inductor launched from its
 # own code, compiled MobileNetV2 was no faster (docs/decisions.md, "torch.compile"): not kept.
 _IMPLEMENTATIONS: dict = {}  # op name -> the function it was registered from
+_OPS: dict = {}  # op name -> the op (torch.library's CustomOpDef)
 
 
-def _op(name: str):
+def _op(name: str, mutates_args: tuple = ()):
     def register(fn):
-        _IMPLEMENTATIONS[name.partition("::")[2]] = fn
-        return torch.library.custom_op(name, mutates_args=())(fn)
+        short = name.partition("::")[2]
+        _IMPLEMENTATIONS[short] = fn
+        _OPS[short] = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        return _OPS[short]
     return register
 
 
@@ -85,9 +94,7 @@ def _autograd_kernels() -> dict:
         from torch._library.autograd import make_autograd_impl
     except ImportError:
         return {}
-    ops = {"conv2d": conv2d, "conv2d_grad_input": conv2d_grad_input, "conv2d_grad_weight": conv2d_grad_weight,
-           "conv2d_grad_input_weight": conv2d_grad_input_weight, "conv2d_activated": conv2d_activated}
-    return {name: make_autograd_impl(op._opoverload, op) for name, op in ops.items()}
+    return {name: make_autograd_impl(op._opoverload, op) for name, op in _OPS.items()}
 
 
 @_op("dwconv::conv2d")
@@ -186,6 +193,104 @@ def conv2d_grad_input_weight(grad_out: Tensor, input: Tensor, weight: Tensor, st
 @conv2d_grad_input_weight.register_fake
 def _(grad_out, input, weight, stride, padding, dilation):
     return _like(input), torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+# ---- BatchNorm in training with its activation (dwconv.batch_norm): the fused blocks' under torch.compile
+
+# Opaque to Inductor, which would otherwise decompose BatchNorm into reductions and pointwise kernels
+# of its own, slower than these on channels_last tensors (docs/decisions.md, "Compiled, the trained
+# BatchNorms are dwconv's ops"). Two ops forward: the statistics (which update the running ones in
+# place, so have no autograd formula, and take a detached input) and the normalisation, whose
+# backward is BatchNorm's whole backward, the statistics' share included.
+
+@_op("dwconv::batch_norm_statistics", mutates_args=("running_mean", "running_var"))
+def batch_norm_statistics(y: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float, eps: float
+                          ) -> Tuple[Tensor, Tensor]:
+    """(the batch's mean, 1 / sqrt(var + eps)) per channel of y (NCHW or dense channels_last), the
+    running statistics updated in place (momentum: the batch's weight)."""
+    _served_from_cpp(y)
+    return _batch_norm_kernels.batch_norm_statistics(_dense(y), running_mean, running_var, momentum, eps)
+
+
+@batch_norm_statistics.register_fake
+def _(y, running_mean, running_var, momentum, eps):
+    statistics = y.new_empty((y.shape[1],), dtype=torch.float64 if y.dtype == torch.float64 else torch.float32)
+    return statistics, torch.empty_like(statistics)
+
+
+@_op("dwconv::batch_norm_activation")
+def batch_norm_activation(y: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, invstd: Tensor,
+                          eps: float, activation: int) -> Tensor:
+    """activation(batch_norm(y, training=True)) from batch_norm_statistics of this y (the activation's
+    code: _geometry.ACTIVATION_CODES)."""
+    _served_from_cpp(y)
+    return _batch_norm_kernels.batch_norm_normalize(_dense(y), weight, bias, mean, invstd, eps,
+                                                    _checked_activation(activation))
+
+
+@batch_norm_activation.register_fake
+def _(y, weight, bias, mean, invstd, eps, activation):
+    _checked_activation(activation)
+    return torch.empty_like(_dense(y))
+
+
+@_op("dwconv::batch_norm_activation_backward")
+def batch_norm_activation_backward(grad: Tensor, y: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                                   mean: Tensor, invstd: Tensor, eps: float, activation: int) -> List[Tensor]:
+    """[grad_y] (y's strides), or [grad_y, grad_weight, grad_bias] with a weight, of batch_norm_activation."""
+    _served_from_cpp(y)
+    grads = _batch_norm_kernels.batch_norm_backward(grad, y, weight, bias, mean, invstd, eps,
+                                                    _checked_activation(activation))
+    return list(grads) if weight is not None else [grads[0]]
+
+
+@batch_norm_activation_backward.register_fake
+def _(grad, y, weight, bias, mean, invstd, eps, activation):
+    return [torch.empty_like(y)] + ([torch.empty_like(weight), torch.empty_like(bias)] if weight is not None else [])
+
+
+def _normalize_setup(ctx, inputs, output):
+    y, weight, bias, mean, invstd, eps, activation = inputs
+    ctx.save_for_backward(y, weight, bias, mean, invstd)
+    ctx.eps, ctx.activation = eps, activation
+
+
+def _normalize_backward(ctx, grad):
+    y, weight, bias, mean, invstd = ctx.saved_tensors
+    wanted = ctx.needs_input_grad[:3]
+    if torch.is_grad_enabled():  # (create_graph=True: PyTorch's ops, which autograd differentiates again)
+        grads = differentiable_batch_norm_backward(grad, y, weight, bias, ctx.eps, ACTIVATION_NAMES[ctx.activation],
+                                                   wanted)
+    else:
+        grads = list(torch.ops.dwconv.batch_norm_activation_backward(grad, y, weight, bias, mean, invstd, ctx.eps,
+                                                                     ctx.activation)) + [None, None]
+    return (*(g if w else None for g, w in zip(grads, wanted)), None, None, None, None)
+
+
+batch_norm_activation.register_autograd(_normalize_backward, setup_context=_normalize_setup)
+
+
+def differentiable_batch_norm_backward(grad, y, weight, bias, eps, activation, wanted):
+    """The trained BatchNorm's gradients (of y, weight, bias where wanted) as PyTorch computes them,
+    through ops autograd records (create_graph=True: the block recomputed from the saved y, since the
+    batch's statistics are functions of it; the activation by name)."""
+    inputs = [t for t, w in zip((y, weight, bias), wanted) if w]
+    with torch.enable_grad():
+        normalized = torch.nn.functional.batch_norm(y, None, None, weight, bias, True, 0.0, eps)
+        out = ACTIVATION_FUNCTIONS[activation](normalized)
+        grads = iter(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if w else None for w in wanted)
+
+
+def _dense(y: Tensor) -> Tensor:
+    """y as the BatchNorm kernels read it: NCHW or dense channels_last (what the convolutions give)."""
+    return y if y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last) else y.contiguous()
+
+
+def _checked_activation(code: int) -> int:
+    if code not in ACTIVATION_NAMES:
+        raise ValueError(f"activation must be a code of {ACTIVATION_CODES}, got {code!r}")
+    return code
 
 
 # ---- the backward formula, for both doors -------------------------------------------------------
@@ -429,4 +534,5 @@ def eager_conv(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: Conv
 
 
 __all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_input_weight", "conv2d_activated",
-           "conv_arguments", "DepthwiseConv2dFunction", "eager_conv"]
+           "batch_norm_statistics", "batch_norm_activation", "batch_norm_activation_backward", "conv_arguments",
+           "DepthwiseConv2dFunction", "eager_conv"]

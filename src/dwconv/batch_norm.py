@@ -17,12 +17,13 @@ replayer (replay.native.replayed) where it still runs.
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
+from ._library import differentiable_batch_norm_backward as _differentiable_backward  # (and registers the ops)
 from .activations import FUNCTIONS, activation_code
 from .replay import native
 from .replay.native import replayed
@@ -74,99 +75,6 @@ class BatchNormActivationFunction(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def _differentiable_backward(grad, y, weight, bias, eps, activation, wanted):
-    """The gradients as PyTorch computes them, through ops autograd records (the block recomputed
-    from the saved y: the batch's statistics are functions of it)."""
-    inputs = [t for t, w in zip((y, weight, bias), wanted) if w]
-    with torch.enable_grad():
-        out = FUNCTIONS[activation](torch.nn.functional.batch_norm(y, None, None, weight, bias, True, 0.0, eps))
-        grads = iter(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
-    return tuple(next(grads) if w else None for w in wanted)
-
-
-# ---- the registered ops: what torch.compile's graphs hold ------------------------------------------
-# Opaque to Inductor, which would otherwise decompose BatchNorm into its own reduction and pointwise
-# kernels: slower than these on channels_last tensors (docs/decisions.md, "Compiled, the trained
-# BatchNorms are dwconv's ops").
-
-@torch.library.custom_op("dwconv::batch_norm_statistics", mutates_args=("running_mean", "running_var"))
-def batch_norm_statistics_op(y: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float, eps: float
-                             ) -> Tuple[Tensor, Tensor]:
-    """(the batch's mean, 1 / sqrt(var + eps)) per channel, the running statistics updated in place
-    (momentum: the batch's weight); y NCHW or dense channels_last. Not differentiated: the normalising
-    op's backward below is BatchNorm's whole backward, through these statistics too."""
-    from .kernels.batch_norm import batch_norm_statistics
-
-    return batch_norm_statistics(_dense(y), running_mean, running_var, momentum, eps)
-
-
-@batch_norm_statistics_op.register_fake
-def _(y, running_mean, running_var, momentum, eps):
-    statistics = y.new_empty((y.shape[1],), dtype=_statistics_dtype(y))
-    return statistics, torch.empty_like(statistics)
-
-
-@torch.library.custom_op("dwconv::batch_norm_activation", mutates_args=())
-def batch_norm_activation_op(y: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
-                             invstd: Tensor, eps: float, activation: str) -> Tensor:
-    """activation(batch_norm(y, training=True)) from the batch's statistics (batch_norm_statistics of
-    this y); y NCHW or dense channels_last."""
-    from .kernels.batch_norm import batch_norm_normalize
-
-    return batch_norm_normalize(_dense(y), weight, bias, mean, invstd, eps, activation_code(activation))
-
-
-@batch_norm_activation_op.register_fake
-def _(y, weight, bias, mean, invstd, eps, activation):
-    activation_code(activation)
-    return torch.empty_like(_dense(y))
-
-
-@torch.library.custom_op("dwconv::batch_norm_activation_backward", mutates_args=())
-def batch_norm_activation_backward_op(grad: Tensor, y: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                                      mean: Tensor, invstd: Tensor, eps: float, activation: str) -> List[Tensor]:
-    """[grad_y] (y's strides), or [grad_y, grad_weight, grad_bias] with weight, of the op above."""
-    from .kernels.batch_norm import batch_norm_backward
-
-    grads = batch_norm_backward(grad, y, weight, bias, mean, invstd, eps, activation_code(activation))
-    return list(grads) if weight is not None else [grads[0]]
-
-
-@batch_norm_activation_backward_op.register_fake
-def _(grad, y, weight, bias, mean, invstd, eps, activation):
-    return [torch.empty_like(y)] + ([torch.empty_like(weight), torch.empty_like(bias)] if weight is not None else [])
-
-
-def _op_setup(ctx, inputs, output):
-    y, weight, bias, mean, invstd, eps, activation = inputs
-    ctx.save_for_backward(y, weight, bias, mean, invstd)
-    ctx.eps, ctx.activation = eps, activation
-
-
-def _op_backward(ctx, grad):
-    y, weight, bias, mean, invstd = ctx.saved_tensors
-    wanted = ctx.needs_input_grad[:3]
-    if torch.is_grad_enabled():  # (create_graph=True: PyTorch's ops, which autograd differentiates again)
-        grads = _differentiable_backward(grad, y, weight, bias, ctx.eps, ctx.activation, wanted)
-    else:
-        grads = torch.ops.dwconv.batch_norm_activation_backward(grad, y, weight, bias, mean, invstd, ctx.eps,
-                                                                ctx.activation)
-        grads = list(grads) + [None, None]
-    return (*(g if w else None for g, w in zip(grads, wanted)), None, None, None, None)
-
-
-batch_norm_activation_op.register_autograd(_op_backward, setup_context=_op_setup)
-
-
-def _dense(y: Tensor) -> Tensor:
-    """y as the kernels read it: NCHW or dense channels_last (what the convolutions give)."""
-    return y if y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last) else y.contiguous()
-
-
-def _statistics_dtype(y: Tensor) -> torch.dtype:
-    return torch.float64 if y.dtype == torch.float64 else torch.float32
-
-
 def _check(y: Tensor) -> None:
     """nn.BatchNorm2d's checks of its input in training, with its messages."""
     if y.dim() != 4:
@@ -182,9 +90,9 @@ def compiled_batch_norm_activation(y: Tensor, norm: nn.BatchNorm2d, activation: 
     tracked = norm._buffers.get("num_batches_tracked")
     if tracked is not None:
         tracked.add_(1)
-    ops = torch.ops.dwconv
+    ops, code = torch.ops.dwconv, activation_code(activation)
     mean, invstd = ops.batch_norm_statistics(y.detach(), norm.running_mean, norm.running_var, norm.momentum, norm.eps)
-    return ops.batch_norm_activation(y, norm.weight, norm.bias, mean, invstd, norm.eps, activation)
+    return ops.batch_norm_activation(y, norm.weight, norm.bias, mean, invstd, norm.eps, code)
 
 
 @functools.lru_cache(maxsize=None)

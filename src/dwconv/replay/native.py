@@ -692,19 +692,28 @@ def _served_miss(name: str, args: list, record_it: bool):
         return implementation(*full)
 
     tensors = [args[p] for p in positions]
+    # (an op that updates inputs in place records on copies of them, then its program runs on them:
+    # a call that cannot be recorded then runs once, in Python, and never updates them twice)
+    written = {i for i, p in enumerate(positions) if _written(schema.arguments[p])}
+    scratch = [t.clone() if i in written and t is not None else t for i, t in enumerate(tensors)]
     try:
-        result, program = record(call, tensors)
+        result, program = record(call, scratch)
     except NotRecordable:
         return implementation(*args), None
     try:
         on_cpu = not any(t is not None and t.is_cuda for t in tensors)
-        return result, NativeProgram(program, python_launches=on_cpu).native
-    except NotRecordable:
-        return result, None
-    except Exception as error:  # (the replayer refused a step: as not recordable, said once)
-        warnings.warn(f"dwconv: {name} could not be recorded for the C++ path ({error!r}); such calls keep the "
-                      "Python path", RuntimeWarning)
-        return result, None
+        native_program = NativeProgram(program, python_launches=on_cpu)
+    except Exception as error:
+        if not isinstance(error, NotRecordable):  # (the replayer refused a step: as not recordable, said once)
+            warnings.warn(f"dwconv: {name} could not be recorded for the C++ path ({error!r}); such calls keep the "
+                          "Python path", RuntimeWarning)
+        return (implementation(*args) if written else result), None
+    return (native_program.replay(*tensors) if written else result), native_program.native
+
+
+def _written(argument) -> bool:
+    """Whether an op's schema says it writes this argument (Tensor(a!))."""
+    return argument.alias_info is not None and argument.alias_info.is_write
 
 
 def _served_autograd(name: str, raw_keyset: int, args: list):

@@ -660,6 +660,11 @@ std::optional<std::string> served_key(const c10::FunctionSchema& schema, c10::Ar
       for (int64_t v : values) key.push_back(v);
     } else if (arg.isBool() || arg.isInt()) {
       key.push_back(arg.isBool() ? arg.toBool() : arg.toInt());
+    } else if (arg.isDouble()) {  // (by its bits: the recorded program holds the value itself)
+      const double value = arg.toDouble();
+      int64_t bits;
+      std::memcpy(&bits, &value, sizeof bits);
+      key.push_back(bits);
     } else {
       return std::nullopt;
     }
