@@ -355,6 +355,27 @@ def test_training_block_in_bfloat16_autocast():
     assert_close(out, ref, torch.bfloat16, "output")
 
 
+def test_compiled_training_block_in_bfloat16_autocast():
+    """Compiled under bfloat16 autocast (the ops take a bfloat16 input and float32 parameters): output
+    and the weights' gradients within half precision's error of float64 stock."""
+    from test_integration import BACKEND
+
+    stock, fused = _stock_and_fused(torch.nn.ReLU6, layout="channels_last")
+    compiled = torch.compile(fused, fullgraph=True, backend=BACKEND)
+    x = randn(4, 8, 9, 7).contiguous(memory_format=torch.channels_last)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = compiled(x)
+    ref = stock.double()(x.double())
+    assert out.dtype == torch.bfloat16
+    assert_close(out, ref, torch.bfloat16, "output")
+    grad = randn(*out.shape)
+    out.backward(grad.to(out.dtype))
+    ref.backward(grad.double())
+    for (name, p), p_ref in zip(fused.named_parameters(), stock.parameters()):
+        scale = max(1.0, p_ref.grad.abs().max().item())
+        assert_close(p.grad / scale, p_ref.grad / scale, torch.bfloat16, f"grad of {name} over {scale:.3g}")
+
+
 def test_training_block_with_one_value_a_channel_raises():
     _, fused = _stock_and_fused(torch.nn.SiLU)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
@@ -404,11 +425,22 @@ def test_opcheck_training_ops():
         assert_close(g, g_ref, torch.float32, f"grad of {name}")
     with pytest.raises(ValueError, match="activation must be a code"):
         ops.batch_norm_activation(y, weight, bias, mean, invstd, 1e-5, 8)
+    # (an input that is neither NCHW nor dense channels_last: read as a copy, forward and backward)
+    wide, _, _ = _inputs((2, 5, 3, 9), torch.float32, "nchw", seed=1)
+    sliced = wide[..., 1:8].detach().requires_grad_()
+    mean, invstd = ops.batch_norm_statistics(sliced.detach(), running_mean.clone(), running_var.clone(), 0.1, 1e-5)
+    out = ops.batch_norm_activation(sliced, weight, bias, mean, invstd, 1e-5, ACTIVATION_CODES["relu6"])
+    (grad_sliced,) = torch.autograd.grad(out, sliced, grad)
+    ref, _, _, ref_grads = _reference(sliced, weight, bias, running_mean, running_var, 0.1, 1e-5, "relu6", grad)
+    assert_close(out, ref, torch.float32, "output of a sliced input")
+    assert_close(grad_sliced, ref_grads[0], torch.float32, "grad of a sliced input")
 
 
-@pytest.mark.parametrize("momentum,native", [(0.1, "0"), (0.1, "1"), (None, "0")],
-                         ids=["momentum", "momentum-served-from-cpp", "cumulative-average"])
-def test_compiled_training_block_runs_the_registered_ops(momentum, native, monkeypatch):
+@pytest.mark.parametrize("momentum,native,layout", [(0.1, "0", "channels_last"), (0.1, "1", "channels_last"),
+                                                    (0.1, "0", "nchw-without-affine"),
+                                                    (None, "0", "channels_last")],
+                         ids=["momentum", "momentum-served-from-cpp", "nchw-without-affine", "cumulative-average"])
+def test_compiled_training_block_runs_the_registered_ops(momentum, native, layout, monkeypatch):
     """Under torch.compile (fullgraph) the fused model's BatchNorms in training are dwconv's ops
     (not Inductor's decomposition of F.batch_norm), in one graph with the convolutions; with a
     cumulative average (momentum None, whose weight reads the count back) the stock modules. Over
@@ -428,6 +460,8 @@ def test_compiled_training_block_runs_the_registered_ops(momentum, native, monke
     for module in stock.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
             module.momentum = momentum
+            if layout == "nchw-without-affine":
+                module.weight = module.bias = None
     fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
     stock.double()
     graphs = []
@@ -441,7 +475,8 @@ def test_compiled_training_block_runs_the_registered_ops(momentum, native, monke
     triton_interpreter_enabled()  # (read once before tracing: read first inside it, the CPU would recompile once)
     programs = []
     for step in range(3):
-        x = randn(3, 8, 7, 5).contiguous(memory_format=torch.channels_last)
+        x = randn(3, 8, 7, 5)
+        x = x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
         out, ref = compiled(x), stock(x.double())
         assert_close(out, ref, torch.float32, f"step {step}")
         grad = randn(*out.shape)

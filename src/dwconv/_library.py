@@ -237,16 +237,18 @@ def _(y, weight, bias, mean, invstd, eps, activation):
 @_op("dwconv::batch_norm_activation_backward")
 def batch_norm_activation_backward(grad: Tensor, y: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                                    mean: Tensor, invstd: Tensor, eps: float, activation: int) -> List[Tensor]:
-    """[grad_y] (y's strides), or [grad_y, grad_weight, grad_bias] with a weight, of batch_norm_activation."""
+    """[grad_y] (the strides of y as the kernels read it), or [grad_y, grad_weight, grad_bias] with a
+    weight, of batch_norm_activation."""
     _served_from_cpp(y)
-    grads = _batch_norm_kernels.batch_norm_backward(grad, y, weight, bias, mean, invstd, eps,
+    grads = _batch_norm_kernels.batch_norm_backward(grad, _dense(y), weight, bias, mean, invstd, eps,
                                                     _checked_activation(activation))
     return list(grads) if weight is not None else [grads[0]]
 
 
 @batch_norm_activation_backward.register_fake
 def _(grad, y, weight, bias, mean, invstd, eps, activation):
-    return [torch.empty_like(y)] + ([torch.empty_like(weight), torch.empty_like(bias)] if weight is not None else [])
+    return [torch.empty_like(_dense(y))] + ([torch.empty_like(weight), torch.empty_like(bias)] if weight is not None
+                                            else [])
 
 
 def _normalize_setup(ctx, inputs, output):
