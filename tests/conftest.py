@@ -1,6 +1,7 @@
 """Test set-up: without CUDA, run dwconv's Triton kernels under the interpreter on CPU tensors."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -39,6 +40,16 @@ def eager_path(request, monkeypatch):
     replay.forget_layers()
     if torch.cuda.is_available() and not NATIVE_SET_FOR_THE_RUN and request.module.__name__ not in EAGER_PATH_MODULES:
         monkeypatch.setenv("DWCONV_NATIVE", "0")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from empty caches: Dynamo's recompile limit (8 entries a code object, such
+    as nn.Sequential.forward's) counts every model a process has compiled, and past it
+    fullgraph=True fails, whichever tests a worker happened to run before."""
+    dynamo = sys.modules.get("torch._dynamo")  # (not imported where no test compiles)
+    if dynamo is not None:
+        dynamo.reset()
 
 
 @pytest.fixture
