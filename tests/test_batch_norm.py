@@ -343,28 +343,18 @@ def test_cpp_function_is_the_python_functions_bitwise(monkeypatch):
             assert torch.equal(got, expected), f"value {index} (penalty {penalty})"
 
 
-def test_training_block_in_bfloat16_autocast():
+@pytest.mark.parametrize("how", ["eager", "compiled"])
+def test_training_block_in_bfloat16_autocast(how):
     """Under bfloat16 autocast (the convolution's output bfloat16, BatchNorm's parameters float32),
-    within half precision's error of float64 stock."""
-    stock, fused = _stock_and_fused(torch.nn.ReLU6, layout="channels_last")
-    x = randn(4, 8, 9, 7).contiguous(memory_format=torch.channels_last)
-    with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        out = fused(x)
-    ref = stock.double()(x.double())
-    assert out.dtype == torch.bfloat16
-    assert_close(out, ref, torch.bfloat16, "output")
-
-
-def test_compiled_training_block_in_bfloat16_autocast():
-    """Compiled under bfloat16 autocast (the ops take a bfloat16 input and float32 parameters): output
-    and the weights' gradients within half precision's error of float64 stock."""
+    eager and compiled (the registered ops): output and the weights' gradients within half
+    precision's error of float64 stock."""
     from test_integration import BACKEND
 
     stock, fused = _stock_and_fused(torch.nn.ReLU6, layout="channels_last")
-    compiled = torch.compile(fused, fullgraph=True, backend=BACKEND)
+    run = torch.compile(fused, fullgraph=True, backend=BACKEND) if how == "compiled" else fused
     x = randn(4, 8, 9, 7).contiguous(memory_format=torch.channels_last)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        out = compiled(x)
+        out = run(x)
     ref = stock.double()(x.double())
     assert out.dtype == torch.bfloat16
     assert_close(out, ref, torch.bfloat16, "output")
