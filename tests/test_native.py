@@ -473,6 +473,32 @@ def test_compiled_graph_calls_served_ops(monkeypatch, setting):
     assert programs[-1] >= 2 * len(set(batches))  # (a forward and a backward op a batch)
 
 
+@pytest.mark.parametrize("recordable", [True, False], ids=["recorded", "not-recordable"])
+def test_served_op_that_updates_its_inputs_updates_them_once(monkeypatch, recordable):
+    """An op that updates inputs in place (batch_norm_statistics: the running statistics), served
+    from C++: recorded on copies of them and its program then run on them, or, where it cannot be
+    recorded, run once in Python. Each call moves the running statistics by one update, as
+    F.batch_norm's, and returns the batch's statistics."""
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    if not recordable:
+        def refused(*args, **kwargs):
+            raise program.NotRecordable("refused for the test")
+
+        monkeypatch.setattr(native, "NativeProgram", refused)
+    y = (2 * randn(3, 5, 4, 6) + 1).contiguous(memory_format=torch.channels_last)
+    running_mean, running_var = randn(5), randn(5).abs() + 0.5
+    ref_mean, ref_var = running_mean.double().cpu(), running_var.double().cpu()
+    exact = y.double().cpu()
+    for call in range(3):  # (the first call starts serving; the second is recorded; the third replays)
+        mean, invstd = torch.ops.dwconv.batch_norm_statistics(y, running_mean, running_var, 0.1, 1e-5)
+        torch.nn.functional.batch_norm(exact, ref_mean, ref_var, None, None, True, 0.1, 1e-5)
+        assert_close(mean, exact.mean((0, 2, 3)), torch.float32, f"mean, call {call}")
+        assert_close(invstd, (exact.var((0, 2, 3), unbiased=False) + 1e-5).rsqrt(), torch.float32, f"invstd, call {call}")
+        assert_close(running_mean, ref_mean, torch.float32, f"running mean after call {call}")
+        assert_close(running_var, ref_var, torch.float32, f"running variance after call {call}")
+    assert native.extension().served_programs() == (1 if recordable else 0)
+
+
 def test_native_activated_calls_are_layers_of_their_own(monkeypatch):
     """An activated call (no gradient wanted) is recorded and then known to the C++ path like any
     other, under its activation: the same tensors with another activation, or none, are other
