@@ -274,9 +274,6 @@ def test_training_block_runs_on_the_kernels(monkeypatch, native):
     several steps."""
     from dwconv.replay import native as replayer
 
-    cuda_graphs = layout.endswith("reduce-overhead")
-    if cuda_graphs and DEVICE != "cuda":
-        pytest.skip("CUDA graphs")
     monkeypatch.setenv("DWCONV_NATIVE", native)
     stock, fused = _stock_and_fused(torch.nn.Hardswish, layout="channels_last")
     calls, recorded = [], []
@@ -440,9 +437,9 @@ def test_compiled_training_block_runs_the_registered_ops(momentum, native, layou
     (not Inductor's decomposition of F.batch_norm), in one graph with the convolutions; with a
     cumulative average (momentum None, whose weight reads the count back) the stock modules. Over
     three steps: outputs, each step's gradients, running statistics and num_batches_tracked as
-    float64 stock's; with the C++ replayer serving the ops (DWCONV_NATIVE=1), the statistics op updating the
-    running ones once a call, and each call recorded once; and replayed from CUDA graphs
-    (mode="reduce-overhead", GPU only: the running statistics updated by each replay)."""
+    float64 stock's; with the C++ replayer serving the ops (DWCONV_NATIVE=1), the statistics op
+    updating the running ones once a call, and each call recorded once; and replayed from CUDA
+    graphs (mode="reduce-overhead", GPU only: the running statistics updated by each replay)."""
     from dwconv._env import triton_interpreter_enabled
     from test_fused import InvertedResidual
     from test_integration import BACKEND
