@@ -10,7 +10,7 @@
 #              bench --model --cold-start only): stock, dwconv, dwconv after dwconv.warmup, a warmed second process;
 #              COLDSTART_IMAGE=1: also a container image's build without the GPU and a first step from its cache
 #   models     whole models' steady state, stock against converted (MODELS, PRECISION, MODEL_BATCH,
-#              MODEL_COMPILE no|default|all, MODEL_EAGER yes|no: no for the compiled paths alone,
+#              MODEL_COMPILE no|default|reduce-overhead|all, MODEL_EAGER yes|no: no for the compiled paths alone,
 #              MODEL_ITERS steps a path, default 100: fewer for the large-kernel net, whose stock step is 0.4 s;
 #              MODEL_FUSE=1: also the model converted with fuse=True; MODEL_UNFUSED=no with it: stock's and
 #              the fused model's paths alone)

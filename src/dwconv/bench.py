@@ -178,9 +178,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--cold-start", choices=["yes", "no", "only"], default="yes",
                    help="--model: also (or only) the first training steps in fresh processes with an empty Triton "
                         "cache, stock and dwconv (its first call warms up), and a second process on the warmed cache")
-    p.add_argument("--model-compile", choices=["no", "default", "all"], default="default",
-                   help="--model: also time both models under torch.compile: its default mode, or also "
-                        "max-autotune-no-cudagraphs and reduce-overhead (CUDA graphs)")
+    p.add_argument("--model-compile", choices=["no", "default", "reduce-overhead", "all"], default="default",
+                   help="--model: also time both models under torch.compile: its default mode, reduce-overhead "
+                        "(CUDA graphs) alone, or all three with max-autotune-no-cudagraphs")
     p.add_argument("--model-eager", choices=["yes", "no"], default="yes",
                    help="--model: no: the torch.compile paths alone (no eager, CUDA-graph or profiler rows)")
     p.add_argument("--model-unfused", choices=["yes", "no"], default="yes",

@@ -311,7 +311,7 @@ def rows_layout(memory_format) -> str:
     return "channels_last" if memory_format == torch.channels_last else "nchw"
 
 
-COMPILE_MODES = {"no": [], "default": ["default"],
+COMPILE_MODES = {"no": [], "default": ["default"], "reduce-overhead": ["reduce-overhead"],
                  "all": ["default", "max-autotune-no-cudagraphs", "reduce-overhead"]}
 CUDA_GRAPH = "CUDA graph"  # (a path's "mode": the eager step captured whole in a CUDA graph and replayed)
 
