@@ -209,7 +209,7 @@ def batch_norm_statistics(y: Tensor, running_mean: Tensor, running_var: Tensor, 
     """(the batch's mean, 1 / sqrt(var + eps)) per channel of y (NCHW or dense channels_last), the
     running statistics updated in place (momentum: the batch's weight)."""
     _served_from_cpp(y)
-    return _batch_norm_kernels.batch_norm_statistics(_dense(y), running_mean, running_var, momentum, eps)
+    return _batch_norm_kernels.batch_norm_statistics(batch_norm_input(y), running_mean, running_var, momentum, eps)
 
 
 @batch_norm_statistics.register_fake
@@ -224,14 +224,14 @@ def batch_norm_activation(y: Tensor, weight: Optional[Tensor], bias: Optional[Te
     """activation(batch_norm(y, training=True)) from batch_norm_statistics of this y (the activation's
     code: _geometry.ACTIVATION_CODES)."""
     _served_from_cpp(y)
-    return _batch_norm_kernels.batch_norm_normalize(_dense(y), weight, bias, mean, invstd, eps,
+    return _batch_norm_kernels.batch_norm_normalize(batch_norm_input(y), weight, bias, mean, invstd, eps,
                                                     _checked_activation(activation))
 
 
 @batch_norm_activation.register_fake
 def _(y, weight, bias, mean, invstd, eps, activation):
     _checked_activation(activation)
-    return torch.empty_like(_dense(y))
+    return torch.empty_like(batch_norm_input(y))
 
 
 @_op("dwconv::batch_norm_activation_backward")
@@ -240,15 +240,15 @@ def batch_norm_activation_backward(grad: Tensor, y: Tensor, weight: Optional[Ten
     """[grad_y] (the strides of y as the kernels read it), or [grad_y, grad_weight, grad_bias] with a
     weight, of batch_norm_activation."""
     _served_from_cpp(y)
-    grads = _batch_norm_kernels.batch_norm_backward(grad, _dense(y), weight, bias, mean, invstd, eps,
+    grads = _batch_norm_kernels.batch_norm_backward(grad, batch_norm_input(y), weight, bias, mean, invstd, eps,
                                                     _checked_activation(activation))
     return list(grads) if weight is not None else [grads[0]]
 
 
 @batch_norm_activation_backward.register_fake
 def _(grad, y, weight, bias, mean, invstd, eps, activation):
-    return [torch.empty_like(_dense(y))] + ([torch.empty_like(weight), torch.empty_like(bias)] if weight is not None
-                                            else [])
+    grad_y = torch.empty_like(batch_norm_input(y))
+    return [grad_y] + ([torch.empty_like(weight), torch.empty_like(bias)] if weight is not None else [])
 
 
 def _normalize_setup(ctx, inputs, output):
@@ -284,7 +284,7 @@ def differentiable_batch_norm_backward(grad, y, weight, bias, eps, activation, w
     return tuple(next(grads) if w else None for w in wanted)
 
 
-def _dense(y: Tensor) -> Tensor:
+def batch_norm_input(y: Tensor) -> Tensor:
     """y as the BatchNorm kernels read it: NCHW or dense channels_last (what the convolutions give)."""
     return y if y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last) else y.contiguous()
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ._library import differentiable_batch_norm_backward as _differentiable_backward  # (and registers the ops)
+# (importing _library also registers the ops compiled graphs call)
+from ._library import batch_norm_input, differentiable_batch_norm_backward
 from .activations import FUNCTIONS, activation_code
 from .replay import native
 from .replay.native import replayed
@@ -65,7 +66,7 @@ class BatchNormActivationFunction(torch.autograd.Function):
         y, weight, bias, mean, invstd = ctx.saved_tensors
         wanted = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # (create_graph=True: PyTorch's ops, which autograd differentiates again)
-            return (*_differentiable_backward(grad, y, weight, bias, ctx.eps, ctx.activation, wanted),
+            return (*differentiable_batch_norm_backward(grad, y, weight, bias, ctx.eps, ctx.activation, wanted),
                     None, None, None, None, None, None)
         from .kernels.batch_norm import batch_norm_backward
 
@@ -87,6 +88,7 @@ def compiled_batch_norm_activation(y: Tensor, norm: nn.BatchNorm2d, activation: 
     """batch_norm_activation's call as torch.compile traces it: the registered op (a momentum, not
     the cumulative average, whose weight would be read back from the count)."""
     _check(y)
+    y = batch_norm_input(y)  # (once: the ops and the backward's saved input then read it as it is)
     tracked = norm._buffers.get("num_batches_tracked")
     if tracked is not None:
         tracked.add_(1)
@@ -104,7 +106,7 @@ def _passes(activation: str, eps: float) -> tuple:
     def python_backward(mask, grad, y, weight, bias, mean, invstd):
         wanted = tuple(bool(mask >> i & 1) for i in range(3))
         if torch.is_grad_enabled():  # (create_graph=True)
-            return list(_differentiable_backward(grad, y, weight, bias, eps, activation, wanted))
+            return list(differentiable_batch_norm_backward(grad, y, weight, bias, eps, activation, wanted))
         grads = batch_norm_backward(grad, y, weight, bias, mean, invstd, eps, activation_code(activation))
         return [g if w else None for g, w in zip(grads, wanted)]
     return batch_norm_forward, batch_norm_backward, python_backward
@@ -122,8 +124,7 @@ def batch_norm_activation(y: Tensor, norm: nn.BatchNorm2d, activation: str) -> T
         tracked.add_(1)
         if norm.momentum is None:  # (a cumulative average: PyTorch reads the count back too)
             momentum = 1.0 / float(tracked)
-    if not (y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last)):
-        y = y.contiguous()  # (the kernels read NCHW or dense channels_last; the convolution gives those)
+    y = batch_norm_input(y)
     tensors = (parameters.get("weight"), parameters.get("bias"), buffers.get("running_mean"),
                buffers.get("running_var"))
     if "weight" not in parameters or "bias" not in parameters:  # (parametrized: computed at each access)
