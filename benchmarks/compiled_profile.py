@@ -1,6 +1,7 @@
 """Where a compiled model's inference goes, stock against dwconv.convert, on the GPU: torch.compile
 (default mode), bfloat16 autocast, channels_last, batch 64; the profiler's operators and kernels
-over 5 calls after warm-up, by GPU time and by calls.
+over 5 calls after warm-up, by GPU time, by calls and by host time; and the wall time of a call
+unprofiled (20 calls).
 
     python benchmarks/compiled_profile.py --model mobilenet_v2 [--train] [--fuse] [--batch 256]
 
@@ -42,6 +43,12 @@ def main():
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
+        unprofiled = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        unprofiled[0].record()
+        for _ in range(20):
+            fn()
+        unprofiled[1].record()
+        torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             start = torch.cuda.Event(enable_timing=True)
@@ -52,11 +59,14 @@ def main():
             end.record()
             torch.cuda.synchronize()
         events = prof.key_averages()
-        print(f"\n=== {args.model} {label}: {start.elapsed_time(end) / 5:.3f} ms a call (wall, profiled)")
+        print(f"\n=== {args.model} {label}: {start.elapsed_time(end) / 5:.3f} ms a call (wall, profiled), "
+              f"{unprofiled[0].elapsed_time(unprofiled[1]) / 20:.3f} unprofiled")
         print(f"\n=== {args.model} {label} {'train' if args.train else 'inference'}: by GPU time")
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
         print(f"=== {label}: by calls")
         print(events.table(sort_by="count", row_limit=args.rows, max_name_column_width=70))
+        print(f"=== {label}: by host time")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -210,6 +210,23 @@ def test_fold_ab_tool_runs():
     assert len(paths) == 20 and paths.count("fold+product") == 4 and paths.count("fold+product+relu") == 1, paths
 
 
+def test_input_activation_ab_tool_runs():
+    """benchmarks/input_activation_ab.py --smoke (no GPU: four layers shrunk, on the CPU): each path of
+    each layer runs, and the input-activated ones match float64's (checked inside the tool too)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "input_activation_ab.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("2x")]
+    assert len(rows) == 4 * 5, done.stdout
+    errors = [float(line.split()[-1]) for line in rows if "in-act" in line or "pass" in line]
+    assert len(errors) == 12 and max(errors) < 0.02, done.stdout
+
+
 def test_compile_cost_keys_at_another_image_size():
     """benchmarks/compile_cost.py --keys-at (no GPU, nothing compiled): the kernel binaries another
     image size adds, each with what differs from the same layer's key at the suite's size. ConvNeXt-T's

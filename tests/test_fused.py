@@ -92,10 +92,29 @@ def test_every_input_activation(family, input_activation):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_precision_input_activation(dtype):
-    """The bfloat16 pairs' widened values are activated (the pixel tiles)."""
-    out, ref = activated_forward("nhwc_pixels", "hardswish", dtype, input_activation="gelu")
+@pytest.mark.parametrize("input_activation", ["gelu", "silu"])
+def test_half_precision_input_activation(input_activation, dtype):
+    """The bfloat16 pairs' widened values are activated (the pixel tiles); on the GPU bfloat16's SiLU
+    through tanh.approx, within bfloat16's tolerance of float64's."""
+    out, ref = activated_forward("nhwc_pixels", "hardswish", dtype, input_activation=input_activation)
     assert_close(out, ref, dtype)
+
+
+def test_bfloat16_input_silu_through_tanh_on_the_gpu_only(monkeypatch):
+    """FAST_SILU (inline PTX) for SiLU of bfloat16 inputs where kernels compile for the GPU; never under
+    the interpreter, for other dtypes or activations, or with the tuning switch off."""
+    from dwconv import tuning
+    from dwconv.kernels import _shared
+
+    silu, relu = activation_code("silu"), activation_code("relu")
+    bf16, f16, f32 = (torch.empty(1, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32))
+    assert _shared.input_activation_code(silu, bf16) == (silu if DEVICE == "cpu" else _shared.FAST_SILU)
+    monkeypatch.setattr(_shared, "triton_interpreter_enabled", lambda: False)
+    assert _shared.input_activation_code(silu, bf16) == _shared.FAST_SILU
+    assert [_shared.input_activation_code(silu, t) for t in (f16, f32)] == [silu, silu]
+    assert _shared.input_activation_code(relu, bf16) == relu
+    with tuning.override(fast_bfloat16_input_silu=False):
+        assert _shared.input_activation_code(silu, bf16) == silu
 
 
 def test_input_activation_codes():

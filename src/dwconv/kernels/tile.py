@@ -26,8 +26,9 @@ from .._geometry import ConvGeometry, cdiv, input_grad_geometry, next_power_of_2
 from ..tuning import tuned
 from ._launch import (ForwardConfig, GradWeightConfig, LaunchPlan, alignment, cached_plan, gpu_plan, launch, layout_key,
                       new_partial, plan_cache)
-from ._shared import (_activate, _activation_slope, _load_weights, _tap_weights, acc_dtype,
-                      channels_last_kernel_applies, forward_constants, needs_int64, partial_dtype)
+from ._shared import (_activate, _activate_input, _activation_slope, _load_weights, _tap_weights, acc_dtype,
+                      channels_last_kernel_applies, forward_constants, input_activation_code, needs_int64,
+                      partial_dtype)
 from .batch_norm import _scale_shift
 from .weight_sums import sum_partials, weight_grad_sums
 
@@ -87,7 +88,7 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                 else:
                     x = tl.load(col_ptrs[kw] + in_row * x_stride_h).to(ACC_DTYPE)
                 if INPUT_ACTIVATION != 0:  # (tested here: the interpreter pays for every helper call)
-                    x = _activate(x, INPUT_ACTIVATION)
+                    x = _activate_input(x, INPUT_ACTIVATION)
                 for kh in tl.static_range(KH):
                     for j in tl.static_range(BLOCK_H):
                         if j * STRIDE_H + kh * DILATION_H == r:  # output row j reads this row through kh
@@ -106,7 +107,7 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                 else:
                     x = tl.load(ptrs).to(ACC_DTYPE)
                 if INPUT_ACTIVATION != 0:
-                    x = _activate(x, INPUT_ACTIVATION)
+                    x = _activate_input(x, INPUT_ACTIVATION)
                 w = _load_weights(w_taps + (kh * KW + kw) * w_stride_tap, c_ok, ACC_DTYPE, MASKED)
                 acc = tl.fma(x, w, acc)
         accs = (acc,)
@@ -184,7 +185,7 @@ def _widen_pixels(loaded, ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_P
         else:
             pixel = loaded[p].to(ACC_DTYPE)
         if INPUT_ACTIVATION != 0:
-            pixel = _activate(pixel, INPUT_ACTIVATION)
+            pixel = _activate_input(pixel, INPUT_ACTIVATION)
         pixels = pixels + (pixel,)
     return pixels
 
@@ -894,7 +895,8 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
     assert config.block_h * taps <= _band_limit(x.device) or config.block_h == 1, "band too long to unroll"
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
     constants = dict(
-        forward_constants(geom, config, x, out, has_bias, activation), INPUT_ACTIVATION=input_activation,
+        forward_constants(geom, config, x, out, has_bias, activation),
+        INPUT_ACTIVATION=input_activation_code(input_activation, x),
         # offsets inside one image (not one plane) for the channels_last tiles
         INDEX_64=needs_int64(x, out, first_dim=1 if nhwc else 2), STRIDE_H=geom.stride_h,
         DILATION_H=geom.dilation_h, UNROLL=unroll, BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,
