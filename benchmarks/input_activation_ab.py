@@ -6,7 +6,7 @@ L2 flushed):
     cuDNN            F.conv2d with groups=C, bias, no activation: stock's convolution alone
     dwconv           dwconv's forward with the output's activation (the input as it is)
     dwconv in-act    the same applying the input's activation as it loads (what a fused model runs)
-    in-act exact     the same with SiLU as exp and a division (tuning fast_bfloat16_input_silu off)
+    in-act exact     the same with SiLU as exp and a division (bfloat16's tanh.approx form replaced here)
     act pass+dwconv  PyTorch's activation of the input, then dwconv's forward (the alternative)
 
 and, with --blocks, the input-activated forward under other tile shapes of its family ("nhwc_pixels"),
@@ -21,6 +21,7 @@ printed as a share of the largest output.
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -44,8 +45,26 @@ BLOCKS = {(32, 112, 3, 1): [(4, 8)], (96, 112, 3, 2): [(2, 8), (1, 8)], (144, 56
           (672, 14, 5, 2): [(1, 7), (4, 7)], (1152, 7, 5, 1): [(7, 7)], (1152, 7, 3, 1): [(7, 7)]}
 
 
+@contextlib.contextmanager
+def exact_silu(exact: bool):
+    """The tile kernels' input SiLU as _activate computes it (exp and a division), not FAST_SILU, inside
+    the block where exact (the cached launch plans and recorded layers dropped on entry and exit:
+    tuning.override)."""
+    from dwconv import tuning
+    from dwconv.kernels import tile
+
+    chosen = tile.input_activation_code
+    if exact:
+        tile.input_activation_code = lambda code, x: code
+    try:
+        with tuning.override():
+            yield
+    finally:
+        tile.input_activation_code = chosen
+
+
 def run(batch: int, layers, activation: str, blocks: bool, timer, compile_only: bool = False) -> tuple:
-    from dwconv import functional, tuning
+    from dwconv import functional
     from dwconv._geometry import conv_geometry, forward_activation_code
     from dwconv.dispatch import conv_forward, forward_config
     from dwconv.kernels._launch import ForwardConfig
@@ -92,12 +111,11 @@ def run(batch: int, layers, activation: str, blocks: bool, timer, compile_only: 
             if compile_only:
                 if label not in ("cuDNN", "act pass+dwconv"):  # (the same kernel as "dwconv")
                     started = time.perf_counter()
-                    with tuning.override(fast_bfloat16_input_silu=label != "in-act exact"):
+                    with exact_silu(label == "in-act exact"):
                         call()
                     print(f"{layer} {label}: {time.perf_counter() - started:.0f} s", flush=True)
                 continue
-            # (the switch in force for the whole timing: a change drops every cached plan)
-            with torch.no_grad(), tuning.override(fast_bfloat16_input_silu=label != "in-act exact"):
+            with torch.no_grad(), exact_silu(label == "in-act exact"):
                 out = call()
                 error = float("nan")
                 if checked:

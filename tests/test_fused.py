@@ -102,8 +102,7 @@ def test_half_precision_input_activation(input_activation, dtype):
 
 def test_bfloat16_input_silu_through_tanh_on_the_gpu_only(monkeypatch):
     """FAST_SILU (inline PTX) for SiLU of bfloat16 inputs where kernels compile for the GPU; never under
-    the interpreter, for other dtypes or activations, or with the tuning switch off."""
-    from dwconv import tuning
+    the interpreter, for other dtypes or activations."""
     from dwconv.kernels import _shared
 
     silu, relu = activation_code("silu"), activation_code("relu")
@@ -113,8 +112,6 @@ def test_bfloat16_input_silu_through_tanh_on_the_gpu_only(monkeypatch):
     assert _shared.input_activation_code(silu, bf16) == _shared.FAST_SILU
     assert [_shared.input_activation_code(silu, t) for t in (f16, f32)] == [silu, silu]
     assert _shared.input_activation_code(relu, bf16) == relu
-    with tuning.override(fast_bfloat16_input_silu=False):
-        assert _shared.input_activation_code(silu, bf16) == silu
 
 
 def test_input_activation_codes():

@@ -79,9 +79,6 @@ class Tuning:
     batch_norm_channels: Tuple[int, ...] = (128, 256, 512)
     batch_norm_reduce_rows: int = 256
     batch_norm_reduce_channels: int = 16
-    # SiLU applied by bfloat16 tiles to their input as they load it, through tanh.approx (one special-
-    # function instruction, not exp's and the division's two)
-    fast_bfloat16_input_silu: bool = True
     # ---- checks and launching
     fast_launch: bool = switch("DWCONV_FAST_LAUNCH") is not False  # repeat launches skip Triton's dispatch
     poison_partials: bool = False  # tests: NaN-fill partial sums and BatchNorm's outputs, so an unwritten one shows
