@@ -17,8 +17,8 @@
 #   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
 #              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference, MODEL_FUSE=1: also the model converted with fuse=True)
 #   compiled   where compiled models' steps go, stock against converted (benchmarks/compiled_profile.py,
-#              torch.compile default; MODELS, PROFILE_MODE train|inference), and Inductor's generated code
-#              for both (output_code_MODEL_MODE.txt.xz)
+#              torch.compile default; MODELS, PROFILE_MODE train|inference, MODEL_BATCH, MODEL_FUSE=1: converted
+#              with fuse=True), and Inductor's generated code for both (output_code_MODEL_MODE.txt.xz)
 #   blocks     the models suite's layers as blocks (conv, BatchNorm2d, activation: BLOCK_ACTIVATIONS, DTYPES) in
 #              eval mode and in a training step, stock's kernels and torch.compile of them against dwconv's
 #              (bench --block, replayed from CUDA graphs: the kernels' time, not the host's; BLOCK_COMPILE=no:
@@ -88,7 +88,7 @@ for step in "$@"; do
     compiled) for model in ${MODELS:-mobilenet_v2}; do
                 mode=${PROFILE_MODE:-inference}; train=(); [ "$mode" = train ] && train=(--train)
                 TORCH_LOGS=output_code python3 benchmarks/compiled_profile.py --model "$model" \
-                  --batch "${MODEL_BATCH:-64}" ${train[@]+"${train[@]}"} \
+                  --batch "${MODEL_BATCH:-64}" ${train[@]+"${train[@]}"} ${MODEL_FUSE:+--fuse} \
                   >"$OUT/compiled_profile_${model}_${mode}.txt" 2>"$OUT/output_code_${model}_${mode}.txt"
                 xz -f "$OUT/output_code_${model}_${mode}.txt"
                 grep -E "^===|Self CUDA time total" "$OUT/compiled_profile_${model}_${mode}.txt"
