@@ -582,6 +582,31 @@ def test_activations_keep_nan(family):
         assert ref.isnan().sum() == 9
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_input_silu_of_special_values(dtype):
+    """The input's SiLU as the pixel tiles apply it (bfloat16 on the GPU: through tanh.approx) keeps
+    PyTorch's NaN, infinities (silu(-inf) is NaN there) and signed large values."""
+    config, _, kernel, stride, padding = FAMILIES["nhwc_pixels"]
+    x = randn(1, 8, 9, 11)
+    for (c, h, w), value in zip([(0, 1, 1), (2, 4, 8), (3, 7, 2), (5, 2, 5), (6, 6, 9), (7, 0, 0)],
+                                [float("nan"), float("inf"), -float("inf"), 1e30, -1e30, -90.0]):
+        x[0, c, h, w] = value
+    x = x.to(dtype).contiguous(memory_format=torch.channels_last)
+    weight = randn(8, 1, kernel, kernel, dtype=dtype)
+    geom = conv_geometry(x, weight, None, stride, padding, 1)
+    out = poisoned(geom.output_shape, dtype, memory_format=output_memory_format(x))
+    out = conv_forward(x, weight, None, geom, config=config, out=out,
+                       activation=forward_activation_code(("silu", "identity"))).double().cpu()
+    ref = reference_conv(F.silu(x.double()), weight, None, stride, padding, 1).cpu()
+    assert torch.equal(out.isnan(), ref.isnan()) and ref.isnan().sum() == 18, "NaN positions differ"
+    infinite = ref.isinf()
+    assert torch.equal(out.isinf(), infinite) and torch.equal(out[infinite], ref[infinite]) and infinite.sum() == 9
+    finite = ref.isfinite()
+    assert_close(out[finite] / 1e30, ref[finite] / 1e30, dtype, "values scaled by 1e-30")
+    small = finite & (ref.abs() < 1e3)
+    assert_close(out[small], ref[small], dtype, "values away from the large inputs")
+
+
 def test_eval_calls_follow_shapes_autocast_and_dtypes():
     """The eval block's prepared call (folded weights, geometry) is redone for another input
     layout, autocast's dtype, or the model in another dtype."""
