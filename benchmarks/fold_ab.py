@@ -27,9 +27,7 @@ expansion (24 -> 144 at 56 x 56, ReLU6), a projection (144 -> 24 at 56 x 56, non
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -38,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import dwconv  # noqa: E402
 from dwconv.activations import FUNCTIONS, activation_of  # noqa: E402
+from dwconv.bench import checked_and_timed  # noqa: E402
 from dwconv.fuse import _pointwise_as_product, _pointwise_rows, fold_batch_norm  # noqa: E402
 
 # (name, batch, in channels, height, width, out channels, kernel, stride, activation module)
@@ -99,17 +98,8 @@ def run(layers, timer) -> tuple:
         x = x.contiguous(memory_format=torch.channels_last)
         with torch.no_grad():
             exact = copy.deepcopy(stock).double()(x.double())
-        scale = max(1.0, exact.abs().max().item())
         for label, call in paths(stock, x).items():
-            out = call()
-            error = (out.double() - exact).abs().max().item() / scale
-            assert error < 0.05, f"{name} {label}: {error:.3g} of the largest output off float64's"
-            if timer is None:
-                started = time.perf_counter()
-                call()
-                ms = (time.perf_counter() - started) * 1e3
-            else:
-                ms = statistics.fmean(timer(call))
+            out, ms, error = checked_and_timed(call, exact, timer, f"{name} {label}")
             floor = x.numel() * x.element_size() + out.numel() * out.element_size()
             rows.append(dict(layer=name, path=label, ms=ms, gbps=floor / ms / 1e6, error=error,
                              pct_copy=100 * floor / ms / 1e6 / copy_gbps if copy_gbps else float("nan")))

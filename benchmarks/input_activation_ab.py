@@ -23,7 +23,6 @@ printed as a share of the largest output.
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import time
 
@@ -66,6 +65,7 @@ def exact_silu(exact: bool):
 def run(batch: int, layers, activation: str, blocks: bool, timer, compile_only: bool = False) -> tuple:
     from dwconv import functional
     from dwconv._geometry import conv_geometry, forward_activation_code
+    from dwconv.bench import checked_and_timed
     from dwconv.dispatch import conv_forward, forward_config
     from dwconv.kernels._launch import ForwardConfig
 
@@ -87,7 +87,6 @@ def run(batch: int, layers, activation: str, blocks: bool, timer, compile_only: 
         pad = kernel // 2
         if not compile_only:
             exact = act(F.conv2d(act(x.double()), weight.double(), bias.double(), stride, pad, groups=channels))
-            scale = max(1.0, exact.abs().max().item())
         geom = conv_geometry(x, weight, bias, stride, pad, 1)
         code = forward_activation_code((activation, activation))
         default = forward_config(geom, x)
@@ -116,17 +115,7 @@ def run(batch: int, layers, activation: str, blocks: bool, timer, compile_only: 
                     print(f"{layer} {label}: {time.perf_counter() - started:.0f} s", flush=True)
                 continue
             with torch.no_grad(), exact_silu(label == "in-act exact"):
-                out = call()
-                error = float("nan")
-                if checked:
-                    error = (out.double() - exact).abs().max().item() / scale
-                    assert error < 0.05, f"{layer} {label}: {error:.3g} of the largest output off float64's"
-                if timer is None:
-                    started = time.perf_counter()
-                    call()
-                    ms = (time.perf_counter() - started) * 1e3
-                else:
-                    ms = statistics.fmean(timer(call))
+                out, ms, error = checked_and_timed(call, exact if checked else None, timer, f"{layer} {label}")
             floor = x.numel() * x.element_size() + out.numel() * out.element_size()
             tiles = f"{default.block_h}x{default.block_w}" if label in ("dwconv", "dwconv in-act", "in-act exact") else ""
             rows.append(dict(layer=layer, count=count, path=label, tiles=tiles, ms=ms, error=error,

@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -514,6 +514,24 @@ def check_gradients(x, weight, bias, case: Case) -> float:
             raise SystemExit(f"FAILED: {case.label}: gradient error {err:.3g} (relative) exceeds {tol:.3g}")
         worst = max(worst, err)
     return worst
+
+
+def checked_and_timed(call: Callable[[], torch.Tensor], exact: Optional[torch.Tensor], timer: Optional[Timer],
+                      what: str, tolerance: float = 0.05) -> Tuple[torch.Tensor, float, float]:
+    """A developer tool's path (benchmarks/fold_ab.py, input_activation_ab.py): (its output, ms, error).
+    error: the largest deviation from exact (float64; None: not checked, NaN) over exact's largest
+    magnitude (at least 1), raising past tolerance; ms: the mean of timer's calls, or without a timer
+    (a CPU smoke run, no measurement) one call's wall time."""
+    out = call()
+    error = float("nan")
+    if exact is not None:
+        error = (out.double() - exact).abs().max().item() / max(1.0, exact.abs().max().item())
+        assert error < tolerance, f"{what}: {error:.3g} of the largest output off float64's"
+    if timer is not None:
+        return out, statistics.fmean(timer(call)), error
+    started = time.perf_counter()
+    call()
+    return out, (time.perf_counter() - started) * 1e3, error
 
 
 def measure_copy(timer: Timer) -> float:
