@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .._env import triton_interpreter_enabled
-from .._geometry import ConvGeometry, cdiv, next_power_of_2
+from .._geometry import ACTIVATION_CODES, ConvGeometry, cdiv, next_power_of_2
 from ._launch import alignment
 
 
@@ -260,8 +260,8 @@ def _store_aligned_rows(ptrs, values, first, lanes, rows_ok, out_w, VEC: tl.cons
 
 def input_activation_code(code: int, x: torch.Tensor) -> int:
     """The INPUT_ACTIVATION a tile kernel takes for an input activation's code: FAST_SILU for SiLU of
-    bfloat16 inputs on the GPU (docs/decisions.md, "SiLU of bfloat16 inputs through tanh")."""
-    if code == 3 and x.dtype == torch.bfloat16 and not triton_interpreter_enabled():
+    bfloat16 inputs on the GPU (docs/decisions.md, "SiLU of bfloat16 inputs through tanh.approx")."""
+    if code == ACTIVATION_CODES["silu"] and x.dtype == torch.bfloat16 and not triton_interpreter_enabled():
         return FAST_SILU
     return code
 
