@@ -103,15 +103,15 @@ def test_half_precision_input_activation(input_activation, dtype):
 def test_bfloat16_input_silu_through_tanh_on_the_gpu_only(monkeypatch):
     """FAST_SILU (inline PTX) for SiLU of bfloat16 inputs where kernels compile for the GPU; never under
     the interpreter, for other dtypes or activations."""
-    from dwconv.kernels import _shared
+    from dwconv.kernels import tile
 
     silu, relu = activation_code("silu"), activation_code("relu")
     bf16, f16, f32 = (torch.empty(1, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32))
-    assert _shared.input_activation_code(silu, bf16) == (silu if DEVICE == "cpu" else _shared.FAST_SILU)
-    monkeypatch.setattr(_shared, "triton_interpreter_enabled", lambda: False)
-    assert _shared.input_activation_code(silu, bf16) == _shared.FAST_SILU
-    assert [_shared.input_activation_code(silu, t) for t in (f16, f32)] == [silu, silu]
-    assert _shared.input_activation_code(relu, bf16) == relu
+    assert tile.input_activation_code(silu, bf16) == (silu if DEVICE == "cpu" else tile.FAST_SILU)
+    monkeypatch.setattr(tile, "triton_interpreter_enabled", lambda: False)
+    assert tile.input_activation_code(silu, bf16) == tile.FAST_SILU
+    assert [tile.input_activation_code(silu, t) for t in (f16, f32)] == [silu, silu]
+    assert tile.input_activation_code(relu, bf16) == relu
 
 
 def test_input_activation_codes():

@@ -11,8 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._env import triton_interpreter_enabled
-from .._geometry import ACTIVATION_CODES, ConvGeometry, cdiv, next_power_of_2
+from .._geometry import ConvGeometry, cdiv, next_power_of_2
 from ._launch import alignment
 
 
@@ -37,26 +36,6 @@ def _activate(v, ACTIVATION: tl.constexpr):
         v = v * tl.clamp(v + 3.0, 0.0, 6.0, propagate_nan=tl.PropagateNan.ALL) / 6.0
     elif ACTIVATION == 7:  # hardsigmoid
         v = tl.clamp(v + 3.0, 0.0, 6.0, propagate_nan=tl.PropagateNan.ALL) / 6.0
-    return v
-
-
-# _activate_input's code of SiLU through the GPU's tanh.approx.f32 (relative error about 2^-11, an absolute
-# one of |v| 2^-12 at most: 16 times below a bfloat16 input's own rounding step): the input activation of
-# bfloat16 tiles only, where the special-function unit bounds the kernel (each input value is
-# activated once per tile that reads it); never under the interpreter (no PTX)
-FAST_SILU = 8
-
-
-@triton.jit
-def _activate_input(v, INPUT_ACTIVATION: tl.constexpr):
-    """_activate of a loaded input value, or FAST_SILU's: silu as v/2 (1 + tanh(v/2)), one special-function
-    instruction where exp and the division take two."""
-    if INPUT_ACTIVATION == 8:  # FAST_SILU
-        half = 0.5 * v
-        v = half + half * tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [half], dtype=tl.float32,
-                                                    is_pure=True, pack=1)
-    else:
-        v = _activate(v, INPUT_ACTIVATION)
     return v
 
 
@@ -257,14 +236,6 @@ def _store_aligned_rows(ptrs, values, first, lanes, rows_ok, out_w, VEC: tl.cons
 
 
 # ---- host side ----------------------------------------------------------------------------------
-
-def input_activation_code(code: int, x: torch.Tensor) -> int:
-    """The INPUT_ACTIVATION a tile kernel takes for an input activation's code: FAST_SILU for SiLU of
-    bfloat16 inputs on the GPU (docs/decisions.md, "SiLU of bfloat16 inputs through tanh.approx")."""
-    if code == ACTIVATION_CODES["silu"] and x.dtype == torch.bfloat16 and not triton_interpreter_enabled():
-        return FAST_SILU
-    return code
-
 
 def acc_dtype(dtype: torch.dtype):
     """The kernels' accumulator type: float64 for float64, float32 for the rest."""

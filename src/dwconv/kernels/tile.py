@@ -22,13 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .._geometry import ConvGeometry, cdiv, input_grad_geometry, next_power_of_2
+from .._env import triton_interpreter_enabled
+from .._geometry import ACTIVATION_CODES, ConvGeometry, cdiv, input_grad_geometry, next_power_of_2
 from ..tuning import tuned
 from ._launch import (ForwardConfig, GradWeightConfig, LaunchPlan, alignment, cached_plan, gpu_plan, launch, layout_key,
                       new_partial, plan_cache)
-from ._shared import (_activate, _activate_input, _activation_slope, _load_weights, _tap_weights, acc_dtype,
-                      channels_last_kernel_applies, forward_constants, input_activation_code, needs_int64,
-                      partial_dtype)
+from ._shared import (_activate, _activation_slope, _load_weights, _tap_weights, acc_dtype,
+                      channels_last_kernel_applies, forward_constants, needs_int64, partial_dtype)
 from .batch_norm import _scale_shift
 from .weight_sums import sum_partials, weight_grad_sums
 
@@ -42,6 +42,26 @@ def _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, TAPS: tl.conste
     if TAPS <= BRANCH_WEIGHT_TAPS:
         weights = _tap_weights(w_taps, w_stride_tap, c_ok, TAPS, ACC_DTYPE, MASKED)
     return weights
+
+
+# _activate_input's code of SiLU through the GPU's tanh.approx.f32 (relative error about 2^-11, an absolute
+# one of |v| 2^-12 at most: 16 times below a bfloat16 input's own rounding step): the input activation of
+# bfloat16 tiles only, where the special-function unit bounds the kernel (each input value is
+# activated once per tile that reads it); never under the interpreter (no PTX)
+FAST_SILU = 8
+
+
+@triton.jit
+def _activate_input(v, INPUT_ACTIVATION: tl.constexpr):
+    """_activate of a loaded input value, or FAST_SILU's: silu as v/2 (1 + tanh(v/2)), one special-function
+    instruction where exp and the division take two."""
+    if INPUT_ACTIVATION == 8:  # FAST_SILU
+        half = 0.5 * v
+        v = half + half * tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [half], dtype=tl.float32,
+                                                    is_pure=True, pack=1)
+    else:
+        v = _activate(v, INPUT_ACTIVATION)
+    return v
 
 
 @triton.jit
@@ -873,6 +893,14 @@ def _weight_strides(kernel: str, geom: ConvGeometry, flipped: bool, x: torch.Ten
     taps = geom.kernel_h * geom.kernel_w
     channel, tap = (1, geom.out_channels) if weight_taps_major(kernel, x) else (taps, 1)
     return (channel, -tap, (taps - 1) * tap) if flipped else (channel, tap, 0)
+
+
+def input_activation_code(code: int, x: torch.Tensor) -> int:
+    """The INPUT_ACTIVATION a tile kernel takes for an input activation's code: FAST_SILU for SiLU of
+    bfloat16 inputs on the GPU (docs/decisions.md, "SiLU of bfloat16 inputs through tanh.approx")."""
+    if code == ACTIVATION_CODES["silu"] and x.dtype == torch.bfloat16 and not triton_interpreter_enabled():
+        return FAST_SILU
+    return code
 
 
 def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
