@@ -1,7 +1,8 @@
 """Where a compiled model's inference goes, stock against dwconv.convert, on the GPU: torch.compile
 (default mode), bfloat16 autocast, channels_last, batch 64; the profiler's operators and kernels
-over 5 calls after warm-up, by GPU time, by calls and by host time; and the wall time of a call
-unprofiled (20 calls).
+over 5 calls after warm-up, by GPU time, by calls and by host time; the wall time of a call
+unprofiled (20 calls); and the host's Python by function (cProfile over 5 calls: Inductor's wrapper
+code and what it calls, which the operator profile counts as the wrapper's own time).
 
     python benchmarks/compiled_profile.py --model mobilenet_v2 [--train] [--fuse] [--batch 256]
 
@@ -10,7 +11,10 @@ dwconv's registered ops).
 """
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
@@ -67,6 +71,16 @@ def main():
         print(events.table(sort_by="count", row_limit=args.rows, max_name_column_width=70))
         print(f"=== {label}: by host time")
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
+        python = cProfile.Profile()
+        python.enable()
+        for _ in range(5):
+            fn()
+        python.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(args.rows)
+        print(f"=== {label}: host Python by function, 5 calls (cProfile)")
+        print(text.getvalue())
 
 
 if __name__ == "__main__":
