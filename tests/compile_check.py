@@ -46,9 +46,12 @@ def tensors(shape, kernel, dtype, stride=1, padding=0, dilation=1, multiplier=1,
     return x, weight, geom, grad_out
 
 
-def forward(shape, kernel, dtype, config, activation=0, **conv):
+def forward(shape, kernel, dtype, config, activation=0, input_norm=False, **conv):
+    """input_norm: each input channel scaled and shifted as it loads (a fused block's BatchNorm before)."""
     x, weight, geom, _ = tensors(shape, kernel, dtype, **conv)
-    conv_forward(x, weight, torch.randn(weight.shape[0]).to(dtype), geom, config, activation=activation)
+    scale_shift = torch.randn(2, shape[1]) if input_norm else None
+    conv_forward(x, weight, torch.randn(weight.shape[0]).to(dtype), geom, config, activation=activation,
+                 input_norm=scale_shift)
 
 
 def fused_backward(shape, kernel, dtype, config, **conv):
@@ -140,6 +143,12 @@ CASES = [
     ("nhwc, bfloat16, k7, SiLU of the input as it loads", forward,
      ((1, 96, 12, 12), (7, 7), bf16, ForwardConfig("nhwc", 5, 8, 4, block_c=32)),
      dict(padding=3, layout=CL, activation=forward_activation_code(("silu", "identity")))),
+    ("nhwc pixels, bfloat16 pairs, k3, the BatchNorm and SiLU before applied as the input loads (EfficientNet's)",
+     forward, ((1, 128, 12, 20), (3, 3), bf16, ForwardConfig("nhwc_pixels", 2, 4, 2, block_c=128)),
+     dict(padding=1, layout=CL, activation=forward_activation_code(("silu", "silu")), input_norm=True)),
+    ("nhwc, bfloat16, k5 stride 2, the BatchNorm and ReLU6 before applied as the input loads", forward,
+     ((1, 96, 12, 12), (5, 5), bf16, ForwardConfig("nhwc", 4, 8, 4, block_c=32)),
+     dict(stride=2, padding=2, layout=CL, activation=forward_activation_code(("relu6", "relu6")), input_norm=True)),
     ("nhwc, k17 (kernel-row loop)", forward, ((1, 32, 20, 20), (17, 17), f32, ForwardConfig("nhwc", 1, 8, 4, block_c=32)),
      dict(padding=8, layout=CL)),
     # (the GPU's blocks for the large suite's layers, at a small batch: 28 outputs a thread, one warp)
@@ -246,14 +255,16 @@ def backward_through_batch_norm(shape, kernel, dtype, config, activation, **conv
 
 
 def batch_norm_fold(weight_shape, dtype, bias=True, affine=True, layout=torch.contiguous_format):
-    """A BatchNorm folded into the convolution before it in eval mode (kernels.batch_norm.fold)."""
-    from dwconv.kernels.batch_norm import fold
+    """A BatchNorm folded into the convolution before it in eval mode (kernels.batch_norm.fold), and
+    as the scale and shift the depthwise layer after it applies (kernels.batch_norm.scale_shift)."""
+    from dwconv.kernels.batch_norm import fold, scale_shift
 
     channels = weight_shape[0]
     weight = torch.randn(weight_shape).contiguous(memory_format=layout)
     gamma, beta = (torch.randn(channels), torch.randn(channels)) if affine else (None, None)
     fold(weight, torch.randn(channels) if bias else None, gamma, beta, torch.randn(channels), torch.rand(channels) + 1,
          1e-5, dtype)
+    scale_shift(gamma, beta, torch.randn(channels), torch.rand(channels) + 1, 1e-5)
 
 
 CASES += [

@@ -31,12 +31,15 @@ FAMILIES = {
     "large_fma": (None, "nchw", 5, 1, 2),
     "toeplitz": (ForwardConfig("toeplitz", 16, 16, 4), "nchw", 11, 1, 5),
 }
+# the tile kernel's rolled loop over kernel rows (one output row a program: large kernels)
+TILE_PATHS = dict(FAMILIES, **{"tile-rolled": (ForwardConfig("tile", 1, 8, 1), "nchw", 17, 1, 8)})
 
 
-def activated_forward(family, activation, dtype, has_bias=True, input_activation=None):
+def activated_forward(family, activation, dtype, has_bias=True, input_activation=None, input_norm=False):
     """The family's forward through activation (and of input_activation's values of the input, where
-    given), and its reference."""
-    config, layout, kernel, stride, padding = FAMILIES[family]
+    given; input_norm: of each input channel scaled and shifted before, a BatchNorm's, whose shifts
+    would show in any padded output that read them), and its reference."""
+    config, layout, kernel, stride, padding = TILE_PATHS[family]
     # values around the activations' corners (relu6's 6, hardswish's -3 and 3): a 3x3 of these
     # spans about -15 .. 15
     x = (3 * randn(2, 8, 13, 16)).to(dtype)
@@ -49,8 +52,17 @@ def activated_forward(family, activation, dtype, has_bias=True, input_activation
         config = ForwardConfig("large_fma", *large_fma.large_fma_blocks(geom))
     out = poisoned(geom.output_shape, dtype, memory_format=output_memory_format(x))
     code = forward_activation_code(activation if input_activation is None else (input_activation, activation))
-    out = conv_forward(x, weight, bias, geom, config=config, out=out, activation=code)
-    activated_input = x if input_activation is None else FUNCTIONS[input_activation](x.double())
+    scale_shift = None
+    if input_norm:  # (scales of both signs; shifts of 1 to 3: activated, never near 0)
+        scale_shift = torch.stack([randn(8) + 0.5 * torch.ones(8, device=DEVICE).copysign(randn(8)),
+                                   (1 + 2 * torch.rand(8, device=DEVICE)) * torch.ones(8, device=DEVICE).copysign(randn(8))])
+    out = conv_forward(x, weight, bias, geom, config=config, out=out, activation=code, input_norm=scale_shift)
+    activated_input = x.double()
+    if input_norm:
+        activated_input = activated_input * scale_shift[0].double().view(1, -1, 1, 1) + \
+            scale_shift[1].double().view(1, -1, 1, 1)
+    if input_activation is not None:
+        activated_input = FUNCTIONS[input_activation](activated_input)
     return out, FUNCTIONS[activation](reference_conv(activated_input, weight, bias, stride, padding, 1))
 
 
@@ -97,6 +109,33 @@ def test_half_precision_input_activation(input_activation, dtype):
     """The bfloat16 pairs' widened values are activated (the pixel tiles); on the GPU bfloat16's SiLU
     through tanh.approx, within bfloat16's tolerance of float64's."""
     out, ref = activated_forward("nhwc_pixels", "hardswish", dtype, input_activation=input_activation)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_normalizes_its_input(family):
+    """The BatchNorm before an input activation (input_norm: scale and shift per channel): the tile
+    kernels apply both as they load, with the padding zero after (the shifts would leak into every
+    padded output otherwise); the other families read PyTorch's normalised, activated input."""
+    out, ref = activated_forward(family, "relu6", torch.float32, input_activation="hardswish", input_norm=True)
+    assert_close(out, ref, torch.float32, family)
+
+
+@pytest.mark.parametrize("input_activation", ["identity", "relu", "silu"])
+@pytest.mark.parametrize("family", ["tile", "tile-rolled", "nhwc_pixels", "nhwc"])
+def test_input_norm_with_each_tile_path(family, input_activation):
+    """Each tile path's input loads (the band's unrolled and rolled loops, the pixel rows, masked and
+    interior), the BatchNorm alone (identity) or before an activation."""
+    out, ref = activated_forward(family, "identity", torch.float32, input_activation=input_activation,
+                                 input_norm=True)
+    assert_close(out, ref, torch.float32, f"{family} {input_activation}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_input_norm(dtype):
+    """bfloat16 pairs' and float16's widened values normalised in float32, then activated (on the GPU
+    bfloat16's SiLU through tanh.approx)."""
+    out, ref = activated_forward("nhwc_pixels", "silu", dtype, input_activation="silu", input_norm=True)
     assert_close(out, ref, dtype)
 
 
@@ -545,6 +584,70 @@ def test_opcheck_activated_op():
         torch.ops.dwconv.conv2d_activated(x, weight, bias, *conv, 8)
 
 
+def _norm_tensors(channels, affine=True):
+    """A BatchNorm's (weight, bias, running mean, running variance) with values that matter (scales of
+    0.5 to 2: half precision's tolerance is relative to each value, and larger ones cancel)."""
+    weight = 0.5 + torch.rand(channels, device=DEVICE)
+    weight, bias = (weight, randn(channels)) if affine else (None, None)
+    return weight, bias, randn(channels), torch.rand(channels, device=DEVICE) + 0.5
+
+
+def _reference_norm(y, norm, eps):
+    """F.batch_norm in eval mode of y in float64 on the CPU (norm: _norm_tensors')."""
+    weight, bias, mean, var = (None if t is None else t.double().cpu() for t in norm)
+    return F.batch_norm(y.double().cpu(), mean, var, weight, bias, False, 0.0, eps)
+
+
+@pytest.mark.parametrize("case", ["both", "after", "before", "neither", "no affine"])
+def test_block_op(case):
+    """The fused block's eval op: the BatchNorm after folded (its weight and bias in any floating
+    dtype), the one before and its activation applied to the input as it loads; opcheck, and values
+    against F.conv2d and F.batch_norm in float64."""
+    x, weight, bias = randn(2, 6, 9, 11).contiguous(memory_format=torch.channels_last), randn(6, 1, 3, 3), randn(6)
+    after = _norm_tensors(6, case != "no affine") if case in ("both", "after", "no affine") else (None,) * 4
+    before = _norm_tensors(6, case != "no affine") if case in ("both", "before", "no affine") else (None,) * 4
+    conv = conv_arguments(conv_geometry(x, weight, bias, 1, 1, 1))
+    code = forward_activation_code(("silu", "relu6") if before[2] is not None else "relu6")
+    args = (x, weight, bias, *after, 1e-3, *before, 1e-5, *conv, code)
+    torch.library.opcheck(torch.ops.dwconv.conv2d_block.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    out = torch.ops.dwconv.conv2d_block(*args)
+    ref = x if before[2] is None else F.silu(_reference_norm(x, before, 1e-5))
+    ref = reference_conv(ref, weight, bias, 1, 1, 1)
+    if after[2] is not None:
+        ref = _reference_norm(ref, after, 1e-3)
+    assert_close(out, F.relu6(ref), torch.float32, case)
+
+
+def test_block_op_computes_in_the_input_dtype():
+    """float32 weight and BatchNorm (autocast's parameters) with a bfloat16 input: folded to bfloat16."""
+    x = randn(2, 8, 7, 9).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    weight, norm = randn(8, 1, 3, 3), _norm_tensors(8)
+    conv = conv_arguments(conv_geometry(x, weight.to(torch.bfloat16), None, 1, 1, 1))
+    out = torch.ops.dwconv.conv2d_block(x, weight, None, *norm, 1e-5, *norm, 1e-5, *conv,
+                                        forward_activation_code(("relu", "identity")))
+    assert out.dtype == torch.bfloat16
+    # (the folded weight and bias rounded to bfloat16, as autocast's convolution rounds its weight)
+    from dwconv.fuse import fold_parameters
+
+    folded = fold_parameters(weight.double(), None, *(t.double() for t in norm), 1e-5)
+    ref = reference_conv(F.relu(_reference_norm(x, norm, 1e-5)), *(t.to(torch.bfloat16) for t in folded), 1, 1, 1)
+    assert_close(out, ref, torch.bfloat16)
+
+
+def test_block_op_refuses_bad_norms():
+    x, weight = randn(1, 4, 6, 6), randn(4, 1, 3, 3)
+    conv = conv_arguments(conv_geometry(x, weight, None, 1, 1, 1))
+    good = _norm_tensors(4)
+    with pytest.raises(ValueError, match="norm_var must be given with norm_mean|norm_weight and norm_bias"):
+        torch.ops.dwconv.conv2d_block(x, weight, None, *good[:3], None, 1e-5, *(None,) * 4, 0.0, *conv, 0)
+    with pytest.raises(ValueError, match="input_mean must be a contiguous floating vector of 4 channels"):
+        torch.ops.dwconv.conv2d_block(x, weight, None, *(None,) * 4, 0.0, *good[:2], randn(5), good[3], 1e-5,
+                                      *conv, 0)
+    with pytest.raises(ValueError, match="norm_weight and norm_bias must be given together"):
+        torch.ops.dwconv.conv2d_block(x, weight, None, good[0], None, *good[2:], 1e-5, *(None,) * 4, 0.0, *conv, 0)
+
+
 def test_compiled_eval_graph_holds_the_activated_op():
     """Compiled without gradients, a fused block is one dwconv op with its activation (no separate
     activation pass); with gradients, conv2d and the activation after it."""
@@ -560,7 +663,7 @@ def test_compiled_eval_graph_holds_the_activated_op():
     _assert_same_model(stock, fused, x, "eager")
     assert_close(out, fused(x).detach(), torch.float32, "compiled")
     code = backend.graphs[0].code
-    assert "dwconv.conv2d_activated" in code and "silu" not in code, code
+    assert "dwconv.conv2d_block" in code and "silu" not in code and "batch_norm" not in code, code
 
 
 @pytest.mark.parametrize("family", ["tile", "nhwc_pixels"])
@@ -627,18 +730,17 @@ def test_eval_calls_follow_shapes_autocast_and_dtypes():
 
 def test_warmup_of_a_fused_model_records_the_fused_forward():
     """A fused model's warmup (its fake run) records the block's calls as they will run in eval
-    mode without gradients: the BatchNorm's folding, one activated forward with the layer's weight
-    shape."""
+    mode without gradients: one block op call (its foldings inside), with the layer's weight shape,
+    the BatchNorm after it and, where the input is linked, the one before."""
     from dwconv.precompile import layer_calls
 
     fused = dwconv.convert(_block(torch.nn.SiLU).eval().to(DEVICE), fuse=True, precompile=False, verbose=False)
     with torch.no_grad():
         calls = layer_calls(fused, randn(2, 8, 9, 11))
-    fold, conv = calls
-    assert (conv.arguments[3:], conv.tensors[1][0], conv.grads) == (("silu",), (8, 1, 3, 3), (False, False, False))
-    assert fold.fold and not conv.fold and fold.arguments == ("fold", "float32", "float32", 1e-5)
-    assert fold.tensors[0][0] == (8, 1, 3, 3) and fold.tensors[1] is None and fold.tensors[2][0] == (8,)
-    assert fold.without_batch() == fold and fold.passes() == ["forward"]
+    (block,) = calls
+    assert block.block and not block.fold and block.grads == (False, False, False)
+    assert block.arguments == ("block", (1, 1), (1, 1, 1, 1), (1, 1), activation_code("silu"), (True, "float32"), None)
+    assert block.tensors[1][0] == (8, 1, 3, 3) and block.tensors[2] is None and block.passes() == ["forward"]
     # a pointwise convolution's folded BatchNorm: recorded in the fake run, nothing launched there
     from dwconv.kernels import batch_norm as batch_norm_kernels
 
@@ -650,10 +752,11 @@ def test_warmup_of_a_fused_model_records_the_fused_forward():
             calls = layer_calls(folding, randn(2, 8, 9, 11))
     finally:
         batch_norm_kernels.fold = real_fold
-    assert [call.tensors[0][0] for call in calls if call.fold] == [(16, 8, 1, 1), (16, 1, 3, 3), (8, 16, 1, 1)]
+    # (the expansion's BatchNorm and ReLU6 applied by the depthwise layer: no folding of its own)
+    assert [call.tensors[0][0] for call in calls if call.fold] == [(8, 16, 1, 1)]
     assert not launched
-    # (the expansion's ReLU6 applied by the depthwise layer: the forward that will run, both activations)
-    assert [call.arguments[3:] for call in calls if not call.fold] == [(("relu6", "relu6"),)]
+    (block,) = [call for call in calls if call.block]
+    assert block.arguments[4:] == (forward_activation_code(("relu6", "relu6")), (True, "float32"), (True, "float32"))
     fused.train()
     calls = layer_calls(fused, randn(2, 8, 9, 11))  # (training: the plain layer's passes, then BatchNorm's)
     assert [call.grads for call in calls] == [(False, True, False), (True, True, True)]

@@ -50,6 +50,9 @@ def compile_call(call: dict) -> None:
     if arguments[0] == "fold":  # (precompile.FOLD: a BatchNorm folded into its convolution in eval mode)
         compile_fold(x, weight, bias, *arguments[1:])
         return
+    if arguments[0] == "block":  # (precompile.BLOCK: a fused block's eval call)
+        compile_block(x, weight, bias, *arguments[1:])
+        return
     geom = conv_geometry(x, weight, bias, *arguments[:3])  # (an activation may follow: eager_conv's)
     with torch.no_grad():
         if call["pass"] == "forward":
@@ -84,6 +87,22 @@ def compile_fold(weight, bias, norm_weight, dtype: str, running_dtype: str, eps:
     running = [torch.empty(weight.shape[0], dtype=getattr(torch, running_dtype)) for _ in range(2)]
     norm_bias = None if norm_weight is None else torch.empty_like(norm_weight)
     fold(weight, bias, norm_weight, norm_bias, *running, eps, getattr(torch, dtype))
+
+
+def compile_block(x, weight, bias, stride, padding, dilation, activation: int, norm, input_norm) -> None:
+    """The registered op conv2d_block's kernels: its foldings and its convolution."""
+    import torch
+
+    def tensors(spec, channels):  # (weight, bias, running mean, running variance) and eps of a BatchNorm
+        if spec is None:
+            return (None,) * 4 + (0.0,)
+        affine, dtype = spec
+        made = [torch.empty(channels, dtype=getattr(torch, dtype)) for _ in range(4)]
+        return (*(made[:2] if affine else (None, None)), *made[2:], 1e-5)
+
+    with torch.no_grad():
+        torch.ops.dwconv.conv2d_block(x, weight, bias, *tensors(norm, weight.shape[0]), *tensors(input_norm, x.shape[1]),
+                                      list(stride), list(padding), list(dilation), activation)
 
 
 class LaunchSelector:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -172,6 +172,14 @@ def _resolve_padding(
     if pad_h < 0 or pad_w < 0:
         raise ValueError(f"padding must be non-negative, got {padding!r}")
     return (pad_h, pad_h, pad_w, pad_w)
+
+
+def op_arguments(kernel: Tuple[int, int], stride: IntOrPair, padding: Padding, dilation: IntOrPair
+                 ) -> Tuple[List[int], List[int], List[int]]:
+    """stride, padding [top, bottom, left, right] and dilation as the registered ops take them, from a
+    layer's own (no input needed: 'same' resolves from the kernel and dilation alone)."""
+    stride_hw, dilation_hw = _pair(stride, "stride"), _pair(dilation, "dilation")
+    return list(stride_hw), list(_resolve_padding(padding, tuple(kernel), stride_hw, dilation_hw)), list(dilation_hw)
 
 
 def conv_geometry(

@@ -135,6 +135,75 @@ def _checked_code(activation: int) -> int:
     return activation
 
 
+@_op("dwconv::conv2d_block")
+def conv2d_block(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
+                 norm_bias: Optional[Tensor], norm_mean: Optional[Tensor], norm_var: Optional[Tensor],
+                 norm_eps: float, input_weight: Optional[Tensor], input_bias: Optional[Tensor],
+                 input_mean: Optional[Tensor], input_var: Optional[Tensor], input_eps: float, stride: List[int],
+                 padding: List[int], dilation: List[int], activation: int) -> Tensor:
+    """A fused block's eval forward (dwconv.fuse), nothing differentiated: conv2d_activated of the
+    input, with the BatchNorm after the convolution (norm_*, running statistics; norm_mean None:
+    none) folded into its weight and bias, and the one before the input's activation (input_*; None:
+    none; the layer before's, which then needs no folding) applied to each input value as it loads.
+    Computes in the input's dtype (autocast's: the caller casts the input); weight, bias and the
+    BatchNorms' tensors may be of any floating dtype. Both foldings are launches of this op's own
+    program (once the C++ replayer serves it, no Python a call): a compiled graph holds one op a
+    block, not the folding's kernels besides it."""
+    _served_from_cpp(input)
+    weight, bias = _block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
+    geom = _geometry(input, weight, bias, stride, padding, dilation)
+    input_norm = None
+    if input_mean is not None:
+        _checked_norm("input", input, geom.in_channels, input_weight, input_bias, input_mean, input_var)
+        input_norm = _batch_norm_kernels.scale_shift(input_weight, input_bias, input_mean, input_var, input_eps)
+    return conv_forward(plain(input), plain(weight), plain(bias), geom, activation=_checked_code(activation),
+                        input_norm=input_norm)
+
+
+@conv2d_block.register_fake
+def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps, input_weight, input_bias,
+      input_mean, input_var, input_eps, stride, padding, dilation, activation):
+    _checked_code(activation)
+    weight, bias = (None if t is None else t.to(input.dtype) for t in (weight, bias))
+    geom = _geometry(input, weight, bias, stride, padding, dilation)
+    if norm_mean is not None:
+        _checked_norm("norm", input, geom.out_channels, norm_weight, norm_bias, norm_mean, norm_var)
+    if input_mean is not None:
+        _checked_norm("input", input, geom.in_channels, input_weight, input_bias, input_mean, input_var)
+    return _like(input, geom.output_shape)
+
+
+def _block_parameters(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
+                      norm_bias: Optional[Tensor], norm_mean: Optional[Tensor], norm_var: Optional[Tensor],
+                      eps: float) -> Tuple[Tensor, Optional[Tensor]]:
+    """conv2d_block's weight and bias in the input's dtype, the BatchNorm folded in where it has one."""
+    if not (isinstance(weight, Tensor) and weight.is_floating_point()):
+        raise TypeError(f"weight must be a floating tensor, got {weight!r:.60}")
+    if norm_mean is None:
+        return weight.to(input.dtype), None if bias is None else bias.to(input.dtype)
+    _checked_norm("norm", input, weight.shape[0], norm_weight, norm_bias, norm_mean, norm_var)
+    if bias is not None and bias.device != weight.device:
+        raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+    return _batch_norm_kernels.fold(plain(weight).contiguous(), plain(bias), norm_weight, norm_bias, norm_mean,
+                                    norm_var, eps, input.dtype)
+
+
+def _checked_norm(name: str, input: Tensor, channels: int, *tensors: Optional[Tensor]) -> None:
+    """A clear error where a BatchNorm's tensors (weight, bias: both or neither; mean, variance) are
+    not floating vectors of `channels` on the input's device."""
+    labels = ("weight", "bias", "mean", "var")
+    if (tensors[0] is None) != (tensors[1] is None) or tensors[3] is None:
+        raise ValueError(f"{name}_weight and {name}_bias must be given together, and {name}_var with {name}_mean")
+    for label, t in zip(labels, tensors):
+        if t is None:
+            continue
+        if not t.is_floating_point() or t.dim() != 1 or t.shape[0] != channels or t.stride(0) != 1:
+            raise ValueError(f"{name}_{label} must be a contiguous floating vector of {channels} channels, got "
+                             f"{t.dtype} of shape {tuple(t.shape)}")
+        if t.device != input.device:
+            raise ValueError(f"{name}_{label} is on {t.device} but input is on {input.device}")
+
+
 def _grad_input(grad_out: Tensor, input: Tensor, weight: Tensor, geom: ConvGeometry) -> Tensor:
     return _dispatch.conv_grad_input(grad_out, weight, geom, input)
 
@@ -536,5 +605,6 @@ def eager_conv(input: Tensor, weight: Tensor, bias: Optional[Tensor], geom: Conv
 
 
 __all__ = ["conv2d", "conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_input_weight", "conv2d_activated",
+           "conv2d_block",
            "batch_norm_statistics", "batch_norm_activation", "batch_norm_activation_backward", "conv_arguments",
            "DepthwiseConv2dFunction", "eager_conv"]

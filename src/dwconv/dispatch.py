@@ -176,27 +176,30 @@ _FUSED_CONFIGS = plan_cache()
 
 def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                  config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None,
-                 activation: int = 0) -> torch.Tensor:
+                 activation: int = 0, input_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The forward convolution of checked arguments (out: written into when given), through an
     activation (a code of _geometry.activation_code, applied before the outputs' rounding; with an
-    input activation, that of the input too)."""
-    return launch_forward(x, weight, bias, geom, config, out, activation=activation)[0]
+    input activation, that of the input too). input_norm: (2, in_channels), each input channel's
+    scale and shift (a BatchNorm in eval mode), applied to the input before its activation."""
+    return launch_forward(x, weight, bias, geom, config, out, activation=activation, input_norm=input_norm)[0]
 
 
 def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                    config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None,
                    weight_grad_from: Optional[torch.Tensor] = None, flip_weight: bool = False,
-                   runs: Optional[int] = None, activation: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   runs: Optional[int] = None, activation: int = 0, input_norm: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """conv_forward, and the NCHW fused backward: with weight_grad_from (the forward's input; rows or
     "nchw_pixels", stride 1, multiplier 1) this call is grad_input (x = grad_out, weight flipped) and
     also returns partial[program, tap], the weight gradient's partial sums in the weight's tap order.
     flip_weight: convolve with weight.flip(2, 3) (the kernels read the taps in reverse). activation:
-    conv_forward's: the tile family applies an input activation as it loads the input, the others
-    read PyTorch's activation of it."""
+    conv_forward's: the tile family applies an input activation (and input_norm) as it loads the
+    input, the others read PyTorch's activation of it."""
     input_activation, activation = divmod(activation, INPUT_ACTIVATION_UNIT)
-    if input_activation and not _takes_input_activation(geom, x, config, flip_weight):
-        x = INPUT_FUNCTIONS[input_activation](x)
-        input_activation = 0
+    if (input_activation or input_norm is not None) and not _takes_input_activation(geom, x, config, flip_weight):
+        x = _normalized(x, input_norm) if input_norm is not None else x
+        x = INPUT_FUNCTIONS[input_activation](x) if input_activation else x
+        input_activation, input_norm = 0, None
     if out is None:
         out = torch.empty(geom.output_shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
     if out.numel() == 0:
@@ -216,10 +219,11 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                                            (config.block_h, config.block_w, config.num_warps, config.vec),
                                            activation), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
-           layout_key(weight_grad_from) if fused else None, flip_weight, runs, activation, input_activation)
+           layout_key(weight_grad_from) if fused else None, flip_weight, runs, activation, input_activation,
+           input_norm is not None)
     plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
                                                                   weight_grad_from, flip_weight, runs, activation,
-                                                                  input_activation))
+                                                                  input_activation, input_norm is not None))
     if plan.kernel == "nchw_pixels":
         return out, nchw_pixels.launch_nchw_pixels(plan, x, weight, bias, out, weight_grad_from)
     if plan.kernel == "rows":
@@ -227,13 +231,14 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     if plan.kernel == "pairs":
         pairs.launch_pairs(plan, x, weight, bias, out)
     else:
-        tile.forward(plan, geom, x, weight, bias, out)
+        tile.forward(plan, geom, x, weight, bias, out, input_norm)
     return out, None
 
 
 def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.Tensor, out: torch.Tensor,
                   has_bias: bool, features: Optional[torch.Tensor], flip_weight: bool = False,
-                  runs: Optional[int] = None, activation: int = 0, input_activation: int = 0):
+                  runs: Optional[int] = None, activation: int = 0, input_activation: int = 0,
+                  input_norm: bool = False):
     if config is None:
         config = forward_config(geom, x, out, backward=flip_weight)
     assert not input_activation or config.kernel in tile.TILE_KERNELS, "only the tile kernels activate their input"
@@ -244,7 +249,7 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     assert features is None, "the NCHW fused backward runs on the rows or nchw_pixels kernel"
     if config.kernel == "pairs":
         return pairs.plan(geom, config, x, out, has_bias, flip_weight, activation)
-    return tile.forward_plan(geom, config, x, out, has_bias, flip_weight, activation, input_activation)
+    return tile.forward_plan(geom, config, x, out, has_bias, flip_weight, activation, input_activation, input_norm)
 
 
 def _takes_input_activation(geom: ConvGeometry, x: torch.Tensor, config: Optional[ForwardConfig],
@@ -257,6 +262,14 @@ def _takes_input_activation(geom: ConvGeometry, x: torch.Tensor, config: Optiona
 
 
 _INPUT_ACTIVATED_CONFIGS = plan_cache()
+
+
+def _normalized(x: torch.Tensor, input_norm: torch.Tensor) -> torch.Tensor:
+    """x * scale + shift per channel (input_norm: conv_forward's), computed in input_norm's dtype
+    and rounded to x's once, as the tile kernels compute it before their input activation."""
+    # (two selects, not an unbind: the C++ replayer's programs take ops of one result)
+    scale, shift = input_norm[0].view(1, -1, 1, 1), input_norm[1].view(1, -1, 1, 1)
+    return torch.addcmul(shift, x.to(input_norm.dtype), scale).to(x.dtype)
 
 
 def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry, input_like: torch.Tensor,

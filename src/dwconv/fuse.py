@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import functional, precompile
-from ._geometry import INPUT_ACTIVATIONS, conv_geometry
+from ._geometry import INPUT_ACTIVATIONS, forward_activation_code, op_arguments
 from .batch_norm import batch_norm_activation, compiled_batch_norm_activation
 from .kernels import batch_norm as batch_norm_kernels
 from .batch_norm import reference as batch_norm_reference
@@ -41,6 +41,7 @@ from .functional import _gradient_wanted, depthwise_conv2d
 from .kernels._launch import PLAIN_TENSORS
 from .modules import DepthwiseConv2d
 from .replay.native import replayed
+from .tuning import tuned
 
 # a block: the layer, its BatchNorm2d, its activation module, the activation's name, and where the
 # modules are ((owner, attribute name, module): a block whose module another replaced is no longer one)
@@ -64,28 +65,34 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
             return _traced_as_a_call(self, input)
         if not fused_now(self.dwconv_block):
             return super().forward(input)  # (the block as it was: the BatchNorm and activation run)
-        input_activation = input_activation_now(self)
+        link = _input_link(self)
         norm = self.dwconv_norm
         if norm is not None and norm.training:
-            return _normalized_in_training(self, super().forward(_activated(input, input_activation)))
-        activation = None if self.dwconv_activation == "identity" else self.dwconv_activation
-        call = _prepared_call(self, norm, input)
-        if call is not None:  # (an eager call like the one before, nothing differentiated: no checks again)
-            x, weight, bias, geom = call
-            if input_activation is not None:  # (the kernel activates its input as it loads it)
-                activation = (input_activation, activation or "identity")
-            arguments = (self.stride, self.padding, self.dilation) + ((activation,) if activation else ())
-            out = functional._known_layer(x, weight, bias, *arguments)  # (the C++ path's, where it knows the call)
-            return functional._DOORS["eager"](x, weight, bias, geom, arguments) if out is None else out
-        if norm is not None and precompile._TRACING.__dict__.get("active") and not torch.is_grad_enabled():
-            precompile.record_fold(self.weight, self.bias, norm, _compute_dtype(input, self.weight))
+            return _normalized_in_training(self, super().forward(_linked_input(input, link)))
+        tensors = tensors_of(self, norm) + (() if link is None else _norm_tensors(link[1]))
+        if _block_op_computes(input, tensors):  # (nothing differentiated: one op, the foldings inside it)
+            return _block_op(self, norm, link, _autocast_input(input), tensors)
+        if precompile._TRACING.__dict__.get("active") and not _gradient_wanted(input, *tensors):
+            # (a warmup's fake run: the op's kernels compile; PyTorch's ops give the fake output)
+            precompile.record_block(_autocast_input(input), *tensors[:2], norm, None if link is None else link[1],
+                                    self.dwconv_op_arguments, _op_activation_code(self, link))
+            weight, bias = (self.weight, self.bias) if norm is None else fold_batch_norm(self.weight, self.bias, norm)
+            out = F.conv2d(_linked_input(input, link), weight, bias, self.stride, self.padding, self.dilation,
+                           self.groups)
+            return FUNCTIONS[self.dwconv_activation](out)
         weight, bias = (self.weight, self.bias) if norm is None else fold_batch_norm(self.weight, self.bias, norm)
-        if input_activation is not None and not _gradient_wanted(input, weight, bias):
-            # (one call with both activations: compiled graphs and a warmup's recording hold the kernel that runs)
-            return functional._forward(input, weight, bias, self.stride, self.padding, self.dilation,
-                                       (input_activation, activation or "identity"))
-        return depthwise_conv2d(_activated(input, input_activation), weight, bias, self.stride, self.padding,
+        activation = None if self.dwconv_activation == "identity" else self.dwconv_activation
+        return depthwise_conv2d(_linked_input(input, link), weight, bias, self.stride, self.padding,
                                 self.dilation, activation)
+
+    @property
+    def dwconv_op_arguments(self) -> tuple:
+        """(stride, padding [top, bottom, left, right], dilation) as the registered ops take them."""
+        key = (self.kernel_size, self.stride, self.padding, self.dilation)
+        kept = self.__dict__.get("_dwconv_op_arguments")
+        if kept is None or kept[0] != key:
+            kept = self.__dict__["_dwconv_op_arguments"] = (key, op_arguments(*key))
+        return kept[1]
 
     def extra_repr(self) -> str:
         fused = ([f"norm={type(self.dwconv_norm).__mro__[2].__name__}"] if self.dwconv_norm is not None
@@ -134,13 +141,21 @@ def fused_now(block: tuple) -> bool:
 
 
 def input_activation_now(conv: "FusedDepthwiseConv2d") -> Optional[str]:
-    """The activation of the layer before that this depthwise layer applies to its input at this call
-    (the name), or None. Where a trained block's activation (`find_input_activations`: its BatchNorm
-    in eval mode) feeds this layer alone, the layer applies it as it loads its input, and that
-    activation's module (or timm's BatchNormAct2d) passes its input through: one pass less over the
-    widest tensor of an inverted residual block. Both ask this at each call and get the same answer:
-    both blocks fused at the call, the BatchNorm before in eval mode, the modules between where they
-    were found and without hooks (a hook there would see the value before its activation)."""
+    """_input_link's activation, or None."""
+    link = _input_link(conv)
+    return None if link is None else link[0]
+
+
+def _input_link(conv: "FusedDepthwiseConv2d") -> Optional[Tuple[str, nn.BatchNorm2d]]:
+    """(the activation, the BatchNorm2d) of the layer before that this depthwise layer applies to its
+    input at this call, or None. Where a trained block's activation (`find_input_activations`: its
+    BatchNorm in eval mode) feeds this layer alone, the layer applies that BatchNorm and activation
+    as it loads its input, and the block's modules pass their input through (its convolution
+    computes without the BatchNorm folded in; timm's BatchNormAct2d passes its input through too):
+    no pass over the widest tensor of an inverted residual block, and no folding before it. All ask
+    this at each call and get the same answer: both blocks fused at the call, the BatchNorm before
+    in eval mode, the modules between where they were found and without hooks (a hook there would
+    see the value before its activation)."""
     link = conv.__dict__.get("dwconv_input")
     if link is None:
         return None
@@ -150,17 +165,88 @@ def input_activation_now(conv: "FusedDepthwiseConv2d") -> Optional[str]:
     for _, _, module in between:
         if _hooked(module):
             return None
-    return activation
+    return activation, before[1]
 
 
-def _activated(input: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
-    return input if activation is None else FUNCTIONS[activation](input)
+def _linked_input(input: torch.Tensor, link: Optional[Tuple[str, nn.BatchNorm2d]]) -> torch.Tensor:
+    """The input with the layer before's BatchNorm (eval mode) and activation applied (_input_link),
+    by PyTorch's functions (differentiable)."""
+    if link is None:
+        return input
+    activation, norm = link
+    normalized = F.batch_norm(input, norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0, norm.eps)
+    return FUNCTIONS[activation](normalized)
+
+
+def _block_op_computes(input: torch.Tensor, tensors: tuple) -> bool:
+    """Whether the registered block op computes this eval call (_block_op): nothing differentiated
+    (autograd of either mode), tensors the kernels read as they are (not torch.func's wrappers, not
+    subclasses that dispatch in Python, nor a warmup's fake ones), all on the input's device, and a
+    computation in the dtype of the input after autocast's cast (else PyTorch's path raises as
+    stock does). Under torch.compile and torch.jit.trace, the op in the graph."""
+    if not functional.uses_triton(input) or _gradient_wanted(input, *tensors):
+        return False
+    if not torch.compiler.is_compiling():
+        if type(input) is not torch.Tensor or torch._C._functorch.peek_interpreter_stack() is not None:
+            return False
+        for t in tensors:
+            if t is not None and (type(t) not in PLAIN_TENSORS or t.device != input.device):
+                return False
+    for t in tensors[2:]:
+        if t is not None and not t.is_floating_point():
+            return False
+    dtype = _autocast_dtype(input)
+    return (input.dtype if dtype is None else dtype) == _compute_dtype(input, tensors[0])
+
+
+def _autocast_dtype(input: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast casts a convolution's floating input to, or None."""
+    device = input.device.type
+    if torch.is_autocast_enabled(device) and input.is_floating_point() and input.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return None
+
+
+def _autocast_input(input: torch.Tensor) -> torch.Tensor:
+    """The input as autocast casts F.conv2d's."""
+    dtype = _autocast_dtype(input)
+    return input if dtype is None or input.dtype == dtype else input.to(dtype)
+
+
+def _op_activation_code(conv: "FusedDepthwiseConv2d", link: Optional[Tuple[str, nn.BatchNorm2d]]) -> int:
+    return forward_activation_code((link[0], conv.dwconv_activation) if link is not None else conv.dwconv_activation)
+
+
+def _block_op(conv: "FusedDepthwiseConv2d", norm: Optional[nn.BatchNorm2d],
+              link: Optional[Tuple[str, nn.BatchNorm2d]], input: torch.Tensor, tensors: tuple) -> torch.Tensor:
+    """torch.ops.dwconv.conv2d_block of the block's tensors (tensors_of the layer and its BatchNorm,
+    then of the BatchNorm before where the input is linked)."""
+    weight, bias = tensors[:2]
+    norm_tensors = tensors[2:6] if norm is not None else (None,) * 4
+    input_tensors = tensors[-4:] if link is not None else (None,) * 4
+    return torch.ops.dwconv.conv2d_block(
+        input, weight, bias, *norm_tensors, norm.eps if norm is not None else 0.0,
+        *input_tensors, link[1].eps if link is not None else 0.0, *conv.dwconv_op_arguments,
+        _op_activation_code(conv, link))
+
+
+def _folds_now(block: tuple) -> bool:
+    """Whether a trained block (with a convolution, its BatchNorm in eval mode, fused at the call)
+    folds its BatchNorm into its convolution at this call: not where the depthwise layer after applies
+    it (_input_link), nor under torch.compile (unless tuned().fold_in_compiled_graphs), where the
+    folding would be kernels of the graph's own at every call, and Inductor fuses the BatchNorm into
+    the pointwise kernel after it instead (a residual add, an activation), as it does stock's."""
+    conv, norm, activation_module, _ = block
+    if _applied_after(activation_module if activation_module is not None else norm):
+        return False
+    return not torch.compiler.is_compiling() or tuned().fold_in_compiled_graphs
 
 
 def _applied_after(module: nn.Module) -> bool:
-    """Whether the depthwise layer after this activation (or BatchNormAct2d) applies it at this call."""
+    """Whether the depthwise layer after this activation (or BatchNormAct2d) applies it, and the
+    BatchNorm before it, at this call (_input_link)."""
     after = module.__dict__.get("dwconv_applied_by")
-    return after is not None and input_activation_now(after) is not None
+    return after is not None and _input_link(after) is not None
 
 
 def _holds(places: tuple) -> bool:
@@ -185,8 +271,11 @@ class _TrainedNorm:
         if (self.training or conv is not None) and fused_now(block):
             if self.training:
                 return _trained(self, activation_module, self.dwconv_activation, input)
-            act = self._modules.get("act")
-            return input if act is None or _applied_after(self) else act(input)
+            if _folds_now(block):  # (its convolution computed it; timm's BatchNormAct2d's activation still runs)
+                act = self._modules.get("act")
+                return input if act is None else act(input)
+            if _applied_after(activation_module if activation_module is not None else self):
+                return input  # (the depthwise layer after applies it, and the activation)
         return super().forward(input)
 
     def extra_repr(self) -> str:
@@ -206,7 +295,10 @@ class _FoldingConv:
         norm = self.dwconv_block[1]
         if norm.training or not fused_now(self.dwconv_block):
             return super().forward(input)
-        weight, bias = _folded_parameters(self, norm, input)
+        if _folds_now(self.dwconv_block):
+            weight, bias = _folded_parameters(self, norm, input)
+        else:  # (the depthwise layer after applies the BatchNorm, or Inductor fuses it into its next kernel)
+            weight, bias = self.weight, self.bias
         # (the dtype the product computes in, not the folded weight's: folded in the graph, under
         # torch.compile or with gradients, the weight stays float32 and autocast casts it at the call)
         if _compute_dtype(input, weight) in _PRODUCT_DTYPES and _pointwise_rows(self, input):
@@ -324,9 +416,13 @@ def tensors_of(conv: nn.Conv2d, norm: Optional[nn.BatchNorm2d]) -> tuple:
     parameters = conv._parameters
     if norm is None:
         return parameters["weight"], parameters["bias"]
+    return (parameters["weight"], parameters["bias"]) + _norm_tensors(norm)
+
+
+def _norm_tensors(norm: nn.BatchNorm2d) -> tuple:
+    """(weight, bias, running mean, running variance) of a BatchNorm, from its own dicts."""
     norm_parameters, buffers = norm._parameters, norm._buffers
-    return (parameters["weight"], parameters["bias"], norm_parameters["weight"], norm_parameters["bias"],
-            buffers["running_mean"], buffers["running_var"])
+    return norm_parameters["weight"], norm_parameters["bias"], buffers["running_mean"], buffers["running_var"]
 
 
 def folded_now(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
@@ -402,39 +498,6 @@ def fold_parameters(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_wei
         shift = shift + norm_bias
     return weight * scale.to(weight.dtype).view(-1, 1, 1, 1), shift.to(weight.dtype)
 
-
-def _prepared_call(conv: FusedDepthwiseConv2d, norm: Optional[nn.BatchNorm2d], input: torch.Tensor):
-    """(input as the kernels take it, the folded weight and bias, the geometry) of an eager call that
-    nothing differentiates, the arguments of the eager door: the geometry computed and checked at the
-    first such call of an input layout (and autocast dtype) and kept while it stays; the folding (or
-    autocast's cast) done at every call (folded_now: a kept one could go stale unseen). None where
-    the call takes depthwise_conv2d's full path: torch.compile, jit.trace and torch.func must see the
-    folding; autograd (either mode) differentiates it; subclasses and fake tensors dispatch in
-    Python; PyTorch computes tensors the kernels cannot read."""
-    block_tensors = tensors_of(conv, norm)
-    weight, bias = block_tensors[:2]
-    tensors = [t for t in block_tensors if t is not None]
-    if (type(input) is not torch.Tensor or not functional.uses_triton(input) or torch.compiler.is_compiling()
-            or torch._C._is_tracing() or _gradient_wanted(input, *tensors)
-            or torch._C._functorch.peek_interpreter_stack() is not None
-            or any(type(t) is not torch.Tensor and type(t) is not nn.Parameter for t in tensors)):
-        return None
-    device = input.device.type
-    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    if autocast is not None and input.is_floating_point() and input.dtype not in (autocast, torch.float64):
-        input = input.to(autocast)  # (as autocast casts F.conv2d's input)
-    dtype = _compute_dtype(input, weight)
-    if norm is not None:
-        weight, bias = folded_now(*block_tensors, norm.eps, dtype)
-    elif weight.dtype != dtype:
-        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-    key = (input.shape, input.stride(), input.dtype, input.device, weight.shape, weight.dtype, weight.device,
-           bias is not None, conv.stride, conv.padding, conv.dilation)
-    cached = conv.__dict__.get("_dwconv_call")
-    if cached is None or cached[0] != key:
-        cached = (key, conv_geometry(input, weight, bias, conv.stride, conv.padding, conv.dilation))
-        conv.__dict__["_dwconv_call"] = cached
-    return input, weight, bias, cached[1]
 
 
 # ---- finding blocks -------------------------------------------------------------------------------

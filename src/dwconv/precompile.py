@@ -65,6 +65,14 @@ class LayerCall:
         arguments FOLD, the folded dtype, the running statistics' dtype, eps), not a convolution."""
         return self.arguments[0] == FOLD
 
+    @property
+    def block(self) -> bool:
+        """Whether this is a fused block's eval call (the registered op conv2d_block: tensors the
+        input, the weight and bias; arguments BLOCK, stride, padding, dilation as the ops take them,
+        the activation's code, then for the BatchNorm after and the one before (None: none) whether it
+        is affine and its running statistics' dtype), not a plain convolution."""
+        return self.arguments[0] == BLOCK
+
     def without_batch(self) -> "LayerCall":
         """The call as the batch sizes that share its kernel binaries see it: the input's batch size
         (and its stride) replaced by what the launch plans choose by it (dispatch.batch_choices;
@@ -93,12 +101,14 @@ class LayerCall:
         if self.batch_norm or self.fold:
             return (pass_ == "backward", not self.fold and self.tensors[0][1][1] == 1, 0, 0)
         (_, _, k_h, k_w) = self.tensors[1][0]
-        stride = self.arguments[0] if isinstance(self.arguments[0], int) else max(self.arguments[0])
+        stride = self.arguments[1 if self.block else 0]
+        stride = stride if isinstance(stride, int) else max(stride)
         return (pass_ == "backward", self.tensors[0][1][1] == 1, stride, k_h * k_w)
 
 
 BATCH_NORM = "batch_norm"  # (a LayerCall's first argument: a fused block's BatchNorm in training)
 FOLD = "fold"  # (a LayerCall's first argument: a BatchNorm folded into its convolution in eval mode)
+BLOCK = "block"  # (a LayerCall's first argument: a fused block's eval call, the op conv2d_block)
 
 
 def record_batch_norm(y: torch.Tensor, norm: nn.Module, activation: str) -> None:
@@ -120,6 +130,23 @@ def record_fold(weight: torch.Tensor, bias: Optional[torch.Tensor], norm: nn.Mod
         return
     arguments = (FOLD, *(str(t).replace("torch.", "") for t in (dtype, norm.running_var.dtype)), norm.eps)
     calls.setdefault(LayerCall.of(weight, bias, norm.weight, arguments), None)
+
+
+def record_block(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 norm: Optional[nn.Module], input_norm: Optional[nn.Module], op_arguments: tuple,
+                 activation: int) -> None:
+    """Under layer_calls' fake run, a fused block's eval call (fuse.py calls it where the op would
+    run; input as autocast casts it): a call of its own, which compiles the op's kernels (its
+    foldings and its convolution)."""
+    calls = getattr(_TRACING, "calls", None)
+    if calls is None:
+        return
+
+    def norm_spec(module):
+        return None if module is None else (module.weight is not None, str(module.running_var.dtype).replace("torch.", ""))
+
+    arguments = (BLOCK, *op_arguments, activation, norm_spec(norm), norm_spec(input_norm))
+    calls.setdefault(LayerCall.of(input, weight, bias, arguments), None)
 
 
 def _spec(t: Optional[torch.Tensor]):

@@ -241,9 +241,10 @@ def grad_input_kernel(grad_ptr, y_ptr, grad_y_ptr, totals_ptr, mean_ptr, invstd_
 @triton.jit(do_not_specialize=["channels", "taps", "eps"])  # (one binary for every layer: the kernel is tiny)
 def fold_kernel(weight_ptr, bias_ptr, norm_weight_ptr, norm_bias_ptr, mean_ptr, var_ptr, out_weight_ptr, out_bias_ptr,
                 channels, taps, eps, HAS_BIAS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_C: tl.constexpr,
-                BLOCK_T: tl.constexpr):
+                BLOCK_T: tl.constexpr, HAS_WEIGHT: tl.constexpr = True):
     """weight [channels, taps] * scale and (bias - mean) * scale + beta, scale = gamma / sqrt(var + eps),
-    per output channel, computed in float32 (float64 for float64 statistics)."""
+    per output channel, computed in float32 (float64 for float64 statistics). Without HAS_WEIGHT:
+    scale itself into out_weight_ptr (the BatchNorm as x * scale + shift: scale_shift)."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < channels
     var = tl.load(var_ptr + c, mask=c_ok, other=1.0)
@@ -261,6 +262,9 @@ def fold_kernel(weight_ptr, bias_ptr, norm_weight_ptr, norm_bias_ptr, mean_ptr, 
     if AFFINE:
         shift += tl.load(norm_bias_ptr + c, mask=c_ok, other=0.0).to(acc)
     tl.store(out_bias_ptr + c, shift.to(out_bias_ptr.dtype.element_ty), mask=c_ok)
+    if not HAS_WEIGHT:
+        tl.store(out_weight_ptr + c, scale.to(out_weight_ptr.dtype.element_ty), mask=c_ok)
+        return
     for first in range(0, taps, BLOCK_T):
         t = first + tl.arange(0, BLOCK_T)
         offsets = c[:, None].to(tl.int64) * taps + t[None, :]
@@ -470,11 +474,12 @@ def batch_norm_grad_sums(grad: torch.Tensor, y: torch.Tensor, weight: Optional[t
 _FOLD_PLANS = plan_cache()
 
 
-def _fold_plan(channels: int, taps: int, eps: float, has_bias: bool, affine: bool, gpu: bool) -> LaunchPlan:
+def _fold_plan(channels: int, taps: int, eps: float, has_bias: bool, affine: bool, gpu: bool,
+               has_weight: bool = True) -> LaunchPlan:
     block_t = min(next_power_of_2(taps), 128)
     block_c = max(1, min(next_power_of_2(channels), (2048 if gpu else 8192) // block_t))
     return LaunchPlan("batch_norm_fold", (cdiv(channels, block_c),), (channels, taps, eps),
-                      dict(HAS_BIAS=has_bias, AFFINE=affine, BLOCK_C=block_c, BLOCK_T=block_t,
+                      dict(HAS_BIAS=has_bias, AFFINE=affine, BLOCK_C=block_c, BLOCK_T=block_t, HAS_WEIGHT=has_weight,
                            num_warps=4 if gpu else 1))
 
 
@@ -498,3 +503,20 @@ def fold(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Option
     launch(fold_kernel, plan, weight, bias if bias is not None else running_mean, norm_weight if affine else running_mean,
            norm_bias if affine else running_mean, running_mean, running_var, out_weight, out_bias)
     return out_weight.to(dtype), out_bias.to(dtype)
+
+
+def scale_shift(norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor], running_mean: torch.Tensor,
+                running_var: torch.Tensor, eps: float) -> torch.Tensor:
+    """A BatchNorm in eval mode as x * scale + shift per channel: (2, channels), scale then shift,
+    float32 (float64 for float64 statistics), as fold computes them: one launch."""
+    channels = running_mean.shape[0]
+    affine, gpu = norm_weight is not None, gpu_plan(running_mean.device)
+    key = (channels, eps, affine, running_mean.device.type, "scale_shift")
+    plan = cached_plan(_FOLD_PLANS, key, lambda: _fold_plan(channels, 1, eps, False, affine, gpu, has_weight=False))
+    dtype = torch.float64 if running_var.dtype == torch.float64 else torch.float32
+    out = torch.empty((2, channels), dtype=dtype, device=running_mean.device)
+    if tuned().poison_partials:
+        out.fill_(float("nan"))
+    launch(fold_kernel, plan, running_mean, running_mean, norm_weight if affine else running_mean,
+           norm_bias if affine else running_mean, running_mean, running_var, out[0], out[1])
+    return out

@@ -52,9 +52,13 @@ FAST_SILU = 8
 
 
 @triton.jit
-def _activate_input(v, INPUT_ACTIVATION: tl.constexpr):
+def _activate_input(v, INPUT_ACTIVATION: tl.constexpr, in_scale, in_shift, INPUT_NORM: tl.constexpr):
     """_activate of a loaded input value, or FAST_SILU's: silu as v/2 (1 + tanh(v/2)), one special-function
-    instruction where exp and the division take two."""
+    instruction where exp and the division take two; INPUT_NORM: of v * in_scale + in_shift (the
+    BatchNorm before, in eval mode: the caller zeroes the padding's values after, which no longer
+    stay zero)."""
+    if INPUT_NORM:
+        v = tl.fma(v, in_scale, in_shift)
     if INPUT_ACTIVATION == 8:  # FAST_SILU
         half = 0.5 * v
         v = half + half * tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [half], dtype=tl.float32,
@@ -70,10 +74,12 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                stride_w, pad_top, pad_left, dilation_w, KH: tl.constexpr, KW: tl.constexpr,
                STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                UNROLL: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
-               BLOCK_C: tl.constexpr, MASKED: tl.constexpr, INPUT_ACTIVATION: tl.constexpr):
+               BLOCK_C: tl.constexpr, MASKED: tl.constexpr, INPUT_ACTIVATION: tl.constexpr, in_scale, in_shift,
+               INPUT_NORM: tl.constexpr):
     """Computes and stores output rows first_row .. first_row + BLOCK_H - 1 of a [cols, channels]
     strip (of INPUT_ACTIVATION's values of the input: _activate's code, one that maps 0 to 0, so that
-    the zeros of masked loads stay the padding's). UNROLL: the loops are unrolled over the band's
+    the zeros of masked loads stay the padding's; INPUT_NORM: of the input times in_scale plus
+    in_shift first, the padding zeroed after). UNROLL: the loops are unrolled over the band's
     input rows, and each input row's shifted pixels are loaded (and converted) once for all the
     output rows that use them, not once a tap;
     otherwise (large kernels, BLOCK_H 1) a loop over the kernel rows bounds the code size. MASKED=False
@@ -103,12 +109,14 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
             row_ok = (in_row >= 0) & (in_row < in_h)
             for kw in tl.static_range(KW):
                 if MASKED:  # (tl.where, not &: the interpreter makes a scalar bool & a bool tensor int32)
-                    x = tl.load(col_ptrs[kw] + in_row * x_stride_h, mask=tl.where(row_ok, col_oks[kw], False),
-                                other=0.0).to(ACC_DTYPE)
+                    x_ok = tl.where(row_ok, col_oks[kw], False)
+                    x = tl.load(col_ptrs[kw] + in_row * x_stride_h, mask=x_ok, other=0.0).to(ACC_DTYPE)
                 else:
                     x = tl.load(col_ptrs[kw] + in_row * x_stride_h).to(ACC_DTYPE)
-                if INPUT_ACTIVATION != 0:  # (tested here: the interpreter pays for every helper call)
-                    x = _activate_input(x, INPUT_ACTIVATION)
+                if INPUT_ACTIVATION != 0 or INPUT_NORM:  # (tested here: the interpreter pays for every helper call)
+                    x = _activate_input(x, INPUT_ACTIVATION, in_scale, in_shift, INPUT_NORM)
+                    if INPUT_NORM and MASKED:
+                        x = tl.where(x_ok, x, 0.0)
                 for kh in tl.static_range(KH):
                     for j in tl.static_range(BLOCK_H):
                         if j * STRIDE_H + kh * DILATION_H == r:  # output row j reads this row through kh
@@ -122,12 +130,14 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                 in_cols = in_cols0 + kw * dilation_w
                 ptrs = x_base + in_row * x_stride_h + in_cols * x_stride_w
                 if MASKED:
-                    col_ok = col_c_ok & (in_cols >= 0) & (in_cols < in_w)
-                    x = tl.load(ptrs, mask=tl.where(row_ok, col_ok, False), other=0.0).to(ACC_DTYPE)
+                    x_ok = tl.where(row_ok, col_c_ok & (in_cols >= 0) & (in_cols < in_w), False)
+                    x = tl.load(ptrs, mask=x_ok, other=0.0).to(ACC_DTYPE)
                 else:
                     x = tl.load(ptrs).to(ACC_DTYPE)
-                if INPUT_ACTIVATION != 0:
-                    x = _activate_input(x, INPUT_ACTIVATION)
+                if INPUT_ACTIVATION != 0 or INPUT_NORM:
+                    x = _activate_input(x, INPUT_ACTIVATION, in_scale, in_shift, INPUT_NORM)
+                    if INPUT_NORM and MASKED:
+                        x = tl.where(x_ok, x, 0.0)
                 w = _load_weights(w_taps + (kh * KW + kw) * w_stride_tap, c_ok, ACC_DTYPE, MASKED)
                 acc = tl.fma(x, w, acc)
         accs = (acc,)
@@ -157,13 +167,14 @@ def _pairs_ok(c_ok, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr):
 @triton.jit
 def _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok, COUNT: tl.constexpr, x_stride_w,
                 ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr,
-                ROW_MASKED: tl.constexpr, WIDEN: tl.constexpr = True, INPUT_ACTIVATION: tl.constexpr = 0):
+                ROW_MASKED: tl.constexpr, WIDEN: tl.constexpr = True, INPUT_ACTIVATION: tl.constexpr = 0,
+                in_scale=None, in_shift=None, INPUT_NORM: tl.constexpr = False):
     """COUNT pixels of an input row from row_ptr (pixel p at p * x_stride_w; [1, BLOCK_C] channel
     vectors in ACC_DTYPE) as a tuple. MASKED: zero outside the row's columns, the channels or the
     image's rows (row_ok); ROW_MASKED: only the row and channel tests (columns inside).
     BF16_PAIRS: bfloat16 channel pairs load as one 32-bit word (the launcher checks alignment).
     WIDEN False: the loaded values as they are, for _widen_pixels later (a load in flight), else
-    widened through INPUT_ACTIVATION (_conv_band's)."""
+    widened through INPUT_ACTIVATION and INPUT_NORM (_conv_band's: the masked pixels zeroed after)."""
     if BF16_PAIRS:
         row_pairs = tl.split(tl.reshape(row_ptr, [1, BLOCK_C // 2, 2]))[0].to(tl.pointer_type(tl.int32))
     pixels = ()  # (one no output reads is dropped by the compiler)
@@ -186,14 +197,24 @@ def _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok, COUNT: tl.c
                 x = tl.load(row_ptr + p * x_stride_w)
         pixels = pixels + (x,)
     if WIDEN:
-        pixels = _widen_pixels(pixels, ACC_DTYPE, BLOCK_C, BF16_PAIRS, INPUT_ACTIVATION)
+        pixels = _widen_pixels(pixels, ACC_DTYPE, BLOCK_C, BF16_PAIRS, INPUT_ACTIVATION, in_scale, in_shift,
+                               INPUT_NORM)
+        if INPUT_NORM and (MASKED or ROW_MASKED):
+            widened = pixels
+            pixels = ()
+            for p in tl.static_range(COUNT):
+                if MASKED:
+                    pixel_ok = row_ok & (first_in_col + p >= 0) & (first_in_col + p < in_w)
+                else:
+                    pixel_ok = row_ok
+                pixels = pixels + (tl.where(pixel_ok, widened[p], 0.0),)
     return pixels
 
 
 @triton.jit
 def _widen_pixels(loaded, ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr,
-                  INPUT_ACTIVATION: tl.constexpr = 0):
-    """_row_pixels' loaded values in ACC_DTYPE (through INPUT_ACTIVATION: _conv_band's). bfloat16
+                  INPUT_ACTIVATION: tl.constexpr = 0, in_scale=None, in_shift=None, INPUT_NORM: tl.constexpr = False):
+    """_row_pixels' loaded values in ACC_DTYPE (through INPUT_NORM and INPUT_ACTIVATION: _conv_band's). bfloat16
     pairs (32-bit words) widen by a shift and a mask (the compiler's conversion takes three
     instructions a pair)."""
     pixels = ()
@@ -204,8 +225,8 @@ def _widen_pixels(loaded, ACC_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BF16_P
                                        (pair & -65536).to(tl.float32, bitcast=True)), [1, BLOCK_C])
         else:
             pixel = loaded[p].to(ACC_DTYPE)
-        if INPUT_ACTIVATION != 0:
-            pixel = _activate_input(pixel, INPUT_ACTIVATION)
+        if INPUT_ACTIVATION != 0 or INPUT_NORM:
+            pixel = _activate_input(pixel, INPUT_ACTIVATION, in_scale, in_shift, INPUT_NORM)
         pixels = pixels + (pixel,)
     return pixels
 
@@ -295,7 +316,8 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                  STRIDE_W: tl.constexpr, DILATION_W: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACTIVATION: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
                  BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr, OUTPUTS: tl.constexpr,
-                 WEIGHT_GRAD: tl.constexpr, weight_grads, inputs_at_outputs, INPUT_ACTIVATION: tl.constexpr = 0):
+                 WEIGHT_GRAD: tl.constexpr, weight_grads, inputs_at_outputs, INPUT_ACTIVATION: tl.constexpr = 0,
+                 in_scale=None, in_shift=None, INPUT_NORM: tl.constexpr = False):
     """_conv_band for channels_last with the columns unrolled (weights: the taps' [1, BLOCK_C]
     values, _tap_weights; loaded once by the caller): each pixel of a row (a [1, BLOCK_C]
     channel vector; a thread holds the same channels of every pixel) is loaded and converted once
@@ -309,7 +331,7 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
     backward: x is grad_out, w the flipped weight, y grad_input, inputs_at_outputs the forward's
     input. The channels_last weight gradient: OUTPUTS False (no outputs computed or stored), x the
     forward's input, inputs_at_outputs grad_out. Else returns weight_grads as given.
-    INPUT_ACTIVATION: _conv_band's."""
+    INPUT_ACTIVATION, INPUT_NORM: _conv_band's."""
     first_in_row = first_row * STRIDE_H - pad_top
     first_in_col = first_col * STRIDE_W - pad_left
     start = tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE)
@@ -329,7 +351,8 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
         row_ok = (in_row >= 0) & (in_row < in_h)
         pixels = _row_pixels(row_ptr, row_ok, first_in_col, in_w, c_ok, pairs_ok,
                              (BLOCK_W - 1) * STRIDE_W + (KW - 1) * DILATION_W + 1, x_stride_w, ACC_DTYPE, BLOCK_C,
-                             BF16_PAIRS, MASKED, False, INPUT_ACTIVATION=INPUT_ACTIVATION)
+                             BF16_PAIRS, MASKED, False, INPUT_ACTIVATION=INPUT_ACTIVATION, in_scale=in_scale,
+                             in_shift=in_shift, INPUT_NORM=INPUT_NORM)
         accs, weight_grads = _row_taps(pixels, r, weights, accs, weight_grads, inputs_at_outputs, KH, KW, STRIDE_H,
                                        DILATION_H, STRIDE_W, DILATION_W, BLOCK_H, BLOCK_W, OUTPUTS, WEIGHT_GRAD)
     if OUTPUTS:
@@ -357,7 +380,7 @@ def _tile_pixels(base, first_row, first_col, c_ok, rows, cols, stride_h, stride_
 
 
 def depthwise_fwd_tile_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, in_norm_ptr,
     out_channels, in_h, in_w, out_h, out_w,
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
@@ -365,7 +388,7 @@ def depthwise_fwd_tile_kernel(
     stride_w, pad_top, pad_left, dilation_w,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_ACTIVATION: tl.constexpr,
-    UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
+    INPUT_NORM: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
     PIXELS: tl.constexpr, PIXEL_STRIDE_W: tl.constexpr, PIXEL_DILATION_W: tl.constexpr,
     PIXEL_X_STRIDE_W: tl.constexpr, PIXEL_Y_STRIDE_W: tl.constexpr, BF16_PAIRS: tl.constexpr,
@@ -385,6 +408,10 @@ def depthwise_fwd_tile_kernel(
     INPUT_ACTIVATION: an activation's code (_activate's) applied to each input value as it loads,
     one that maps 0 to 0 (the masked loads' zeros stay the padding's): the activation of the layer
     before, fused (no pass of its own over that layer's output).
+    INPUT_NORM: each input value is first multiplied by its channel's in_norm_ptr[c] and added
+    in_norm_ptr[in_channels + c] (float32; the BatchNorm in eval mode before that activation, so
+    that the layer before's convolution needs no folding of its own), the padding's values zeroed
+    after both.
     INTERIOR_TILES: whether any tile can be interior (ConvGeometry.has_interior_tile); if not, only
     the masked branch is compiled (Triton's coalescing pass takes time superlinear in the code: a
     7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine)."""
@@ -406,6 +433,11 @@ def depthwise_fwd_tile_kernel(
         first_row = first_row.to(tl.int64)
         first_col = first_col.to(tl.int64)
     c_ok = out_c < out_channels
+    in_scale = None
+    in_shift = None
+    if INPUT_NORM:
+        in_scale = tl.load(in_norm_ptr + in_c, mask=c_ok, other=0.0).to(ACC_DTYPE)
+        in_shift = tl.load(in_norm_ptr + out_channels // MULTIPLIER + in_c, mask=c_ok, other=0.0).to(ACC_DTYPE)
     w_taps = w_ptr + w_first_tap + out_c * w_stride_c  # (tap t at + t * w_stride_tap: negative when flipped)
     # Most strips of a large image read only inside it: those skip every bounds test (the masked
     # loads' tests and zero fills were half the instructions of a 3x3 tile).
@@ -428,26 +460,28 @@ def depthwise_fwd_tile_kernel(
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACTIVATION,
-                         ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), (), INPUT_ACTIVATION)
+                         ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), (), INPUT_ACTIVATION,
+                         in_scale, in_shift, INPUT_NORM)
         else:
             weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True,
                                       BRANCH_WEIGHT_TAPS)
             _conv_pixels(x_base, weights, b_ptr + out_c, y_base, first_row, first_col, c_ok, in_h, in_w,
                          out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACTIVATION,
-                         ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), (), INPUT_ACTIVATION)
+                         ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), (), INPUT_ACTIVATION,
+                         in_scale, in_shift, INPUT_NORM)
     else:  # (BLOCK_W a power of 2 here; "nhwc_pixels" takes any)
         out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
         if interior:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
                        pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, ACTIVATION, UNROLL, ACC_DTYPE,
-                       BLOCK_H, BLOCK_W, BLOCK_C, False, INPUT_ACTIVATION)
+                       BLOCK_H, BLOCK_W, BLOCK_C, False, INPUT_ACTIVATION, in_scale, in_shift, INPUT_NORM)
         else:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
                        pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, ACTIVATION, UNROLL, ACC_DTYPE,
-                       BLOCK_H, BLOCK_W, BLOCK_C, True, INPUT_ACTIVATION)
+                       BLOCK_H, BLOCK_W, BLOCK_C, True, INPUT_ACTIVATION, in_scale, in_shift, INPUT_NORM)
 
 
 
@@ -904,10 +938,12 @@ def input_activation_code(code: int, x: torch.Tensor) -> int:
 
 
 def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
-                 flip_weight: bool = False, activation: int = 0, input_activation: int = 0) -> LaunchPlan:
+                 flip_weight: bool = False, activation: int = 0, input_activation: int = 0,
+                 input_norm: bool = False) -> LaunchPlan:
     """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc", "nhwc_pixels":
     unit channel strides). input_activation: the code of one applied to the input's values as they
-    load (one that maps 0 to 0: _geometry.INPUT_ACTIVATIONS)."""
+    load (one that maps 0 to 0: _geometry.INPUT_ACTIVATIONS); input_norm: each input channel scaled
+    and shifted before it (forward's input_norm)."""
     nhwc = config.kernel in NHWC_KERNELS
     assert not nhwc or channels_last_kernel_applies(x, out), "the NHWC tiles need unit channel strides"
     taps = geom.kernel_h * geom.kernel_w
@@ -924,7 +960,7 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
     constants = dict(
         forward_constants(geom, config, x, out, has_bias, activation),
-        INPUT_ACTIVATION=input_activation_code(input_activation, x),
+        INPUT_ACTIVATION=input_activation_code(input_activation, x), INPUT_NORM=input_norm,
         # offsets inside one image (not one plane) for the channels_last tiles
         INDEX_64=needs_int64(x, out, first_dim=1 if nhwc else 2), STRIDE_H=geom.stride_h,
         DILATION_H=geom.dilation_h, UNROLL=unroll, BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,
@@ -940,12 +976,15 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
 
 
 def forward(plan: LaunchPlan, geom: ConvGeometry, x: torch.Tensor, weight: torch.Tensor,
-            bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+            bias: Optional[torch.Tensor], out: torch.Tensor, input_norm: Optional[torch.Tensor] = None) -> None:
+    """input_norm: with a plan of input_norm, (2, in_channels) float32 (float64 for float64 inputs),
+    contiguous: each input channel's scale, then its shift."""
     if weight_taps_major(plan.kernel, x):
         weight = weight.reshape(geom.out_channels, -1).t()
     weight = weight.contiguous()
     kernel = depthwise_fwd_pixels_kernel if plan.constants["PIXELS"] else depthwise_fwd_tile_kernel
-    launch(kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, out)
+    launch(kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, out,
+           input_norm if input_norm is not None else weight)
 
 
 # ---- the channels_last backward ---------------------------------------------------------------------
