@@ -189,8 +189,9 @@ def _block_op_computes(input: torch.Tensor, tensors: tuple) -> bool:
     if not torch.compiler.is_compiling():
         if type(input) is not torch.Tensor or torch._C._functorch.peek_interpreter_stack() is not None:
             return False
+        device = input.device
         for t in tensors:
-            if t is not None and (type(t) not in PLAIN_TENSORS or t.device != input.device):
+            if t is not None and (type(t) not in PLAIN_TENSORS or t.device != device):
                 return False
     for t in tensors[2:]:
         if t is not None and not t.is_floating_point():
@@ -224,7 +225,7 @@ def _block_op(conv: "FusedDepthwiseConv2d", norm: Optional[nn.BatchNorm2d],
     weight, bias = tensors[:2]
     norm_tensors = tensors[2:6] if norm is not None else (None,) * 4
     input_tensors = tensors[-4:] if link is not None else (None,) * 4
-    return torch.ops.dwconv.conv2d_block(
+    return torch.ops.dwconv.conv2d_block.default(
         input, weight, bias, *norm_tensors, norm.eps if norm is not None else 0.0,
         *input_tensors, link[1].eps if link is not None else 0.0, *conv.dwconv_op_arguments,
         _op_activation_code(conv, link))
@@ -237,8 +238,11 @@ def _folds_now(block: tuple) -> bool:
     folding would be kernels of the graph's own at every call, and Inductor fuses the BatchNorm into
     the pointwise kernel after it instead (a residual add, an activation), as it does stock's."""
     conv, norm, activation_module, _ = block
-    if _applied_after(activation_module if activation_module is not None else norm):
-        return False
+    return not _applied_after(activation_module if activation_module is not None else norm) and \
+        _folds_when_not_applied()
+
+
+def _folds_when_not_applied() -> bool:
     return not torch.compiler.is_compiling() or tuned().fold_in_compiled_graphs
 
 
@@ -271,11 +275,11 @@ class _TrainedNorm:
         if (self.training or conv is not None) and fused_now(block):
             if self.training:
                 return _trained(self, activation_module, self.dwconv_activation, input)
-            if _folds_now(block):  # (its convolution computed it; timm's BatchNormAct2d's activation still runs)
-                act = self._modules.get("act")
-                return input if act is None else act(input)
             if _applied_after(activation_module if activation_module is not None else self):
                 return input  # (the depthwise layer after applies it, and the activation)
+            if _folds_when_not_applied():  # (its convolution computed it; timm's BatchNormAct2d's activation runs)
+                act = self._modules.get("act")
+                return input if act is None else act(input)
         return super().forward(input)
 
     def extra_repr(self) -> str:
