@@ -1019,9 +1019,11 @@ def test_folding_pointwise_convolution_in_eval(shape, options, layout, autocast,
 
 @pytest.mark.parametrize("how", ["gradients", "compiled"])
 def test_folding_pointwise_convolution_as_product_wherever_folded_in_the_graph(how):
-    """Where the folding is computed in the graph (gradients wanted, torch.compile) the folded weight
-    stays float32 and autocast casts it at the call: the 1x1 convolution is still the matrix product
-    it is in eager without gradients (it computes in bfloat16), with stock's values and gradients."""
+    """Where the folding is computed in the graph (gradients wanted) the folded weight stays float32
+    and autocast casts it at the call: the 1x1 convolution is still the matrix product it is in eager
+    without gradients (it computes in bfloat16), with stock's values and gradients. Under
+    torch.compile nothing is folded (Inductor fuses the BatchNorm into the activation's kernel, as
+    stock's), and the convolution is the product too."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     stock = torch.nn.Sequential(torch.nn.Conv2d(6, 5, 1), torch.nn.BatchNorm2d(5), torch.nn.SiLU()).to(DEVICE)
@@ -1038,7 +1040,7 @@ def test_folding_pointwise_convolution_as_product_wherever_folded_in_the_graph(h
     assert_close(out, stock.double()(x.double()), out.dtype, "folded output")
     if how == "compiled":
         code = backend.graphs[0].code
-        assert "linear" in code and "conv2d" not in code, code
+        assert "linear" in code and "conv2d" not in code and "batch_norm" in code, code
     else:
         # (against float64's: PyTorch's CPU BatchNorm has no backward for a bfloat16 input)
         reference = copy.deepcopy(stock).double()

@@ -41,7 +41,6 @@ from .functional import _gradient_wanted, depthwise_conv2d
 from .kernels._launch import PLAIN_TENSORS
 from .modules import DepthwiseConv2d
 from .replay.native import replayed
-from .tuning import tuned
 
 # a block: the layer, its BatchNorm2d, its activation module, the activation's name, and where the
 # modules are ((owner, attribute name, module): a block whose module another replaced is no longer one)
@@ -234,16 +233,13 @@ def _block_op(conv: "FusedDepthwiseConv2d", norm: Optional[nn.BatchNorm2d],
 def _folds_now(block: tuple) -> bool:
     """Whether a trained block (with a convolution, its BatchNorm in eval mode, fused at the call)
     folds its BatchNorm into its convolution at this call: not where the depthwise layer after applies
-    it (_input_link), nor under torch.compile (unless tuned().fold_in_compiled_graphs), where the
-    folding would be kernels of the graph's own at every call, and Inductor fuses the BatchNorm into
-    the pointwise kernel after it instead (a residual add, an activation), as it does stock's."""
+    it (_input_link), nor under torch.compile, where the folding would be kernels of the graph's own
+    at every call and Inductor fuses the BatchNorm into the pointwise kernel after it instead (a
+    residual add, an activation), as it does stock's (docs/decisions.md, "The BatchNorm before a
+    depthwise layer applied as its input loads")."""
     conv, norm, activation_module, _ = block
     return not _applied_after(activation_module if activation_module is not None else norm) and \
-        _folds_when_not_applied()
-
-
-def _folds_when_not_applied() -> bool:
-    return not torch.compiler.is_compiling() or tuned().fold_in_compiled_graphs
+        not torch.compiler.is_compiling()
 
 
 def _applied_after(module: nn.Module) -> bool:
@@ -277,7 +273,7 @@ class _TrainedNorm:
                 return _trained(self, activation_module, self.dwconv_activation, input)
             if _applied_after(activation_module if activation_module is not None else self):
                 return input  # (the depthwise layer after applies it, and the activation)
-            if _folds_when_not_applied():  # (its convolution computed it; timm's BatchNormAct2d's activation runs)
+            if not torch.compiler.is_compiling():  # (its convolution computed it; timm's BatchNormAct2d's act runs)
                 act = self._modules.get("act")
                 return input if act is None else act(input)
         return super().forward(input)

@@ -79,10 +79,6 @@ class Tuning:
     batch_norm_channels: Tuple[int, ...] = (128, 256, 512)
     batch_norm_reduce_rows: int = 256
     batch_norm_reduce_channels: int = 16
-    # ---- fused blocks (fuse.py)
-    # under torch.compile, a trained block's BatchNorm folded into its convolution in eval mode (else left to
-    # Inductor, which fuses it into the pointwise kernel after it, as stock's; under evaluation)
-    fold_in_compiled_graphs: bool = False
     # ---- checks and launching
     fast_launch: bool = switch("DWCONV_FAST_LAUNCH") is not False  # repeat launches skip Triton's dispatch
     poison_partials: bool = False  # tests: NaN-fill partial sums and BatchNorm's outputs, so an unwritten one shows
