@@ -80,6 +80,7 @@ def pieces() -> list:
         replay.native._DEFAULT_MODULE[:] = [type("StubbedLookup", (), {"conv_known": staticmethod(lambda *a: out)})()]
         replay.native.has_known_layers = lambda: True
         _library.conv_forward = lambda *args, **kwargs: out
+        _library._served_from_cpp = lambda t: None  # (the fused block's op: its Python, not the stubbed replayer)
         batch_norm_kernels.launch = lambda *args: None  # (the eval blocks' folding: its Python, no launch)
         fuse.replayed = lambda fn, inputs, *args, **kwargs: fn(*inputs, *args)  # (the folding's Python path)
     rows += [("depthwise_conv2d, bfloat16 weight", False, lambda: dwconv.depthwise_conv2d(x, half_weight, None, 1, 1, 1)),
@@ -118,6 +119,12 @@ def pieces() -> list:
               lambda: dwconv.depthwise_conv2d(x, half_weight, None, 1, 1, 1, "relu6")),
              ("  of which the folding (fuse.folded_now)", False,
               lambda: folded_now(*tensors_of(fused[0], norm), norm.eps, torch.bfloat16))]
+    if CUDA:  # (the fused block's registered op alone, as its eager call and a compiled graph make it)
+        from dwconv.fuse import _block_op, _input_link
+
+        tensors = tensors_of(fused[0], norm)
+        rows.append(("  of which the block op (dwconv::conv2d_block), as the fused call makes it", False,
+                     lambda: _block_op(fused[0], norm, _input_link(fused[0]), x, tensors)))
     if CUDA:  # (a pointwise convolution's block: PyTorch's convolution, the BatchNorm folded into it)
         pointwise = torch.nn.Sequential(torch.nn.Conv2d(channels, channels, 1, bias=False), torch.nn.BatchNorm2d(channels),
                                         torch.nn.ReLU6()).to(device).eval()
@@ -125,6 +132,18 @@ def pieces() -> list:
         rows += [("stock pointwise block (1x1 conv, BatchNorm2d, ReLU6) in eval, autocast", True,
                   lambda: pointwise(x)),
                  ("the same, its BatchNorm folded (convert(fuse=True))", True, lambda: folding(x))]
+        # an inverted residual's expansion and depthwise block: the depthwise layer applies the
+        # expansion's BatchNorm and ReLU6 as it loads (nothing folded into the expansion)
+        narrow = x[:, :24].contiguous(memory_format=torch.channels_last)
+        inverted = torch.nn.Sequential(
+            torch.nn.Sequential(torch.nn.Conv2d(24, channels, 1, bias=False), torch.nn.BatchNorm2d(channels),
+                                torch.nn.ReLU6()),
+            torch.nn.Sequential(torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False),
+                                torch.nn.BatchNorm2d(channels), torch.nn.ReLU6())).to(device).eval()
+        rows.append(("stock expansion + depthwise blocks in eval, autocast", True, lambda: inverted(narrow)))
+        linked = dwconv.convert(inverted, fuse=True, verbose=False, precompile=False)
+        rows.append(("the same fused (the expansion's BatchNorm applied by the depthwise layer)", True,
+                     lambda: linked(narrow)))
     return rows
 
 
