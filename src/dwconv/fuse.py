@@ -180,20 +180,21 @@ def _linked_input(input: torch.Tensor, link: Optional[Tuple[str, nn.BatchNorm2d]
 def _block_op_computes(input: torch.Tensor, tensors: tuple) -> bool:
     """Whether the registered block op computes this eval call (_block_op): nothing differentiated
     (autograd of either mode), tensors the kernels read as they are (not torch.func's wrappers, not
-    subclasses that dispatch in Python, nor a warmup's fake ones), all on the input's device, and a
-    computation in the dtype of the input after autocast's cast (else PyTorch's path raises as
-    stock does). Under torch.compile and torch.jit.trace, the op in the graph."""
+    subclasses that dispatch in Python, nor a warmup's fake ones), all on the input's device, the
+    BatchNorms' floating, and a computation in the dtype of the input after autocast's cast (else
+    PyTorch's path raises as stock does). Under torch.compile and torch.jit.trace, the op in the graph."""
     if not functional.uses_triton(input) or _gradient_wanted(input, *tensors):
         return False
-    if not torch.compiler.is_compiling():
-        if type(input) is not torch.Tensor or torch._C._functorch.peek_interpreter_stack() is not None:
+    compiling = torch.compiler.is_compiling()
+    if not compiling and (type(input) is not torch.Tensor or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    device = input.device
+    for position, t in enumerate(tensors):
+        if t is None:
+            continue
+        if not compiling and (type(t) not in PLAIN_TENSORS or t.device != device):
             return False
-        device = input.device
-        for t in tensors:
-            if t is not None and (type(t) not in PLAIN_TENSORS or t.device != device):
-                return False
-    for t in tensors[2:]:
-        if t is not None and not t.is_floating_point():
+        if position >= 2 and not t.is_floating_point():
             return False
     dtype = _autocast_dtype(input)
     return (input.dtype if dtype is None else dtype) == _compute_dtype(input, tensors[0])
