@@ -557,6 +557,24 @@ def test_fused_model_under_torch_compile(mode):
         assert_close(compiled(x), fused(x), torch.float32, "compiled")
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_compiled_fused_eval_model_against_stock(layout):
+    """Compiled in eval mode: one block op a depthwise layer (the expansion's BatchNorm and ReLU6
+    applied by the one after it), the projection's BatchNorm left to Inductor, nothing folded in the
+    graph; stock's values in float64."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    stock = torch.nn.Sequential(_block(), InvertedResidual()).eval().to(DEVICE)
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    backend = EagerAndRecordGraphs()
+    compiled = torch.compile(fused, fullgraph=True, backend=backend)
+    _assert_same_model(stock, compiled, randn(2, 8, 9, 11).contiguous(memory_format=memory_format), "compiled")
+    (graph,) = backend.graphs
+    code = graph.code
+    assert code.count("dwconv.conv2d_block") == 2 and code.count("batch_norm(") == 1 and "rsqrt" not in code, code
+
+
 def test_fx_trace_of_a_fused_model_decides_when_it_runs():
     """torch.fx records each module of a fused block as one call: the GraphModule folds in eval
     mode and trains as the stock block in training mode, whichever mode it was traced in."""
