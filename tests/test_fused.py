@@ -575,6 +575,22 @@ def test_compiled_fused_eval_model_against_stock(layout):
     assert code.count("dwconv.conv2d_block") == 2 and code.count("batch_norm(") == 1 and "rsqrt" not in code, code
 
 
+def test_traced_and_exported_fused_eval_model():
+    """torch.jit.trace and torch.export of a fused model in eval mode without gradients hold one block
+    op a depthwise layer, and compute stock's values on a fresh input."""
+    stock = torch.nn.Sequential(_block(), InvertedResidual()).eval().to(DEVICE)
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    x, fresh = (randn(2, 8, 9, 11).contiguous(memory_format=torch.channels_last) for _ in range(2))
+    with torch.no_grad():
+        traced = torch.jit.trace(fused, x)
+        exported = torch.export.export(fused, (x,))
+        assert [n.kind() for n in traced.inlined_graph.nodes() if "dwconv" in n.kind()] == ["dwconv::conv2d_block"] * 2
+        assert [str(n.target) for n in exported.graph.nodes if "dwconv" in str(n.target)] == \
+            ["dwconv.conv2d_block.default"] * 2
+        _assert_same_model(stock, traced, fresh, "traced")
+        _assert_same_model(stock, exported.module(), fresh, "exported")
+
+
 def test_fx_trace_of_a_fused_model_decides_when_it_runs():
     """torch.fx records each module of a fused block as one call: the GraphModule folds in eval
     mode and trains as the stock block in training mode, whichever mode it was traced in."""
