@@ -970,8 +970,8 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
     fused = dwconv.convert(stock, fuse=True, precompile=False)
     assert ("fused 1 depthwise block(s) (1 BatchNorm2d folded in eval mode, on dwconv's kernels in training; "
             "1 activation(s) fused); 2 other BatchNorm2d on dwconv's kernels in training (1 with their activation, "
-            "2 folded into their convolution in eval mode, 1 of whose activations their depthwise layer applies to "
-            "its input in eval mode)") in capsys.readouterr().out
+            "1 folded into their convolution in eager eval, 1 applied with their activation by the depthwise layer "
+            "after them in eval mode)") in capsys.readouterr().out
     assert [type(getattr(fused, name)).__name__ for name in ("expand", "bn1", "act1", "project", "bn3")] == \
         ["FoldingConv2d", "TrainedBatchNorm2d", "TrainedReLU6", "FoldingConv2d", "TrainedBatchNorm2d"]
     assert list(fused.state_dict()) == list(stock.state_dict())
@@ -1187,7 +1187,7 @@ def test_expansion_activation_applied_by_the_depthwise_layer(activation, layout,
 
     stock = _expanding_model(activation).to(DEVICE).eval()
     fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False)
-    assert "4 of whose activations their depthwise layer applies to its input" in capsys.readouterr().out
+    assert "4 applied with their activation by the depthwise layer after them" in capsys.readouterr().out
     depthwise = [m for m in fused.modules() if type(m).__name__ == "FusedDepthwiseConv2d"]
     name = dwconv.activations.activation_of(activation())
     assert [input_activation_now(m) for m in depthwise] == [name, name, name, "relu6"]
@@ -1220,7 +1220,7 @@ def test_input_activation_only_where_proven(capsys):
     from dwconv.fuse import input_activation_now
 
     hard = dwconv.convert(_expanding_model(torch.nn.Hardsigmoid).to(DEVICE).eval(), fuse=True, precompile=False)
-    assert "1 of whose activations" in capsys.readouterr().out  # (the flat InvertedResidual's ReLU6 alone)
+    assert "1 applied with their activation" in capsys.readouterr().out  # (the flat InvertedResidual's ReLU6 alone)
     assert [input_activation_now(m) for m in hard.modules() if type(m).__name__ == "FusedDepthwiseConv2d"] == \
         [None, None, None, "relu6"]
     stock = _expanding_model(torch.nn.ReLU6).to(DEVICE).eval()
@@ -1249,7 +1249,7 @@ def test_input_activation_only_where_proven(capsys):
     _assert_same_model(stock, fused, x, "swapped between")
     twice = torch.nn.Sequential(stock[0], stock[1], stock[1])  # (a module used twice is never linked)
     dwconv.convert(twice, fuse=True, precompile=False)
-    assert "0 of whose activations" in capsys.readouterr().out
+    assert "0 applied with their activation" in capsys.readouterr().out
     residual = torch.nn.Sequential(stock[0], NestedInvertedResidual(expand=False))  # (the add reads it too)
     dwconv.convert(residual, fuse=True, precompile=False)
-    assert "0 of whose activations" in capsys.readouterr().out
+    assert "0 applied with their activation" in capsys.readouterr().out

@@ -96,8 +96,9 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
                   f"mode, on dwconv's kernels in training; {activations} activation(s) fused){why}; "
                   f"{len(trained)} other BatchNorm2d on dwconv's kernels in training "
                   f"({sum(activation != 'identity' for *_, activation, _ in trained)} with their activation, "
-                  f"{sum(conv is not None for conv, *_ in trained)} folded into their convolution in eval mode, "
-                  f"{input_activations} of whose activations their depthwise layer applies to its input in eval mode)")
+                  f"{sum(conv is not None for conv, *_ in trained) - input_activations} folded into their "
+                  f"convolution in eager eval, {input_activations} applied with their activation by the depthwise "
+                  f"layer after them in eval mode)")
     from .precompile import warm_up_on_first_call, warmup
 
     if precompile and layers:
