@@ -199,22 +199,13 @@ def _block_op_computes(input: torch.Tensor, tensors: tuple) -> bool:
             return False
         if position >= 2 and not t.is_floating_point():
             return False
-    dtype = _autocast_dtype(input)
-    return (input.dtype if dtype is None else dtype) == _compute_dtype(input, tensors[0])
-
-
-def _autocast_dtype(input: torch.Tensor) -> Optional[torch.dtype]:
-    """The dtype autocast casts a convolution's floating input to, or None."""
-    device = input.device.type
-    if torch.is_autocast_enabled(device) and input.is_floating_point() and input.dtype != torch.float64:
-        return torch.get_autocast_dtype(device)
-    return None
+    return _compute_dtype(input, input) == _compute_dtype(input, tensors[0])
 
 
 def _autocast_input(input: torch.Tensor) -> torch.Tensor:
     """The input as autocast casts F.conv2d's."""
-    dtype = _autocast_dtype(input)
-    return input if dtype is None or input.dtype == dtype else input.to(dtype)
+    dtype = _compute_dtype(input, input)
+    return input if input.dtype == dtype else input.to(dtype)
 
 
 def _op_activation_code(conv: "FusedDepthwiseConv2d", link: Optional[Tuple[str, nn.BatchNorm2d]]) -> int:
@@ -264,9 +255,10 @@ def _holds(places: tuple) -> bool:
 class _TrainedNorm:
     """The BatchNorm2d of a trained block (no depthwise layer before it: `find_norm_blocks`), where its
     block holds at the call: in training, it computes itself and the activation after it on dwconv's
-    BatchNorm kernels; in eval mode, where the block has a convolution (which then computed it), it
-    passes its input through (timm's BatchNormAct2d applies its own activation); otherwise it runs as
-    its own class does."""
+    BatchNorm kernels; in eval mode, where the block has a convolution, it passes its input through
+    where the depthwise layer after applies it (and its activation), or where the convolution folded
+    it (timm's BatchNormAct2d then applies its own activation); otherwise (torch.compile: Inductor
+    fuses it) it runs as its own class does."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.fx.Proxy):
@@ -303,8 +295,8 @@ class _FoldingConv:
             weight, bias = _folded_parameters(self, norm, input)
         else:  # (the depthwise layer after applies the BatchNorm, or Inductor fuses it into its next kernel)
             weight, bias = self.weight, self.bias
-        # (the dtype the product computes in, not the folded weight's: folded in the graph, under
-        # torch.compile or with gradients, the weight stays float32 and autocast casts it at the call)
+        # (the dtype the product computes in, not the weight's: folded in the graph (gradients wanted)
+        # or not folded at all, the weight stays float32 and autocast casts it at the call)
         if _compute_dtype(input, weight) in _PRODUCT_DTYPES and _pointwise_rows(self, input):
             return _pointwise_as_product(input, weight, bias)
         return self._conv_forward(input, weight, bias)
