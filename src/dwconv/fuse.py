@@ -67,7 +67,7 @@ class FusedDepthwiseConv2d(DepthwiseConv2d):
             return _traced_as_a_call(self, input)
         if not fused_now(self.dwconv_block):
             return super().forward(input)  # (the block as it was: the BatchNorm and activation run)
-        link = _input_link(self)
+        link = _input_link(self, conv_fused=True)
         norm = self.dwconv_norm
         if norm is not None and norm.training:
             return _normalized_in_training(self, super().forward(_linked_input(input, link)))
@@ -129,17 +129,23 @@ def fused_now(block: tuple) -> bool:
     parametrize, as weight_norm and spectral_norm are now: the fused calls read the modules' own
     parameters). Each of the three modules asks at each
     call and gets the same answer: no state passes between them (threads, re-entrant calls)."""
-    if not _holds(block[3]):
-        return False
-    module = nn.modules.module
-    if module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks \
-            or getattr(module, "_global_backward_pre_hooks", None):
+    for owner, name, member in block[3]:  # (_holds, inline: every module of a fused block asks, at every call)
+        if owner._modules.get(name) is not member:
+            return False
+    hooks = _MODULE_GLOBALS
+    if hooks["_global_forward_hooks"] or hooks["_global_forward_pre_hooks"] or hooks["_global_backward_hooks"] \
+            or hooks.get("_global_backward_pre_hooks"):
         return False
     for m in block[:3]:
-        if m is not None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                              or "parametrizations" in m._modules):
-            return False
+        if m is not None:
+            state = m.__dict__  # (not through the class's attribute lookup: a few hundred calls a forward)
+            if state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"] \
+                    or state["_backward_pre_hooks"] or "parametrizations" in state["_modules"]:
+                return False
     return True
+
+
+_MODULE_GLOBALS = vars(nn.modules.module)  # (the global hooks' dicts, which PyTorch's register functions fill)
 
 
 def input_activation_now(conv: "FusedDepthwiseConv2d") -> Optional[str]:
@@ -148,7 +154,8 @@ def input_activation_now(conv: "FusedDepthwiseConv2d") -> Optional[str]:
     return None if link is None else link[0]
 
 
-def _input_link(conv: "FusedDepthwiseConv2d") -> Optional[Tuple[str, nn.BatchNorm2d]]:
+def _input_link(conv: "FusedDepthwiseConv2d", before_fused: bool = False, conv_fused: bool = False
+                ) -> Optional[Tuple[str, nn.BatchNorm2d]]:
     """(the activation, the BatchNorm2d) of the layer before that this depthwise layer applies to its
     input at this call, or None. Where a trained block's activation (`find_input_activations`: its
     BatchNorm in eval mode) feeds this layer alone, the layer applies that BatchNorm and activation
@@ -157,12 +164,14 @@ def _input_link(conv: "FusedDepthwiseConv2d") -> Optional[Tuple[str, nn.BatchNor
     no pass over the widest tensor of an inverted residual block, and no folding before it. All ask
     this at each call and get the same answer: both blocks fused at the call, the BatchNorm before
     in eval mode, the modules between where they were found and without hooks (a hook there would
-    see the value before its activation)."""
+    see the value before its activation). before_fused, conv_fused: the caller has just found that
+    block fused_now at this call."""
     link = conv.__dict__.get("dwconv_input")
     if link is None:
         return None
     before, activation, between = link
-    if before[1].training or not fused_now(before) or not fused_now(conv.dwconv_block) or not _holds(between):
+    if before[1].training or not (before_fused or fused_now(before)) \
+            or not (conv_fused or fused_now(conv.dwconv_block)) or not _holds(between):
         return None
     for _, _, module in between:
         if _hooked(module):
@@ -226,22 +235,23 @@ def _block_op(conv: "FusedDepthwiseConv2d", norm: Optional[nn.BatchNorm2d],
 
 
 def _folds_now(block: tuple) -> bool:
-    """Whether a trained block (with a convolution, its BatchNorm in eval mode, fused at the call)
+    """Whether a trained block (with a convolution, its BatchNorm in eval mode, found fused_now at the call)
     folds its BatchNorm into its convolution at this call: not where the depthwise layer after applies
     it (_input_link), nor under torch.compile, where the folding would be kernels of the graph's own
     at every call and Inductor fuses the BatchNorm into the pointwise kernel after it instead (a
     residual add, an activation), as it does stock's (docs/decisions.md, "The BatchNorm before a
     depthwise layer applied as its input loads")."""
     conv, norm, activation_module, _ = block
-    return not _applied_after(activation_module if activation_module is not None else norm) and \
+    return not _applied_after(activation_module if activation_module is not None else norm, True) and \
         not torch.compiler.is_compiling()
 
 
-def _applied_after(module: nn.Module) -> bool:
+def _applied_after(module: nn.Module, before_fused: bool = False) -> bool:
     """Whether the depthwise layer after this activation (or BatchNormAct2d) applies it, and the
-    BatchNorm before it, at this call (_input_link)."""
+    BatchNorm before it, at this call (_input_link; before_fused: the caller has just found the
+    module's block fused_now)."""
     after = module.__dict__.get("dwconv_applied_by")
-    return after is not None and _input_link(after) is not None
+    return after is not None and _input_link(after, before_fused) is not None
 
 
 def _holds(places: tuple) -> bool:
@@ -267,7 +277,7 @@ class _TrainedNorm:
         if (self.training or conv is not None) and fused_now(block):
             if self.training:
                 return _trained(self, activation_module, self.dwconv_activation, input)
-            if _applied_after(activation_module if activation_module is not None else self):
+            if _applied_after(activation_module if activation_module is not None else self, True):
                 return input  # (the depthwise layer after applies it, and the activation)
             if not torch.compiler.is_compiling():  # (its convolution computed it; timm's BatchNormAct2d's act runs)
                 act = self._modules.get("act")

@@ -1,0 +1,135 @@
+"""Developer tool: the host's time of one eager eval forward of a whole model, stock and converted
+with fuse=True, and where the fused one's Python goes (cProfile, by function). At batch 256 a fused
+model's GPU time is well under stock's (its CUDA-graph replay), so its eager forward is as fast as
+its host: this says how much host time a forward takes and which functions hold it.
+
+    python benchmarks/host_model.py --cuda --model mobilenet_v2 [--batch 256]   # on a GPU
+    python benchmarks/host_model.py --model mobilenet_v2                        # no GPU
+    python benchmarks/host_model.py [--cuda] --train ...                         # a training step
+
+With --cuda every call is real, timed while the GPU sleeps on a queued wait (a few forwards a round,
+under the driver's queue of pending launches: the host never waits). Without it the input is
+1x3x32x32 on the CPU and dwconv's launches are stubbed (they return preallocated outputs), so the
+fused forward's time is its Python and PyTorch's CPU ops; stock's includes its CPU kernels.
+--train times a training step instead (forward, backward of the output's sum; no optimizer), one a
+round, the backward's host time being the autograd engine's until it has queued the last kernel.
+Prints ms a call (best and median of the rounds), then the profile's top functions.
+"""
+
+import argparse
+import copy
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+
+CUDA = "--cuda" in sys.argv
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["DWCONV_NATIVE"] = "1"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import torch  # noqa: E402
+
+import dwconv  # noqa: E402
+from dwconv import _library, fuse, functional, replay  # noqa: E402
+from dwconv.bench_models import build_model  # noqa: E402
+from dwconv.kernels import _launch, batch_norm as batch_norm_kernels  # noqa: E402
+
+
+def stub_launches() -> None:
+    """dwconv's launches answer at once with a preallocated output (the CPU: its Python alone)."""
+    outputs = {}
+
+    def conv_forward(input, weight, bias, geometry, *args, **kwargs):
+        key = (tuple(geometry.output_shape), input.dtype)
+        if key not in outputs:
+            outputs[key] = torch.empty(key[0], dtype=input.dtype).contiguous(memory_format=torch.channels_last)
+        return outputs[key]
+
+    replay.native.has_known_layers = lambda: False
+    _library.conv_forward = conv_forward
+    fuse.replayed = lambda fn, inputs, *args, **kwargs: fn(*inputs, *args)
+    batch_norm_kernels.launch = lambda *args: None
+    _launch.launch_now = lambda *args, **kwargs: None
+
+
+def call_ms(call, forwards: int, rounds: int) -> list:
+    """ms a call in each round (`forwards` calls a round, behind a queued sleep on a GPU)."""
+    times = []
+    for _ in range(rounds):
+        if CUDA:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(4e8))
+        started = time.perf_counter()
+        for _ in range(forwards):
+            call()
+        times.append((time.perf_counter() - started) / forwards * 1e3)
+    if CUDA:
+        torch.cuda.synchronize()
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cuda", action="store_true")
+    parser.add_argument("--model", default="mobilenet_v2")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--train", action="store_true", help="a training step instead of an eval forward")
+    parser.add_argument("--rows", type=int, default=30, help="functions of the profile shown")
+    args = parser.parse_args()
+    device = "cuda" if CUDA else "cpu"
+    if CUDA:
+        replay.prepare()
+    else:
+        stub_launches()
+    stock = build_model(args.model).to(device).train(args.train).to(memory_format=torch.channels_last)
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, verbose=False, precompile=CUDA)
+    shape = (args.batch, 3, 224, 224) if CUDA else (2, 3, 32, 32)
+    x = torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last)
+    # (a GPU round stays under the driver's queue of about a thousand launches)
+    calls = (1 if args.train else 4) if CUDA else (4 if args.train else 20)
+    what = "training step" if args.train else "eval forward"
+
+    def call_of(model):
+        def step():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                out = model(x)
+            out.float().sum().backward()
+
+        def forward():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                model(x)
+        return step if args.train else forward
+
+    with torch.set_grad_enabled(args.train):
+        times = {"stock": [], "fused": []}
+        for _ in range(3):  # (warm-up, then turns: the host drifts)
+            for name, model in (("stock", stock), ("fused", fused)):
+                call_ms(call_of(model), 2, 1)
+        for _ in range(3):
+            for name, model in (("stock", stock), ("fused", fused)):
+                times[name] += call_ms(call_of(model), calls, max(1, args.rounds // 3))
+        for name, ms in times.items():
+            print(f"{args.model} b{shape[0]} {name:<6} {what} host time: best {min(ms):.3f} ms, "
+                  f"median {statistics.median(ms):.3f} ms ({len(ms)} rounds of {calls})")
+        profile = cProfile.Profile()
+        if CUDA:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(4e8))
+        fused_call = call_of(fused)
+        profile.enable()
+        for _ in range(calls):
+            fused_call()
+        profile.disable()
+        if CUDA:
+            torch.cuda.synchronize()
+    print(f"\nthe fused {what}'s Python, {calls} calls (cProfile adds its own time to every call):")
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.rows)
+
+
+if __name__ == "__main__":
+    main()
