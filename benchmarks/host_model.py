@@ -79,9 +79,12 @@ def main():
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--train", action="store_true", help="a training step instead of an eval forward")
+    parser.add_argument("--profiler-first", action="store_true",
+                        help="run torch.profiler over one call of each model before the timing")
     parser.add_argument("--rows", type=int, default=30, help="functions of the profile shown")
     args = parser.parse_args()
     device = "cuda" if CUDA else "cpu"
+    torch.backends.cudnn.benchmark = True  # (as conv nets run, and as bench_models times them)
     if CUDA:
         replay.prepare()
     else:
@@ -107,6 +110,10 @@ def main():
 
     with torch.set_grad_enabled(args.train):
         times = {"stock": [], "fused": []}
+        if args.profiler_first:
+            with torch.profiler.profile():
+                for model in (stock, fused):
+                    call_of(model)()
         for _ in range(3):  # (warm-up, then turns: the host drifts)
             for name, model in (("stock", stock), ("fused", fused)):
                 call_ms(call_of(model), 2, 1)

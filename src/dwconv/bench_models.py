@@ -391,11 +391,15 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
           f"parameter gradients by {grad_rel:.2e} (relative, float32 without TF32)"
           + (f"; tuning changes {tuning.changes()}" if tuning.changes() else ""), flush=True)
     rows, profiles = [], []
+    # the eager paths, profiled once every path of every precision is timed: after the profiler has
+    # run, CUPTI stays attached to the process and every launch costs more host time
+    # (pytorch/pytorch#144455), so a host-bound path timed after a profile read slower than it runs
+    profiled = []
     for key in (PRECISIONS if precisions == "all" else [precisions]):
         dtype, memory_format = PRECISIONS[key]
         precision = "bf16 autocast CL" if dtype is not None else key
         inputs = x.contiguous(memory_format=memory_format)
-        timed = []  # (path, step, native setting, fn, model run): built, warmed and profiled first, then timed in turns
+        timed = []  # (path, step, native setting, fn, model run): built and warmed first, then timed in turns
         captured = []  # the same for the CUDA-graph paths: captured and timed after the others, one at a time
         for path, variant, mode, native in model_paths(COMPILE_MODES[compile_modes], eager, fuse, unfused):
             model = copy.deepcopy(models[variant]).to(memory_format=memory_format)
@@ -410,22 +414,8 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                         if mode == CUDA_GRAPH:
                             captured.append((path, step, native, fn, run))
                             continue
-                        if not mode:  # (the profiler's view of the same step: the depthwise layers' GPU time)
-                            share = depthwise_share(model, fn, hooks=variant != "fused")
-                            # (no kernel found under the layers' ranges is no measurement, not 0 ms: stock
-                            # cuDNN layers read 0 on the H200 while kernels were found by their operators'
-                            # links alone, test_depthwise_share_of_stock_layers)
-                            attributed = share["depthwise_ms"] > 0 or not share["ranges"]
-                            # (a fused model's kernels of dwconv are its blocks' BatchNorms' too: not
-                            # stock's depthwise layers' share, so its whole step's GPU time alone)
-                            for what in ("depthwise_ms", "gpu_ms")[0 if attributed and variant != "fused" else 1:]:
-                                profiles.append(dict(suite="model profile", layer=name, dtype=precision, path=path,
-                                                     layout=rows_layout(memory_format), ms=share[what],
-                                                     **{"pass": f"{step} {what[:-3]} GPU"}))
-                            depthwise = f"{share['depthwise_ms']:.3f}" if attributed else "not attributed"
-                            print(f"  {precision:<17} {step:<10} {path:<26} profiler: "
-                                  + ("blocks (dwconv's kernels) " if variant == "fused" else "depthwise ")
-                                  + f"{depthwise} of {share['gpu_ms']:.3f} ms GPU", flush=True)
+                        if not mode:  # (profiled after all timing: below)
+                            profiled.append((precision, memory_format, path, step, native, fn, model, variant))
                         timed.append((path, step, native, fn, run))
             except Exception as error:
                 print(f"  {precision:<17} {path}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
@@ -463,6 +453,24 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                      f"{sum(r >= 1 for r in ratios)} of {len(ratios)} rounds >= 1" if ratios else ""), flush=True)
         del timed, captured, samples
         torch.cuda.empty_cache()
+    for precision, memory_format, path, step, native, fn, model, variant in profiled:  # (the same steps' GPU time)
+        model.train(step == "train step")
+        with native_setting(native):
+            share = depthwise_share(model, fn, hooks=variant != "fused")
+        # (no kernel found under the layers' ranges is no measurement, not 0 ms: stock cuDNN layers
+        # read 0 on the H200 while kernels were found by their operators' links alone,
+        # test_depthwise_share_of_stock_layers)
+        attributed = share["depthwise_ms"] > 0 or not share["ranges"]
+        # (a fused model's kernels of dwconv are its blocks' BatchNorms' too: not stock's
+        # depthwise layers' share, so its whole step's GPU time alone)
+        for what in ("depthwise_ms", "gpu_ms")[0 if attributed and variant != "fused" else 1:]:
+            profiles.append(dict(suite="model profile", layer=name, dtype=precision, path=path,
+                                 layout=rows_layout(memory_format), ms=share[what],
+                                 **{"pass": f"{step} {what[:-3]} GPU"}))
+        depthwise = f"{share['depthwise_ms']:.3f}" if attributed else "not attributed"
+        print(f"  {precision:<17} {step:<10} {path:<26} profiler: "
+              + ("blocks (dwconv's kernels) " if variant == "fused" else "depthwise ")
+              + f"{depthwise} of {share['gpu_ms']:.3f} ms GPU", flush=True)
     for row in rows:  # speedup against the stock model of the same precision, step and compilation
         base_path = row.pop("stock_path")
         base = next((r for r in rows if (r["precision"], r["mode"], r["path"]) == (row["precision"], row["mode"],
