@@ -1,7 +1,7 @@
 """Where a compiled model's inference goes, stock against dwconv.convert, on the GPU: torch.compile
 (default mode), bfloat16 autocast, channels_last, batch 64; the profiler's operators and kernels
 over 5 calls after warm-up, by GPU time, by calls and by host time; the wall time of a call
-unprofiled (20 calls); and the host's Python by function (cProfile over 5 calls: Inductor's wrapper
+unprofiled (20 calls, both models timed before either is profiled); and the host's Python by function (cProfile over 5 calls: Inductor's wrapper
 code and what it calls, which the operator profile counts as the wrapper's own time).
 
     python benchmarks/compiled_profile.py --model mobilenet_v2 [--train] [--fuse] [--batch 256]
@@ -39,13 +39,18 @@ def main():
     stock = build_model(args.model).cuda().to(memory_format=torch.channels_last)
     x = torch.randn(args.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device="cuda")
+    fns = {}
     for label, model in (("stock", stock), ("dwconv", dwconv.convert(stock, fuse=args.fuse, verbose=False))):
         compiled = torch.compile(model)
         model.train(args.train)
-        fn = (training_step(compiled, x, y, torch.optim.SGD(model.parameters(), lr=1e-3), torch.bfloat16)
-              if args.train else inference(compiled, x, torch.bfloat16))
+        fns[label] = (training_step(compiled, x, y, torch.optim.SGD(model.parameters(), lr=1e-3), torch.bfloat16)
+                      if args.train else inference(compiled, x, torch.bfloat16))
         for _ in range(3):
-            fn()
+            fns[label]()
+    # both timed before either is profiled: after a profile CUPTI stays attached to the process and
+    # every launch costs more host time (pytorch/pytorch#144455, docs/decisions.md)
+    unprofiled_ms = {}
+    for label, fn in fns.items():
         torch.cuda.synchronize()
         unprofiled = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         unprofiled[0].record()
@@ -53,6 +58,8 @@ def main():
             fn()
         unprofiled[1].record()
         torch.cuda.synchronize()
+        unprofiled_ms[label] = unprofiled[0].elapsed_time(unprofiled[1]) / 20
+    for label, fn in fns.items():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             start = torch.cuda.Event(enable_timing=True)
@@ -64,7 +71,7 @@ def main():
             torch.cuda.synchronize()
         events = prof.key_averages()
         print(f"\n=== {args.model} {label}: {start.elapsed_time(end) / 5:.3f} ms a call (wall, profiled), "
-              f"{unprofiled[0].elapsed_time(unprofiled[1]) / 20:.3f} unprofiled")
+              f"{unprofiled_ms[label]:.3f} unprofiled")
         print(f"\n=== {args.model} {label} {'train' if args.train else 'inference'}: by GPU time")
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
         print(f"=== {label}: by calls")
