@@ -13,7 +13,8 @@ under the driver's queue of pending launches: the host never waits). Without it 
 fused forward's time is its Python and PyTorch's CPU ops; stock's includes its CPU kernels.
 --train times a training step instead (forward, backward of the output's sum; no optimizer), one a
 round, the backward's host time being the autograd engine's until it has queued the last kernel.
-Prints ms a call (best and median of the rounds), then the profile's top functions.
+Prints ms a call (best and median of the rounds), then the profile's top functions. --after-profile
+times again after torch.profiler has run in the process (CUPTI then stays attached).
 """
 
 import argparse
@@ -79,8 +80,8 @@ def main():
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--train", action="store_true", help="a training step instead of an eval forward")
-    parser.add_argument("--profiler-first", action="store_true",
-                        help="run torch.profiler over one call of each model before the timing")
+    parser.add_argument("--after-profile", action="store_true",
+                        help="then run torch.profiler over one call of each model, and time again")
     parser.add_argument("--rows", type=int, default=30, help="functions of the profile shown")
     args = parser.parse_args()
     device = "cuda" if CUDA else "cpu"
@@ -109,20 +110,21 @@ def main():
         return step if args.train else forward
 
     with torch.set_grad_enabled(args.train):
-        times = {"stock": [], "fused": []}
-        if args.profiler_first:
-            with torch.profiler.profile():
-                for model in (stock, fused):
-                    call_of(model)()
-        for _ in range(3):  # (warm-up, then turns: the host drifts)
-            for name, model in (("stock", stock), ("fused", fused)):
+        for _ in range(3):  # (warm-up)
+            for model in (stock, fused):
                 call_ms(call_of(model), 2, 1)
-        for _ in range(3):
-            for name, model in (("stock", stock), ("fused", fused)):
-                times[name] += call_ms(call_of(model), calls, max(1, args.rounds // 3))
-        for name, ms in times.items():
-            print(f"{args.model} b{shape[0]} {name:<6} {what} host time: best {min(ms):.3f} ms, "
-                  f"median {statistics.median(ms):.3f} ms ({len(ms)} rounds of {calls})")
+        for when in ("", " after a profile")[:1 + args.after_profile]:
+            if when:  # (CUPTI stays attached after a profile: pytorch/pytorch#144455)
+                with torch.profiler.profile():
+                    for model in (stock, fused):
+                        call_of(model)()
+            times = {"stock": [], "fused": []}
+            for _ in range(3):  # (turns: the host drifts)
+                for name, model in (("stock", stock), ("fused", fused)):
+                    times[name] += call_ms(call_of(model), calls, max(1, args.rounds // 3))
+            for name, ms in times.items():
+                print(f"{args.model} b{shape[0]} {name:<6} {what} host time{when}: best {min(ms):.3f} ms, "
+                      f"median {statistics.median(ms):.3f} ms ({len(ms)} rounds of {calls})")
         profile = cProfile.Profile()
         if CUDA:
             torch.cuda.synchronize()
