@@ -13,8 +13,9 @@ under the driver's queue of pending launches: the host never waits). Without it 
 fused forward's time is its Python and PyTorch's CPU ops; stock's includes its CPU kernels.
 --train times a training step instead (forward, backward of the output's sum; no optimizer), one a
 round, the backward's host time being the autograd engine's until it has queued the last kernel.
-Prints ms a call (best and median of the rounds), then the profile's top functions. --after-profile
-times again after torch.profiler has run in the process (CUPTI then stays attached).
+Prints ms a call (best and median of the rounds), then the profile's top functions. --after profile
+compile: times again after torch.profiler has run in the process (CUPTI then stays attached), then
+after both models were compiled and run (does a compiled model slow the eager calls beside it?).
 """
 
 import argparse
@@ -80,8 +81,9 @@ def main():
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--train", action="store_true", help="a training step instead of an eval forward")
-    parser.add_argument("--after-profile", action="store_true",
-                        help="then run torch.profiler over one call of each model, and time again")
+    parser.add_argument("--after", nargs="*", default=[], choices=("profile", "compile"),
+                        help="then, in turn, run torch.profiler over one call of each model, or compile both "
+                             "(torch.compile, default mode) and run them, and time the eager calls again after each")
     parser.add_argument("--rows", type=int, default=30, help="functions of the profile shown")
     args = parser.parse_args()
     device = "cuda" if CUDA else "cpu"
@@ -113,11 +115,17 @@ def main():
         for _ in range(3):  # (warm-up)
             for model in (stock, fused):
                 call_ms(call_of(model), 2, 1)
-        for when in ("", " after a profile")[:1 + args.after_profile]:
-            if when:  # (CUPTI stays attached after a profile: pytorch/pytorch#144455)
+        for when in [""] + args.after:
+            if when == "profile":  # (CUPTI stays attached after a profile: pytorch/pytorch#144455)
                 with torch.profiler.profile():
                     for model in (stock, fused):
                         call_of(model)()
+            elif when == "compile":
+                for model in (stock, fused):
+                    compiled = call_of(torch.compile(model))
+                    for _ in range(3):
+                        compiled()
+            when = f" after {' and '.join(args.after[:args.after.index(when) + 1])}" if when else ""
             times = {"stock": [], "fused": []}
             for _ in range(3):  # (turns: the host drifts)
                 for name, model in (("stock", stock), ("fused", fused)):
