@@ -74,6 +74,36 @@ def call_ms(call, forwards: int, rounds: int) -> list:
     return times
 
 
+def print_block_ops(fused, forward) -> None:
+    """Each fused block's op call (fuse._block_op) in one eval forward behind a queued sleep: ms of
+    host time, the layer and its input's shape, slowest first."""
+    calls = []
+    block_op = fuse._block_op
+
+    def timed(conv, norm, link, input, tensors):
+        started = time.perf_counter()
+        out = block_op(conv, norm, link, input, tensors)
+        calls.append(((time.perf_counter() - started) * 1e3, conv, tuple(input.shape), link is not None))
+        return out
+
+    fuse._block_op = timed
+    try:
+        forward()  # (a first call with the wrapper: nothing timed is new to the caches)
+        calls.clear()
+        if CUDA:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(4e8))
+        forward()
+        if CUDA:
+            torch.cuda.synchronize()
+    finally:
+        fuse._block_op = block_op
+    print("\nthe fused blocks' op calls in one eval forward, slowest first (ms of host time):")
+    for ms, conv, shape, linked in sorted(calls, key=lambda c: -c[0]):
+        print(f"  {ms:8.3f}  {conv.kernel_size} stride {conv.stride} {conv.dwconv_activation:<10} "
+              f"input {shape}{', input normalized' if linked else ''}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cuda", action="store_true")
@@ -84,6 +114,9 @@ def main():
     parser.add_argument("--after", nargs="*", default=[], choices=("profile", "compile"),
                         help="then, in turn, run torch.profiler over one call of each model, or compile both "
                              "(torch.compile, default mode) and run them, and time the eager calls again after each")
+    parser.add_argument("--block-ops", action="store_true",
+                        help="then the host time of each fused block's op call in one eval forward, slowest first "
+                             "(one that waits on the GPU stands out by the queued wait's length)")
     parser.add_argument("--rows", type=int, default=30, help="functions of the profile shown")
     args = parser.parse_args()
     device = "cuda" if CUDA else "cpu"
@@ -144,6 +177,9 @@ def main():
         profile.disable()
         if CUDA:
             torch.cuda.synchronize()
+    if args.block_ops and not args.train:
+        with torch.no_grad():
+            print_block_ops(fused, call_of(fused))
     print(f"\nthe fused {what}'s Python, {calls} calls (cProfile adds its own time to every call):")
     pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.rows)
 
