@@ -684,6 +684,31 @@ def test_block_op_refuses_bad_norms():
         torch.ops.dwconv.conv2d_block(x, weight, None, good[0], None, *good[2:], 1e-5, *(None,) * 4, 0.0, *conv, 0)
 
 
+@pytest.mark.parametrize("affine,bias", [(True, True), (False, False)])
+def test_pointwise_folded_op(affine, bias):
+    """A trained block's eval 1x1 convolution as one op: the BatchNorm folded, then the product;
+    opcheck, values against F.conv2d and F.batch_norm in float64, a channels_last output."""
+    x = randn(2, 6, 5, 7).contiguous(memory_format=torch.channels_last)
+    weight, conv_bias, norm = randn(9, 6, 1, 1), randn(9) if bias else None, _norm_tensors(9, affine)
+    args = (x, weight, conv_bias, *norm, 1e-3)
+    torch.library.opcheck(torch.ops.dwconv.pointwise_folded.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    out = torch.ops.dwconv.pointwise_folded(*args)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert_close(out, _reference_norm(F.conv2d(x.double(), weight.double(), None if conv_bias is None
+                                               else conv_bias.double()), norm, 1e-3), torch.float32)
+
+
+def test_pointwise_folded_op_refuses_bad_arguments():
+    x, weight, norm = randn(1, 4, 3, 3).contiguous(memory_format=torch.channels_last), randn(5, 4, 1, 1), _norm_tensors(5)
+    with pytest.raises(ValueError, match="input must be a channels_last 4-D tensor"):
+        torch.ops.dwconv.pointwise_folded(randn(1, 4, 3, 5), weight, None, *norm, 1e-5)
+    with pytest.raises(ValueError, match=r"weight must be of shape \(out_channels, 4, 1, 1\)"):
+        torch.ops.dwconv.pointwise_folded(x, randn(5, 4, 3, 3), None, *norm, 1e-5)
+    with pytest.raises(ValueError, match="norm_mean must be a contiguous floating vector of 5 channels"):
+        torch.ops.dwconv.pointwise_folded(x, weight, None, *norm[:2], randn(4), norm[3], 1e-5)
+
+
 def test_compiled_eval_graph_holds_the_activated_op():
     """Compiled without gradients, a fused block is one dwconv op with its activation (no separate
     activation pass); with gradients, conv2d and the activation after it."""

@@ -173,6 +173,35 @@ def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps
     return _like(input, geom.output_shape)
 
 
+@_op("dwconv::pointwise_folded")
+def pointwise_folded(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
+                     norm_bias: Optional[Tensor], norm_mean: Tensor, norm_var: Tensor, norm_eps: float) -> Tensor:
+    """A 1x1 convolution (stride 1, no padding, one group) of a channels_last input followed by a
+    BatchNorm in eval mode (dwconv.fuse's trained blocks), nothing differentiated: the BatchNorm
+    folded into the weight and bias (one launch), then (N*H*W, C_in) @ (C_in, C_out) + bias, cuBLAS
+    adding the bias in its product's epilogue; channels_last output. Computes in the input's dtype
+    (autocast's: the caller casts the input). One op, so that once the C++ replayer serves it the
+    folding and the product are one call with no Python (an eager eval forward is bound by its host)."""
+    _served_from_cpp(input)
+    if input.dim() != 4 or not input.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError(f"input must be a channels_last 4-D tensor, got shape {tuple(input.shape)}")
+    if not (isinstance(weight, Tensor) and weight.dim() == 4 and weight.shape[1:] == (input.shape[1], 1, 1)):
+        raise ValueError(f"weight must be of shape (out_channels, {input.shape[1]}, 1, 1) for this input, got "
+                         f"{getattr(weight, 'shape', weight)!r:.60}")
+    weight, bias = _block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
+    # (the NHWC view is contiguous: one (N*H*W, C_in) matrix, no copy)
+    out = torch.nn.functional.linear(input.permute(0, 2, 3, 1), weight.reshape(weight.shape[0], weight.shape[1]),
+                                     bias)
+    return out.permute(0, 3, 1, 2)
+
+
+@pointwise_folded.register_fake
+def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps):
+    _checked_norm("norm", input, weight.shape[0], norm_weight, norm_bias, norm_mean, norm_var)
+    return torch.empty((input.shape[0], weight.shape[0], input.shape[2], input.shape[3]), dtype=input.dtype,
+                       device=input.device, memory_format=torch.channels_last)
+
+
 def _block_parameters(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
                       norm_bias: Optional[Tensor], norm_mean: Optional[Tensor], norm_var: Optional[Tensor],
                       eps: float) -> Tuple[Tensor, Optional[Tensor]]:

@@ -13,7 +13,9 @@ where Inductor fuses the BatchNorm into its next kernel) and the activation runs
 fused depthwise layer alone reads it (an inverted residual's expansion): that layer then applies the
 BatchNorm and the activation to its input as it loads it, and the convolution folds nothing
 (`find_input_activations`, `_input_link`). A fused eval call that nothing differentiates is one
-registered op, `dwconv::conv2d_block`, which folds inside its own program.
+registered op, `dwconv::conv2d_block`, which folds inside its own program; so is a trained block's
+1x1 convolution of a channels_last half-precision input, folding and product
+(`dwconv::pointwise_folded`).
 
 Nothing is replaced: the three modules keep their identity, parameters, buffers and state_dict
 keys; only their classes change (FusedDepthwiseConv2d, and subclasses of the norm's and the
@@ -302,6 +304,11 @@ class _FoldingConv:
         if norm.training or not fused_now(self.dwconv_block):
             return super().forward(input)
         if _folds_now(self.dwconv_block):
+            if not precompile._TRACING.__dict__.get("active"):
+                tensors = tensors_of(self, norm)
+                if _block_op_computes(input, tensors) and _compute_dtype(input, input) in _PRODUCT_DTYPES \
+                        and _pointwise_rows(self, input):  # (nothing differentiated: the folding and product, one op)
+                    return torch.ops.dwconv.pointwise_folded.default(_autocast_input(input), *tensors, norm.eps)
             weight, bias = _folded_parameters(self, norm, input)
         else:  # (the depthwise layer after applies the BatchNorm, or Inductor fuses it into its next kernel)
             weight, bias = self.weight, self.bias
