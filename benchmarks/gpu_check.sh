@@ -29,6 +29,9 @@
 #              (benchmarks/fold_ab.py: stock, folded into cuDNN's convolution, a 1x1 one as a matrix product)
 #   ab         bitwise A/B of .ab_old/src against src (benchmarks/ab_trees.sh)
 #   host       host time per eager call, .ab_old/src against src (benchmarks/host_time.py)
+#   hostcall   one eager call's host time piece by piece, stock beside dwconv (benchmarks/host_python.py --cuda)
+#   hostmodel  a whole model's eager eval forward's host time, stock and fused, each fused block op's call and
+#              the fused forward's Python by function (benchmarks/host_model.py --cuda --block-ops; MODELS, MODEL_BATCH)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
 #   sweep      the forward and backward block sweeps (benchmarks/sweep_forward.py, sweep_backward.py)
 #   ncu        Nsight Compute counters of KernelBench 84's forward beside a copy (benchmarks/ncu.py)
@@ -95,6 +98,12 @@ for step in "$@"; do
               done ;;
     ab) bash benchmarks/ab_trees.sh ;;
     host) python3 benchmarks/host_time.py .ab_old/src src | tee "$OUT/host_time.txt" ;;
+    hostcall) python3 benchmarks/host_python.py --cuda 2>&1 | grep -v -i warn | tee "$OUT/host_python_$(date +%F)_$commit.txt" ;;
+    hostmodel) for model in ${MODELS:-mobilenet_v2}; do
+                 python3 benchmarks/host_model.py --cuda --model "$model" --batch "${MODEL_BATCH:-256}" --block-ops \
+                   --rows 40 2>&1 | grep -v -i warn >"$OUT/host_model_${model}_$(date +%F)_$commit.txt"
+                 grep -E "host time" -A12 "$OUT/host_model_${model}_$(date +%F)_$commit.txt" | head -20
+               done ;;
     tuning) python3 benchmarks/ab_tuning.py ${AB_ARGS:-} | tee "$OUT/ab_tuning.txt" ;;
     sweep) python3 benchmarks/sweep_forward.py --csv "$OUT/sweep_forward.csv" 2>&1 | tee "$OUT/sweep_forward.log"
            python3 benchmarks/sweep_backward.py --csv "$OUT/sweep_backward.csv" 2>&1 | tee "$OUT/sweep_backward.log" ;;
