@@ -28,7 +28,7 @@ if torch.cuda.is_available():
 # Modules that test the eager path as users get it. The others test kernels and their dispatch,
 # some with dispatch knobs patched or launches spied on, which a program recorded by an earlier
 # test would not see: on a GPU they take the Python path unless the run sets DWCONV_NATIVE itself
-# (benchmarks/gpu_check.sh nativepath runs the gradient tests through the C++ path).
+# (a run with DWCONV_NATIVE=1 set takes every module's tests through the C++ path).
 EAGER_PATH_MODULES = ("test_native", "test_integration", "test_modules", "test_examples", "test_autograd_safety",
                       "test_differential")
 NATIVE_SET_FOR_THE_RUN = "DWCONV_NATIVE" in os.environ
