@@ -68,7 +68,10 @@ was timed after the other, and the host's drift counted in the ratios. "model pr
 GPU time of a step's kernels, and of the depthwise layers' (the kernels launched in their
 forward and backward, and dwconv's by name), from torch's profiler; a depthwise row only where
 the profiler linked kernels to the layers (stock cuDNN layers' were not linked in the 931d590 runs:
-docs/decisions.md, "Whole models"). "model cold
+docs/decisions.md, "Whole models"). Before commit b9c363e the eager paths were profiled before
+any path was timed, and a profile leaves CUPTI attached to the process, slowing every later launch:
+the eager and compiled rows of those runs understate host-bound paths, dwconv's fused models' most
+(docs/decisions.md, "The eager paths timed before any profile"). "model cold
 start": one fresh process each, with an empty temporary Triton cache (dwconv warm: the cache the
 dwconv process filled; "dwconv image build": a process that sees no GPU compiles the kernels,
 dwconv.warmup(..., arch, autocast), as a container image's build would, and "dwconv from image" takes
