@@ -34,6 +34,8 @@
 #              the fused forward's Python by function (benchmarks/host_model.py --cuda --block-ops; MODELS, MODEL_BATCH)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
 #   sweep      the forward and backward block sweeps (benchmarks/sweep_forward.py, sweep_backward.py)
+#   sweepblocks a fused model's largest depthwise blocks (eval, input BatchNorm and activations) on other
+#              channels_last tiles beside the dispatcher's (benchmarks/sweep_blocks.py; MODELS, MODEL_BATCH)
 #   ncu        Nsight Compute counters of KernelBench 84's forward beside a copy (benchmarks/ncu.py)
 # A Triton cache compiled on the CPU machine (benchmarks/device_triton_cache.py --pack) is restored
 # from .tcache/ when the call carries it: compiles otherwise take minutes of a fresh machine.
@@ -105,6 +107,10 @@ for step in "$@"; do
                  grep -E "host time" -A12 "$OUT/host_model_${model}_$(date +%F)_$commit.txt" | head -20
                done ;;
     tuning) python3 benchmarks/ab_tuning.py ${AB_ARGS:-} | tee "$OUT/ab_tuning.txt" ;;
+    sweepblocks) for model in ${MODELS:-mobilenet_v2}; do
+                   python3 benchmarks/sweep_blocks.py --model "$model" --batch "${MODEL_BATCH:-256}" \
+                     --csv "$OUT/sweep_blocks_${model}_$(date +%F)_$commit.csv" 2>&1 | grep -v -i warn
+                 done ;;
     sweep) python3 benchmarks/sweep_forward.py --csv "$OUT/sweep_forward.csv" 2>&1 | tee "$OUT/sweep_forward.log"
            python3 benchmarks/sweep_backward.py --csv "$OUT/sweep_backward.csv" 2>&1 | tee "$OUT/sweep_backward.log" ;;
     ncu) for dtype in ${NCU_DTYPES:-float32 bfloat16}; do
