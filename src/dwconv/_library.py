@@ -183,13 +183,27 @@ def pointwise_folded(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm
     (autocast's: the caller casts the input). One op, so that once the C++ replayer serves it the
     folding and the product are one call with no Python (an eager eval forward is bound by its host)."""
     _served_from_cpp(input)
+    _checked_pointwise(input, weight)
+    return pointwise_product(input, *_block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean,
+                                                       norm_var, norm_eps))
+
+
+def _checked_pointwise(input: Tensor, weight: Tensor) -> None:
+    """A clear error where pointwise_folded's input is not a channels_last 4-D tensor, or its weight
+    not a 1x1 convolution's of the input's channels."""
     if input.dim() != 4 or not input.is_contiguous(memory_format=torch.channels_last):
         raise ValueError(f"input must be a channels_last 4-D tensor, got shape {tuple(input.shape)}")
     if not (isinstance(weight, Tensor) and weight.dim() == 4 and weight.shape[1:] == (input.shape[1], 1, 1)):
         raise ValueError(f"weight must be of shape (out_channels, {input.shape[1]}, 1, 1) for this input, got "
                          f"{getattr(weight, 'shape', weight)!r:.60}")
-    weight, bias = _block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
-    # (the NHWC view is contiguous: one (N*H*W, C_in) matrix, no copy)
+
+
+def pointwise_product(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """A 1x1 convolution (stride 1, no padding, one group) of a channels_last input as (N*H*W, C_in)
+    @ (C_in, C_out) plus the bias, the output channels_last: cuBLAS adds the bias in its product's
+    epilogue, where cuDNN's convolution adds it in a pass of its own over the output
+    (docs/decisions.md, "In eval mode the other BatchNorms fold")."""
+    # (the NHWC view is contiguous: F.linear multiplies it as one (N*H*W, C_in) matrix, no copy)
     out = torch.nn.functional.linear(input.permute(0, 2, 3, 1), weight.reshape(weight.shape[0], weight.shape[1]),
                                      bias)
     return out.permute(0, 3, 1, 2)
@@ -197,6 +211,7 @@ def pointwise_folded(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm
 
 @pointwise_folded.register_fake
 def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps):
+    _checked_pointwise(input, weight)
     _checked_norm("norm", input, weight.shape[0], norm_weight, norm_bias, norm_mean, norm_var)
     return torch.empty((input.shape[0], weight.shape[0], input.shape[2], input.shape[3]), dtype=input.dtype,
                        device=input.device, memory_format=torch.channels_last)

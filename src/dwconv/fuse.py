@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import functional, precompile
+from ._library import pointwise_product
 from ._geometry import INPUT_ACTIVATIONS, forward_activation_code, op_arguments
 from .batch_norm import batch_norm_activation, compiled_batch_norm_activation
 from .kernels import batch_norm as batch_norm_kernels
@@ -131,9 +132,8 @@ def fused_now(block: tuple) -> bool:
     parametrize, as weight_norm and spectral_norm are now: the fused calls read the modules' own
     parameters). Each of the three modules asks at each
     call and gets the same answer: no state passes between them (threads, re-entrant calls)."""
-    for owner, name, member in block[3]:  # (_holds, inline: every module of a fused block asks, at every call)
-        if owner._modules.get(name) is not member:
-            return False
+    if not _holds(block[3]):
+        return False
     hooks = _MODULE_GLOBALS
     if hooks["_global_forward_hooks"] or hooks["_global_forward_pre_hooks"] or hooks["_global_backward_hooks"] \
             or hooks.get("_global_backward_pre_hooks"):
@@ -304,18 +304,16 @@ class _FoldingConv:
         if norm.training or not fused_now(self.dwconv_block):
             return super().forward(input)
         if _folds_now(self.dwconv_block):
-            if not precompile._TRACING.__dict__.get("active"):
-                tensors = tensors_of(self, norm)
-                if _block_op_computes(input, tensors) and _compute_dtype(input, input) in _PRODUCT_DTYPES \
-                        and _pointwise_rows(self, input):  # (nothing differentiated: the folding and product, one op)
-                    return torch.ops.dwconv.pointwise_folded.default(_autocast_input(input), *tensors, norm.eps)
+            tensors = tensors_of(self, norm)
+            if _pointwise_op_computes(self, input, tensors):  # (the folding and the product, one op)
+                return torch.ops.dwconv.pointwise_folded.default(_autocast_input(input), *tensors, norm.eps)
             weight, bias = _folded_parameters(self, norm, input)
         else:  # (the depthwise layer after applies the BatchNorm, or Inductor fuses it into its next kernel)
             weight, bias = self.weight, self.bias
         # (the dtype the product computes in, not the weight's: folded in the graph (gradients wanted)
         # or not folded at all, the weight stays float32 and autocast casts it at the call)
         if _compute_dtype(input, weight) in _PRODUCT_DTYPES and _pointwise_rows(self, input):
-            return _pointwise_as_product(input, weight, bias)
+            return pointwise_product(input, weight, bias)
         return self._conv_forward(input, weight, bias)
 
     def extra_repr(self) -> str:
@@ -339,14 +337,13 @@ def _pointwise_rows(conv: nn.Conv2d, input: torch.Tensor) -> bool:
             and input.is_contiguous(memory_format=torch.channels_last))
 
 
-def _pointwise_as_product(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """A 1x1 convolution of a channels_last input (_pointwise_rows) as (N*H*W, C_in) @ (C_in, C_out)
-    plus the bias, the output channels_last: cuBLAS adds the bias in its product's epilogue, where
-    cuDNN's convolution adds it in a pass of its own over the output (docs/decisions.md, "In eval
-    mode the other BatchNorms fold")."""
-    # (the NHWC view is contiguous: F.linear multiplies it as one (N*H*W, C_in) matrix, no copy)
-    out = F.linear(input.permute(0, 2, 3, 1), weight.reshape(weight.shape[0], weight.shape[1]), bias)
-    return out.permute(0, 3, 1, 2)
+def _pointwise_op_computes(conv: nn.Conv2d, input: torch.Tensor, tensors: tuple) -> bool:
+    """Whether dwconv::pointwise_folded computes a trained block's folding eval call: a product in half
+    precision of a channels_last input (_pointwise_rows), the block op's conditions on the tensors
+    (_block_op_computes: nothing differentiated), and not a warmup's fake run (whose folding
+    _folded_parameters records for the compile)."""
+    return (not precompile._TRACING.__dict__.get("active") and _compute_dtype(input, input) in _PRODUCT_DTYPES
+            and _pointwise_rows(conv, input) and _block_op_computes(input, tensors))
 
 
 class _TrainedActivation:
