@@ -13,7 +13,7 @@
 #              MODEL_COMPILE no|default|reduce-overhead|all, MODEL_EAGER yes|no: no for the compiled paths alone,
 #              MODEL_ITERS steps a path, default 100: fewer for the large-kernel net, whose stock step is 0.4 s;
 #              MODEL_FUSE=1: also the model converted with fuse=True; MODEL_UNFUSED=no with it: stock's and
-#              the fused model's paths alone)
+#              the fused model's paths alone; INDUCTOR_PACK=1: Inductor's caches packed for a later call to carry)
 #   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
 #              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference, MODEL_FUSE=1: also the model converted with fuse=True)
 #   compiled   where compiled models' steps go, stock against converted (benchmarks/compiled_profile.py,
@@ -80,11 +80,22 @@ for step in "$@"; do
            mode=only; [ "$step" = models ] && mode=no
            image=(); [ "$step" = coldstart ] && [ -n "${COLDSTART_IMAGE:-}" ] && image=(--cold-start-image)
            for model in ${MODELS:-mobilenet_v2}; do
-             python3 -m dwconv bench --model "$model" --model-precision "${PRECISION:-bf16}" --cold-start $mode \
+             # (steady state only: Inductor's caches restored from .tcache/inductor_MODEL_BATCH.tar.xz where a
+             # call carries one, and packed into $OUT with INDUCTOR_PACK=1 for the next call to carry)
+             inductor=(); archive=.tcache/inductor_${model}_${MODEL_BATCH:-64}.tar.xz
+             if [ "$step" = models ]; then
+               inductor=(env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor_$model")
+               [ -f "$archive" ] && mkdir -p "/tmp/inductor_$model" && tar -xJf "$archive" -C "/tmp/inductor_$model"
+             fi
+             ${inductor[@]+"${inductor[@]}"} python3 -m dwconv bench --model "$model" \
+               --model-precision "${PRECISION:-bf16}" --cold-start $mode \
                --model-batch "${MODEL_BATCH:-64}" --model-compile "${MODEL_COMPILE:-default}" \
                --model-eager "${MODEL_EAGER:-yes}" --model-unfused "${MODEL_UNFUSED:-yes}" \
                --iters "${MODEL_ITERS:-100}" ${image[@]+"${image[@]}"} \
                ${MODEL_FUSE:+--fuse} --csv "$OUT/${step}_${model}_$(date +%F)_$commit.csv" 2>&1
+             if [ "$step" = models ] && [ -n "${INDUCTOR_PACK:-}" ]; then
+               tar -cJf "$OUT/${archive#.tcache/}" -C "/tmp/inductor_$model" . && ls -la "$OUT/${archive#.tcache/}"
+             fi
            done ;;
     profile) for model in ${MODELS:-mobilenet_v2}; do
                python3 benchmarks/model_profile.py --model "$model" --precision "${PRECISION:-bf16}" \
