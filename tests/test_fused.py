@@ -990,6 +990,8 @@ def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
 
     from dwconv import fuse
 
+    # (the folded 1x1 convolutions against stock's unfolded ones: float32's error alone, not TF32's)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     stock = InvertedResidual().train().to(DEVICE).to(memory_format=memory_format)
     fused = dwconv.convert(stock, fuse=True, precompile=False)
@@ -1073,8 +1075,9 @@ def test_folding_pointwise_convolution_in_eval(shape, options, layout, autocast,
     assert out.shape == ref.shape and out.is_contiguous(memory_format=memory_format) == \
         ref.is_contiguous(memory_format=memory_format)
     # (a 1x1 image is channels_last in either layout)
+    # (another padding mode's F.pad copies the input, on CUDA into NCHW: stock's path, and its layout)
     expected = autocast and x.is_contiguous(memory_format=torch.channels_last) and conv.stride == (1, 1) \
-        and conv.padding in ((0, 0), "same")
+        and conv.padding in ((0, 0), "same") and conv.padding_mode == "zeros"
     assert len(products) == expected, (products, expected)
 
 
@@ -1120,10 +1123,19 @@ def test_fused_eval_model_under_torch_func(layout):
     stock = InvertedResidual().eval().to(DEVICE)
     fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
     xs = torch.stack([randn(2, 8, 5, 7).contiguous(memory_format=memory_format) for _ in range(3)])
-    assert_close(torch.func.vmap(fused)(xs), torch.func.vmap(stock)(xs), torch.float32, "vmap")
-    x = xs[0]
-    jacobians = [torch.func.jacrev(lambda t, m=m: m(t).square().sum())(x) for m in (fused, stock)]
-    assert_close(*jacobians, torch.float32, "jacrev")
+    runs = {"vmap": lambda m, t: torch.func.vmap(m)(t),
+            "jacrev": lambda m, t: torch.func.jacrev(lambda u: m(u).square().sum())(t[0])}
+    for name, run in runs.items():
+        out = run(fused, xs)
+        try:
+            expected = run(stock, xs)
+        except RuntimeError as error:
+            # (where stock's own modules raise for a channels_last input under torch.func, whose wrappers
+            # cannot answer is_contiguous(channels_last): its values from the same values in NCHW)
+            if layout != "channels_last" or "inside of vmap" not in str(error):
+                raise
+            expected = run(stock, xs.contiguous())
+        assert_close(out, expected, torch.float32, name)
 
 
 def test_a_hooked_batch_norm_trains_as_stock():

@@ -327,12 +327,15 @@ _PRODUCT_DTYPES = (torch.float16, torch.bfloat16)
 
 def _pointwise_rows(conv: nn.Conv2d, input: torch.Tensor) -> bool:
     """Whether conv of input is a matrix product of the input's rows of channels as they lie: a 1x1
-    convolution (stride 1, no padding, one group) of a channels_last input. (Not under torch.func's
+    convolution (stride 1, no padding, one group) of a channels_last input that stock's convolution
+    reads as given (padding_mode "zeros": another mode's F.pad copies the input, on CUDA into NCHW,
+    and stock's output is then NCHW too). (Not under torch.func's
     transforms: vmap cannot ask a tensor's memory format. torch.compile's tracing answers the
     interpreter stack's question as a transform would, and may ask the format: the product is the
     convolution's value in any layout, the layout only decides which is faster.)"""
     return (conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.groups == 1
-            and (conv.padding == (0, 0) or isinstance(conv.padding, str)) and input.dim() == 4
+            and (conv.padding == (0, 0) or isinstance(conv.padding, str)) and conv.padding_mode == "zeros"
+            and input.dim() == 4
             and (torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None)
             and input.is_contiguous(memory_format=torch.channels_last))
 
