@@ -64,7 +64,9 @@ def parse_args():
     p.add_argument("--model", nargs="+", help="instead of suites: whole models' kernels (bench --model's names), "
                    "by dwconv.warmup as a first call would (fake run, a pool of compiles), converted and with "
                    "fuse=True, training and eval, bfloat16 autocast channels_last")
-    p.add_argument("--batch", type=int, default=256, help="--model: the batch (224 x 224 images)")
+    p.add_argument("--sweep-blocks", nargs="+", metavar="MODEL",
+                   help="instead of suites: benchmarks/sweep_blocks.py's variants of these models' blocks (--batch)")
+    p.add_argument("--batch", type=int, default=256, help="--model, --sweep-blocks: the batch (224 x 224 images)")
     p.add_argument("--out", required=True, help="the cache directory to fill (created)")
     p.add_argument("--libtriton", help="the device's libtriton.so, to hash instead of the constant")
     p.add_argument("--pack", metavar="FILE.tar.xz", help="only pack --out for the device (no compiles)")
@@ -89,6 +91,9 @@ def main():
     import torch
 
     use_device_key(device_lib)
+    if args.sweep_blocks:
+        compile_sweep(args.sweep_blocks, args.batch, args.out)
+        return
 
     import dwconv
     from dwconv import bench, functional
@@ -178,6 +183,22 @@ def compile_models(names, batch, out, device_lib):
                     print(f"{name} fuse={fuse} train={train}: {report.seconds:.0f} s, {len(report.errors)} errors",
                           flush=True)
         print(f"{len(os.listdir(out))} cache entries in {out} ({time.time() - started:.0f} s)")
+
+
+def compile_sweep(names, batch, out):
+    """benchmarks/sweep_blocks.py's variants of each model's blocks at the batch, as its GPU run
+    launches them (here on CPU tensors, for sm_90), one after another in this process."""
+    import sweep_blocks
+
+    _torchvision_without_its_operators()
+    sweep_blocks.DEVICE = "cpu"
+    started = time.time()
+    for name in names:
+        tasks = sweep_blocks.compile_tasks(sweep_blocks.sweep_layers(name, batch, 224, 6), "cpu")
+        failed = sweep_blocks.compile_all(tasks, 1, float("inf"))
+        print(f"{name}: {len(tasks)} variants, {len(failed)} not compiled {sorted(failed.values())[:3]} "
+              f"({time.time() - started:.0f} s)", flush=True)
+    print(f"{len(os.listdir(out))} cache entries in {out} ({time.time() - started:.0f} s)")
 
 
 def compile_case(case, layouts, torch, dwconv, bench):

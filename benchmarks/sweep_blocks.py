@@ -9,9 +9,10 @@ loads where the layer before is linked, the output's in the epilogue: what `dwco
 launches), bfloat16 channels_last; the `--top` largest by bytes moved (input and output). The
 variants: the dispatcher's config and, one at a time, its channels (block_c), warps, tile rows
 (block_h) or columns (block_w) halved or doubled. Every variant compiles first, in parallel worker
-processes (a config compiles once for every batch: the workers use one image of the layer's
-shape); then each is checked against PyTorch's computation of the block in float32 on two images
-(its output poisoned with NaN first) and timed (dwconv.bench.Timer: the L2 flushed between calls).
+processes, within --compile-s seconds together (`benchmarks/device_triton_cache.py --sweep-blocks`
+compiles them on the CPU machine beforehand, into the cache a device call carries); then each is
+checked against PyTorch's computation of the block in float32 on two images (its output poisoned
+with NaN first) and timed (dwconv.bench.Timer: the L2 flushed between calls).
 """
 
 import argparse
@@ -65,7 +66,13 @@ def model_layers(name: str, image: int = 224):
 
 
 def block_tensors(shape, kernel, input_norm: bool, device: str, seed: int = 0):
-    """Input (bfloat16 channels_last), weight, bias, and the input's scale and shift (or None)."""
+    """Input (bfloat16 channels_last), weight, bias, and the input's scale and shift (or None); on the
+    CPU (device_triton_cache's compiles, which launch nothing) left unwritten."""
+    if device == "cpu":
+        x = torch.empty(shape, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+        channels = shape[1]
+        norm = torch.empty(2, channels) if input_norm else None
+        return x, torch.empty(channels, 1, *kernel, dtype=torch.bfloat16), torch.empty(channels, dtype=torch.bfloat16), norm
     gen = torch.Generator(device=device).manual_seed(seed)
     channels = shape[1]
     x = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
@@ -109,13 +116,14 @@ def variants(default):
 
 
 def _compile(task) -> str:
-    """(in a worker) one variant's launch on a one-image input: its kernel compiles into the disk cache."""
+    """(in a worker) one variant's launch on the layer's input: its kernel compiles into the disk cache
+    (at the timed batch: Triton specialises integer arguments by their divisibility by 16)."""
     shape, stride, padding, dilation, kernel, code, input_norm, config = task
     try:
         from dwconv._geometry import conv_geometry
         from dwconv.dispatch import conv_forward
 
-        x, weight, bias, norm = block_tensors((1,) + tuple(shape[1:]), kernel, input_norm, DEVICE)
+        x, weight, bias, norm = block_tensors(shape, kernel, input_norm, DEVICE)
         geom = conv_geometry(x, weight, bias, stride, padding, dilation)
         conv_forward(x, weight, bias, geom, config, activation=code, input_norm=norm)
         if DEVICE == "cuda":
@@ -123,6 +131,69 @@ def _compile(task) -> str:
         return ""
     except Exception as error:  # (a variant that does not compile is reported, not fatal)
         return f"{type(error).__name__}: {str(error)[:200]}"
+
+
+def sweep_layers(model: str, batch: int, image: int, top: int) -> list:
+    """[(bytes moved, layer (model_layers' tuple), input shape at the batch, geometry)] of the model's
+    top distinct depthwise layers by bytes moved (input and output, bfloat16)."""
+    from dwconv._geometry import conv_geometry
+
+    layers, seen = [], set()
+    for layer in model_layers(model, image):
+        key = layer[1:]
+        if key not in seen:
+            seen.add(key)
+            shape = (batch,) + layer[1][1:]
+            x = torch.empty(shape, dtype=torch.bfloat16, device="meta").contiguous(memory_format=torch.channels_last)
+            geom = conv_geometry(x, torch.empty(shape[1], 1, *layer[5], dtype=torch.bfloat16, device="meta"), None,
+                                 *layer[2:5])
+            nbytes = 2 * (x.numel() + batch * geom.out_channels * geom.out_h * geom.out_w)
+            layers.append((nbytes, layer, shape, geom))
+    return sorted(layers, key=lambda entry: -entry[0])[:top]
+
+
+def compile_tasks(layers, device: str) -> list:
+    """_compile's tasks: each layer's variants (the dispatcher's config as it chooses on device)."""
+    from dwconv.dispatch import forward_config
+
+    tasks = []
+    for nbytes, layer, shape, geom in layers:
+        x = torch.empty(shape, dtype=torch.bfloat16, device=device).contiguous(memory_format=torch.channels_last)
+        for config in variants(forward_config(geom, x)):
+            tasks.append((shape, *layer[2:6], layer[6], layer[7], config))
+    return tasks
+
+
+def compile_all(tasks, workers: int, seconds: float) -> dict:
+    """{(shape, config): why} of the tasks that did not compile within seconds (all of them together),
+    compiled in parallel worker processes, each reported as it ends (a run cut by its time limit
+    still says which compiled and how long each took)."""
+    import time
+
+    started, failed = time.time(), {}
+    if workers <= 1:
+        for task in tasks:
+            error = _compile(task)
+            if error:
+                failed[task[0], task[-1]] = error
+        return failed
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    futures = {pool.submit(_compile, task): task for task in tasks}
+    try:
+        for future in concurrent.futures.as_completed(futures, timeout=seconds):
+            task, error = futures[future], future.result()
+            print(f"  compiled in {time.time() - started:5.0f} s: {task[0]} {task[-1]}{' ' + error if error else ''}",
+                  flush=True)
+            if error:
+                failed[task[0], task[-1]] = error
+    except concurrent.futures.TimeoutError:
+        for future, task in futures.items():
+            if not future.done():
+                failed[task[0], task[-1]] = f"not compiled within {seconds:.0f} s"
+        for process in list(getattr(pool, "_processes", {}).values()):  # (a compile does not stop on cancel)
+            process.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+    return failed
 
 
 def main():
@@ -134,36 +205,17 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
                         help="processes compiling the variants first (1: none, each compiles at its first call)")
+    parser.add_argument("--compile-s", type=float, default=240,
+                        help="the compiles' time together; a variant not compiled by then is skipped")
     parser.add_argument("--csv")
     args = parser.parse_args()
-    from dwconv._geometry import conv_geometry, split_activation_code
+    from dwconv._geometry import split_activation_code
     from dwconv._library import ACTIVATION_NAMES
     from dwconv.bench import Timer, measure_copy
     from dwconv.dispatch import conv_forward, forward_config
 
-    layers, seen = [], set()
-    for layer in model_layers(args.model, args.image):
-        key = layer[1:]
-        if key not in seen:
-            seen.add(key)
-            shape = (args.batch,) + layer[1][1:]
-            x = torch.empty(shape, dtype=torch.bfloat16, device="meta").contiguous(memory_format=torch.channels_last)
-            geom = conv_geometry(x, torch.empty(shape[1], 1, *layer[5], dtype=torch.bfloat16, device="meta"), None,
-                                 *layer[2:5])
-            nbytes = 2 * (x.numel() + args.batch * geom.out_channels * geom.out_h * geom.out_w)
-            layers.append((nbytes, layer, shape, geom))
-    layers = sorted(layers, key=lambda entry: -entry[0])[:args.top]
-    tasks = []
-    for nbytes, layer, shape, geom in layers:
-        x = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).contiguous(memory_format=torch.channels_last)
-        for config in variants(forward_config(geom, x)):
-            tasks.append((shape, *layer[2:6], layer[6], layer[7], config))
-    if args.workers > 1:
-        with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            errors = list(pool.map(_compile, tasks))
-    else:
-        errors = [_compile(task) for task in tasks]
-    failed = {(task[0], task[-1]): error for task, error in zip(tasks, errors) if error}
+    layers = sweep_layers(args.model, args.batch, args.image, args.top)
+    failed = compile_all(compile_tasks(layers, DEVICE), args.workers, args.compile_s)
     timer = Timer(warmup=3, iters=args.iters)
     copy_gbps = measure_copy(timer)
     print(f"{args.model} batch {args.batch}, bfloat16 channels_last; device copy {copy_gbps:.0f} GB/s", flush=True)
