@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import dwconv
-from dwconv._geometry import INPUT_ACTIVATIONS, conv_geometry, forward_activation_code
+from dwconv._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS, INPUT_ACTIVATIONS, conv_geometry, forward_activation_code
 from dwconv._library import conv_arguments
 from dwconv.activations import FUNCTIONS, activation_code
 from dwconv.dispatch import ForwardConfig, conv_forward
@@ -684,29 +684,38 @@ def test_block_op_refuses_bad_norms():
         torch.ops.dwconv.conv2d_block(x, weight, None, good[0], None, *good[2:], 1e-5, *(None,) * 4, 0.0, *conv, 0)
 
 
-@pytest.mark.parametrize("affine,bias", [(True, True), (False, False)])
-def test_pointwise_folded_op(affine, bias):
-    """A trained block's eval 1x1 convolution as one op: the BatchNorm folded, then the product;
-    opcheck, values against F.conv2d and F.batch_norm in float64, a channels_last output."""
+@pytest.mark.parametrize("affine,bias,activation", [(True, True, "relu"), (False, False, "identity"),
+                                                     (True, False, "relu6"), (False, True, "silu"),
+                                                     (True, True, "gelu"), (True, True, "hardsigmoid")])
+def test_pointwise_folded_op(affine, bias, activation):
+    """A trained block's eval 1x1 convolution as one op: the BatchNorm folded, then the product and
+    the activation (ReLU in the product's epilogue, `_addmm_activation`, the others after it); opcheck,
+    values against F.conv2d, F.batch_norm and the activation in float64, a channels_last output."""
     x = randn(2, 6, 5, 7).contiguous(memory_format=torch.channels_last)
     weight, conv_bias, norm = randn(9, 6, 1, 1), randn(9) if bias else None, _norm_tensors(9, affine)
-    args = (x, weight, conv_bias, *norm, 1e-3)
+    args = (x, weight, conv_bias, *norm, 1e-3, ACTIVATION_CODES[activation])
     torch.library.opcheck(torch.ops.dwconv.pointwise_folded.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-    out = torch.ops.dwconv.pointwise_folded(*args)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = torch.ops.dwconv.pointwise_folded(*args)  # (also where the C++ replayer serves it)
+    epilogues = [e.count for e in profile.key_averages() if e.key == "aten::_addmm_activation"]
+    assert epilogues == ([1] if activation == "relu" else []), epilogues
     assert out.is_contiguous(memory_format=torch.channels_last)
-    assert_close(out, _reference_norm(F.conv2d(x.double(), weight.double(), None if conv_bias is None
-                                               else conv_bias.double()), norm, 1e-3), torch.float32)
+    ref = _reference_norm(F.conv2d(x.double(), weight.double(), None if conv_bias is None else conv_bias.double()),
+                          norm, 1e-3)
+    assert_close(out, ACTIVATION_FUNCTIONS[activation](ref), torch.float32)
 
 
 def test_pointwise_folded_op_refuses_bad_arguments():
     x, weight, norm = randn(1, 4, 3, 3).contiguous(memory_format=torch.channels_last), randn(5, 4, 1, 1), _norm_tensors(5)
     with pytest.raises(ValueError, match="input must be a channels_last 4-D tensor"):
-        torch.ops.dwconv.pointwise_folded(randn(1, 4, 3, 5), weight, None, *norm, 1e-5)
+        torch.ops.dwconv.pointwise_folded(randn(1, 4, 3, 5), weight, None, *norm, 1e-5, 0)
     with pytest.raises(ValueError, match=r"weight must be of shape \(out_channels, 4, 1, 1\)"):
-        torch.ops.dwconv.pointwise_folded(x, randn(5, 4, 3, 3), None, *norm, 1e-5)
+        torch.ops.dwconv.pointwise_folded(x, randn(5, 4, 3, 3), None, *norm, 1e-5, 0)
     with pytest.raises(ValueError, match="norm_mean must be a contiguous floating vector of 5 channels"):
-        torch.ops.dwconv.pointwise_folded(x, weight, None, *norm[:2], randn(4), norm[3], 1e-5)
+        torch.ops.dwconv.pointwise_folded(x, weight, None, *norm[:2], randn(4), norm[3], 1e-5, 0)
+    with pytest.raises(ValueError, match="activation must be a code of"):
+        torch.ops.dwconv.pointwise_folded(x, weight, None, *norm, 1e-5, 99)
 
 
 def test_compiled_eval_graph_holds_the_activated_op():
@@ -1079,6 +1088,65 @@ def test_folding_pointwise_convolution_in_eval(shape, options, layout, autocast,
     expected = autocast and x.is_contiguous(memory_format=torch.channels_last) and conv.stride == (1, 1) \
         and conv.padding in ((0, 0), "same") and conv.padding_mode == "zeros"
     assert len(products) == expected, (products, expected)
+
+
+@pytest.mark.parametrize("activation", [torch.nn.ReLU, torch.nn.ReLU6, torch.nn.SiLU, "timm"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_folding_convolution_applies_the_activation_in_eval(activation, autocast, monkeypatch):
+    """A trained pointwise block in eval mode: the folding convolution applies the activation after
+    its BatchNorm too (ReLU in the product's epilogue, a bfloat16 channels_last input), the BatchNorm
+    and the activation module passing their input through; stock's values (float32's within its
+    error of float64's, bfloat16's within twice stock's own), with gradients too (float32); a hook on
+    the activation module sees stock's value."""
+    from dwconv import fuse
+
+    if activation == "timm":  # (BatchNormAct2d: its own Hardswish)
+        norm = BatchNormAct2d(7)
+        norm.load_state_dict(_bn(7).state_dict())
+        stock = torch.nn.Sequential(torch.nn.Conv2d(6, 7, 1, bias=False), norm)
+    else:
+        stock = torch.nn.Sequential(torch.nn.Conv2d(6, 7, 1, bias=False), _bn(7), activation())
+    stock = stock.eval().to(DEVICE)
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    assert type(fused[0]).__name__ == "FoldingConv2d"
+    x = randn(2, 6, 5, 3).contiguous(memory_format=torch.channels_last)
+    activated, functions = [], dict(fuse.FUNCTIONS)
+    for name, function in functions.items():
+        monkeypatch.setitem(fuse.FUNCTIONS, name,
+                            lambda t, name=name, function=function: activated.append(name) or function(t))
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast), \
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = fused(x)
+    epilogues = sum(e.count for e in profile.key_averages() if e.key == "aten::_addmm_activation")
+    name = fused[0].dwconv_block[1].dwconv_activation
+    assert name == {torch.nn.ReLU: "relu", torch.nn.ReLU6: "relu6", torch.nn.SiLU: "silu"}.get(activation, "hardswish")
+    # (in one op where it computes: ReLU in its epilogue, the others in place on its output)
+    assert (epilogues, activated) == ((1, []) if autocast and name == "relu" else
+                                      (0, [] if autocast else [name])), (epilogues, activated)
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        stock_out = stock(x)
+    ref = stock.double()(x.double())
+    if autocast:  # (within twice stock's own bfloat16 error: the folded weight rounds where stock's output does)
+        error, own = ((t.double() - ref).abs().max().item() for t in (out, stock_out))
+        assert error <= 2 * own + 1e-3, f"eval output: error {error:.3g} against stock's own {own:.3g}"
+    else:
+        assert_close(out, ref, torch.float32, "eval output")
+    if not autocast:  # (in bfloat16 a value near an activation's kink may round to its other side)
+        grad_x = torch.autograd.grad(fused(x.requires_grad_()).sum(), x)[0]
+        ref_x = x.detach().double().requires_grad_()
+        assert_close(grad_x, torch.autograd.grad(stock.double()(ref_x).sum(), ref_x)[0], torch.float32,
+                     "input gradient")
+    stock.float()
+    seen = []
+    module = fused[1].act if activation == "timm" else fused[2]
+    handle = module.register_forward_hook(lambda m, args, output: seen.append(args[0].detach().clone()))
+    with torch.no_grad():
+        fused(x.detach())
+    handle.remove()
+    with torch.no_grad():
+        before = stock[1](stock[0](x.detach())) if activation != "timm" else None
+    if before is not None:
+        assert_close(seen[0], before, torch.float32, "what the activation's hook sees")
 
 
 @pytest.mark.parametrize("how", ["gradients", "compiled"])

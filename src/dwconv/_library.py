@@ -175,17 +175,32 @@ def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps
 
 @_op("dwconv::pointwise_folded")
 def pointwise_folded(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
-                     norm_bias: Optional[Tensor], norm_mean: Tensor, norm_var: Tensor, norm_eps: float) -> Tensor:
+                     norm_bias: Optional[Tensor], norm_mean: Tensor, norm_var: Tensor, norm_eps: float,
+                     activation: int) -> Tensor:
     """A 1x1 convolution (stride 1, no padding, one group) of a channels_last input followed by a
-    BatchNorm in eval mode (dwconv.fuse's trained blocks), nothing differentiated: the BatchNorm
-    folded into the weight and bias (one launch), then (N*H*W, C_in) @ (C_in, C_out) + bias, cuBLAS
-    adding the bias in its product's epilogue; channels_last output. Computes in the input's dtype
-    (autocast's: the caller casts the input). One op, so that once the C++ replayer serves it the
-    folding and the product are one call with no Python (an eager eval forward is bound by its host)."""
+    BatchNorm in eval mode and an activation (its code in _geometry.ACTIVATION_CODES; dwconv.fuse's
+    trained blocks), nothing differentiated: the BatchNorm folded into the weight and bias (one
+    launch), then (N*H*W, C_in) @ (C_in, C_out) + bias, cuBLAS adding the bias in its product's
+    epilogue, and ReLU there too (`_addmm_activation`); another activation in place on the output.
+    Computes in the input's dtype (autocast's: the caller casts the input); channels_last output.
+    One op, so that once the C++ replayer serves it the folding and the product are one call with no
+    Python (an eager eval forward is bound by its host)."""
     _served_from_cpp(input)
     _checked_pointwise(input, weight)
-    return pointwise_product(input, *_block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean,
-                                                       norm_var, norm_eps))
+    weight, bias = _block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
+    if _checked_activation(activation) == ACTIVATION_CODES["relu"]:  # (the fold gives a bias: the epilogue's)
+        rows = input.permute(0, 2, 3, 1).reshape(-1, input.shape[1])  # (a view: the NHWC rows are contiguous)
+        out = torch._addmm_activation(bias, rows, weight.reshape(weight.shape[0], weight.shape[1]).t())
+        return out.view(input.shape[0], input.shape[2], input.shape[3], -1).permute(0, 3, 1, 2)
+    return _ACTIVATIONS_IN_PLACE[ACTIVATION_NAMES[activation]](pointwise_product(input, weight, bias))
+
+
+# (each on the op's own fresh output; GELU has no in-place form)
+_ACTIVATIONS_IN_PLACE = dict(
+    ACTIVATION_FUNCTIONS, relu=torch.relu_, relu6=functools.partial(torch.nn.functional.relu6, inplace=True),
+    silu=functools.partial(torch.nn.functional.silu, inplace=True),
+    hardswish=functools.partial(torch.nn.functional.hardswish, inplace=True),
+    hardsigmoid=functools.partial(torch.nn.functional.hardsigmoid, inplace=True))
 
 
 def _checked_pointwise(input: Tensor, weight: Tensor) -> None:
@@ -210,7 +225,8 @@ def pointwise_product(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> 
 
 
 @pointwise_folded.register_fake
-def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps):
+def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps, activation):
+    _checked_activation(activation)
     _checked_pointwise(input, weight)
     _checked_norm("norm", input, weight.shape[0], norm_weight, norm_bias, norm_mean, norm_var)
     return torch.empty((input.shape[0], weight.shape[0], input.shape[2], input.shape[3]), dtype=input.dtype,

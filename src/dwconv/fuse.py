@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from . import functional, precompile
 from ._library import pointwise_product
-from ._geometry import INPUT_ACTIVATIONS, forward_activation_code, op_arguments
+from ._geometry import ACTIVATION_CODES, INPUT_ACTIVATIONS, forward_activation_code, op_arguments
 from .batch_norm import batch_norm_activation, compiled_batch_norm_activation
 from .kernels import batch_norm as batch_norm_kernels
 from .batch_norm import reference as batch_norm_reference
@@ -281,9 +281,8 @@ class _TrainedNorm:
                 return _trained(self, activation_module, self.dwconv_activation, input)
             if _applied_after(activation_module if activation_module is not None else self, True):
                 return input  # (the depthwise layer after applies it, and the activation)
-            if not torch.compiler.is_compiling():  # (its convolution computed it; timm's BatchNormAct2d's act runs)
-                act = self._modules.get("act")
-                return input if act is None else act(input)
+            if not torch.compiler.is_compiling():  # (its convolution folded it, and applied the activation)
+                return input
         return super().forward(input)
 
     def extra_repr(self) -> str:
@@ -303,13 +302,17 @@ class _FoldingConv:
         norm = self.dwconv_block[1]
         if norm.training or not fused_now(self.dwconv_block):
             return super().forward(input)
-        if _folds_now(self.dwconv_block):
-            tensors = tensors_of(self, norm)
-            if _pointwise_op_computes(self, input, tensors):  # (the folding and the product, one op)
-                return torch.ops.dwconv.pointwise_folded.default(_autocast_input(input), *tensors, norm.eps)
-            weight, bias = _folded_parameters(self, norm, input)
-        else:  # (the depthwise layer after applies the BatchNorm, or Inductor fuses it into its next kernel)
-            weight, bias = self.weight, self.bias
+        if not _folds_now(self.dwconv_block):
+            # (the depthwise layer after applies the BatchNorm, or Inductor fuses it into its next kernel)
+            return self._conv_or_product(input, self.weight, self.bias)
+        # folded: the BatchNorm and the activation after it computed here (they pass their input through)
+        tensors = tensors_of(self, norm)
+        if _pointwise_op_computes(self, input, tensors):  # (the folding, the product and ReLU: one op)
+            return torch.ops.dwconv.pointwise_folded.default(_autocast_input(input), *tensors, norm.eps,
+                                                             ACTIVATION_CODES[norm.dwconv_activation])
+        return FUNCTIONS[norm.dwconv_activation](self._conv_or_product(input, *_folded_parameters(self, norm, input)))
+
+    def _conv_or_product(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         # (the dtype the product computes in, not the weight's: folded in the graph (gradients wanted)
         # or not folded at all, the weight stays float32 and autocast casts it at the call)
         if _compute_dtype(input, weight) in _PRODUCT_DTYPES and _pointwise_rows(self, input):
@@ -317,7 +320,7 @@ class _FoldingConv:
         return self._conv_forward(input, weight, bias)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", the BatchNorm after it folded in eval mode"
+        return super().extra_repr() + ", the BatchNorm after it folded in eval mode, with its activation"
 
 
 # (float32 keeps cuDNN's convolution: by torch's defaults it computes in TF32 where a float32 matmul does
@@ -356,9 +359,9 @@ class _TrainedActivation:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.fx.Proxy):
             return _traced_as_a_call(self, input)
-        block = self.dwconv_block
-        if (block[1].training and fused_now(block)) or _applied_after(self):
-            return input
+        conv, norm, _, _ = block = self.dwconv_block
+        if _applied_after(self) or (fused_now(block) and (norm.training or (conv is not None and _folds_now(block)))):
+            return input  # (its BatchNorm in training, its convolution folding, or the depthwise layer after)
         return super().forward(input)
 
     def extra_repr(self) -> str:
