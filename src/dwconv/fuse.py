@@ -8,14 +8,14 @@ passes forward and two backward (dwconv.batch_norm). Every other BatchNorm2d of 
 pointwise convolution, before a residual add) makes a trained block with the nn.Conv2d before it and
 the activation module after it: in training the BatchNorm computes both on the same kernels and the
 activation module passes its input through; in eval mode the BatchNorm is folded into the
-convolution's weight and bias (PyTorch's convolution then computes both; not under torch.compile,
-where Inductor fuses the BatchNorm into its next kernel) and the activation runs as before, unless a
-fused depthwise layer alone reads it (an inverted residual's expansion): that layer then applies the
+convolution's weight and bias and the convolution applies the activation after it (PyTorch's
+convolution or a matrix product, then the activation; not under torch.compile, where Inductor fuses
+the BatchNorm and the activation into its next kernel), unless a fused depthwise layer alone reads it (an inverted residual's expansion): that layer then applies the
 BatchNorm and the activation to its input as it loads it, and the convolution folds nothing
 (`find_input_activations`, `_input_link`). A fused eval call that nothing differentiates is one
 registered op, `dwconv::conv2d_block`, which folds inside its own program; so is a trained block's
-1x1 convolution of a channels_last half-precision input, folding and product
-(`dwconv::pointwise_folded`).
+1x1 convolution of a channels_last half-precision input, folding, product and activation (ReLU in
+the product's epilogue: `dwconv::pointwise_folded`).
 
 Nothing is replaced: the three modules keep their identity, parameters, buffers and state_dict
 keys; only their classes change (FusedDepthwiseConv2d, and subclasses of the norm's and the
