@@ -244,8 +244,9 @@ def _folds_now(block: tuple) -> bool:
     residual add, an activation), as it does stock's (docs/decisions.md, "The BatchNorm before a
     depthwise layer applied as its input loads")."""
     conv, norm, activation_module, _ = block
-    return not _applied_after(activation_module if activation_module is not None else norm, True) and \
-        not torch.compiler.is_compiling()
+    # (compiling asked first: a compiled graph then reads nothing of the link, whose every read is a guard)
+    return not torch.compiler.is_compiling() and \
+        not _applied_after(activation_module if activation_module is not None else norm, True)
 
 
 def _applied_after(module: nn.Module, before_fused: bool = False) -> bool:
