@@ -77,10 +77,7 @@ def paths(stock: nn.Module, x: torch.Tensor) -> dict:
     if _pointwise_rows(conv, x):
         calls["fold+product"] = lambda: activate(pointwise_product(x, weight, bias))
         if name == "relu":
-            rows = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
-            batch, _, height, width = x.shape
-            calls["fold+product+relu"] = lambda: torch._addmm_activation(
-                bias, rows, weight.reshape(weight.shape[0], -1).t()).view(batch, height, width, -1).permute(0, 3, 1, 2)
+            calls["fold+product+relu"] = lambda: pointwise_product(x, weight, bias, relu=True)
     return {label: under_autocast(fn) for label, fn in calls.items()}
 
 

@@ -189,15 +189,13 @@ def pointwise_folded(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm
     _checked_pointwise(input, weight)
     weight, bias = _block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
     if _checked_activation(activation) == ACTIVATION_CODES["relu"]:  # (the fold gives a bias: the epilogue's)
-        rows = input.permute(0, 2, 3, 1).reshape(-1, input.shape[1])  # (a view: the NHWC rows are contiguous)
-        out = torch._addmm_activation(bias, rows, weight.reshape(weight.shape[0], weight.shape[1]).t())
-        return out.view(input.shape[0], input.shape[2], input.shape[3], -1).permute(0, 3, 1, 2)
+        return pointwise_product(input, weight, bias, relu=True)
     return _ACTIVATIONS_IN_PLACE[ACTIVATION_NAMES[activation]](pointwise_product(input, weight, bias))
 
 
-# (each on the op's own fresh output; GELU has no in-place form)
+# (each on the op's own fresh output; ReLU is the product's epilogue; GELU has no in-place form)
 _ACTIVATIONS_IN_PLACE = dict(
-    ACTIVATION_FUNCTIONS, relu=torch.relu_, relu6=functools.partial(torch.nn.functional.relu6, inplace=True),
+    ACTIVATION_FUNCTIONS, relu6=functools.partial(torch.nn.functional.relu6, inplace=True),
     silu=functools.partial(torch.nn.functional.silu, inplace=True),
     hardswish=functools.partial(torch.nn.functional.hardswish, inplace=True),
     hardsigmoid=functools.partial(torch.nn.functional.hardsigmoid, inplace=True))
@@ -213,14 +211,18 @@ def _checked_pointwise(input: Tensor, weight: Tensor) -> None:
                          f"{getattr(weight, 'shape', weight)!r:.60}")
 
 
-def pointwise_product(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+def pointwise_product(input: Tensor, weight: Tensor, bias: Optional[Tensor], relu: bool = False) -> Tensor:
     """A 1x1 convolution (stride 1, no padding, one group) of a channels_last input as (N*H*W, C_in)
     @ (C_in, C_out) plus the bias, the output channels_last: cuBLAS adds the bias in its product's
     epilogue, where cuDNN's convolution adds it in a pass of its own over the output
-    (docs/decisions.md, "In eval mode the other BatchNorms fold")."""
-    # (the NHWC view is contiguous: F.linear multiplies it as one (N*H*W, C_in) matrix, no copy)
-    out = torch.nn.functional.linear(input.permute(0, 2, 3, 1), weight.reshape(weight.shape[0], weight.shape[1]),
-                                     bias)
+    (docs/decisions.md, "In eval mode the other BatchNorms fold"). relu: ReLU in that epilogue too
+    (`torch._addmm_activation`, which has no derivative: nothing differentiated; a bias given)."""
+    # (the NHWC view is contiguous: one (N*H*W, C_in) matrix, no copy)
+    rows, weight = input.permute(0, 2, 3, 1), weight.reshape(weight.shape[0], weight.shape[1])
+    if relu:
+        out = torch._addmm_activation(bias, rows.reshape(-1, rows.shape[-1]), weight.t()).view(*rows.shape[:3], -1)
+    else:
+        out = torch.nn.functional.linear(rows, weight, bias)
     return out.permute(0, 3, 1, 2)
 
 

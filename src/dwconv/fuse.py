@@ -10,8 +10,9 @@ the activation module after it: in training the BatchNorm computes both on the s
 activation module passes its input through; in eval mode the BatchNorm is folded into the
 convolution's weight and bias and the convolution applies the activation after it (PyTorch's
 convolution or a matrix product, then the activation; not under torch.compile, where Inductor fuses
-the BatchNorm and the activation into its next kernel), unless a fused depthwise layer alone reads it (an inverted residual's expansion): that layer then applies the
-BatchNorm and the activation to its input as it loads it, and the convolution folds nothing
+the BatchNorm and the activation into its next kernel), unless a fused depthwise layer alone reads
+it (an inverted residual's expansion): that layer then applies the BatchNorm and the activation to
+its input as it loads it, and the convolution folds nothing
 (`find_input_activations`, `_input_link`). A fused eval call that nothing differentiates is one
 registered op, `dwconv::conv2d_block`, which folds inside its own program; so is a trained block's
 1x1 convolution of a channels_last half-precision input, folding, product and activation (ReLU in
