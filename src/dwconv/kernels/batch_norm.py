@@ -244,7 +244,8 @@ def fold_kernel(weight_ptr, bias_ptr, norm_weight_ptr, norm_bias_ptr, mean_ptr, 
                 BLOCK_T: tl.constexpr, HAS_WEIGHT: tl.constexpr = True):
     """weight [channels, taps] * scale and (bias - mean) * scale + beta, scale = gamma / sqrt(var + eps),
     per output channel, computed in float32 (float64 for float64 statistics). Without HAS_WEIGHT:
-    scale itself into out_weight_ptr (the BatchNorm as x * scale + shift: scale_shift)."""
+    scale, then shift, into out_weight_ptr's (2, channels) (the BatchNorm as x * scale + shift:
+    scale_shift; one tensor, where two views of it would be two ops more at each replayed call)."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < channels
     var = tl.load(var_ptr + c, mask=c_ok, other=1.0)
@@ -261,10 +262,11 @@ def fold_kernel(weight_ptr, bias_ptr, norm_weight_ptr, norm_bias_ptr, mean_ptr, 
     shift *= scale
     if AFFINE:
         shift += tl.load(norm_bias_ptr + c, mask=c_ok, other=0.0).to(acc)
-    tl.store(out_bias_ptr + c, shift.to(out_bias_ptr.dtype.element_ty), mask=c_ok)
     if not HAS_WEIGHT:
         tl.store(out_weight_ptr + c, scale.to(out_weight_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(out_weight_ptr + channels + c, shift.to(out_weight_ptr.dtype.element_ty), mask=c_ok)
         return
+    tl.store(out_bias_ptr + c, shift.to(out_bias_ptr.dtype.element_ty), mask=c_ok)
     for first in range(0, taps, BLOCK_T):
         t = first + tl.arange(0, BLOCK_T)
         offsets = c[:, None].to(tl.int64) * taps + t[None, :]
@@ -502,6 +504,8 @@ def fold(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Option
         out_weight.fill_(float("nan")), out_bias.fill_(float("nan"))
     launch(fold_kernel, plan, weight, bias if bias is not None else running_mean, norm_weight if affine else running_mean,
            norm_bias if affine else running_mean, running_mean, running_var, out_weight, out_bias)
+    if written == dtype:  # (no `.to` at all: a recorded program replays each call, a no-op's too)
+        return out_weight, out_bias
     return out_weight.to(dtype), out_bias.to(dtype)
 
 
@@ -518,5 +522,5 @@ def scale_shift(norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.T
     if tuned().poison_partials:
         out.fill_(float("nan"))
     launch(fold_kernel, plan, running_mean, running_mean, norm_weight if affine else running_mean,
-           norm_bias if affine else running_mean, running_mean, running_var, out[0], out[1])
+           norm_bias if affine else running_mean, running_mean, running_var, out, out)
     return out
