@@ -153,6 +153,32 @@ def test_fold_kernel_against_float64(weight_shape, options, dtype):
     assert_close(folded_bias, ref_bias, dtype, "folded bias")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("channels", [1, 7, 131])
+def test_scale_shift_against_float64(channels, affine, dtype):
+    """kernels.batch_norm.scale_shift (a BatchNorm in eval mode as x * scale + shift): one (2, channels)
+    tensor, scale then shift, each row written whole (poisoned first), against float64's."""
+    from dwconv.kernels.batch_norm import scale_shift
+
+    gen = torch.Generator().manual_seed(channels)
+    norm = torch.nn.BatchNorm2d(channels, eps=1e-3, affine=affine).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.running_mean.copy_(randn(channels, generator=gen))
+        norm.running_var.copy_(torch.rand(channels, generator=gen) * 3 + 0.1)
+        if affine:
+            norm.weight.copy_(randn(channels, generator=gen))
+            norm.bias.copy_(randn(channels, generator=gen))
+    out = scale_shift(norm.weight, norm.bias, norm.running_mean, norm.running_var, norm.eps)
+    assert out.shape == (2, channels) and out.dtype == dtype and out.is_contiguous()
+    scale = 1 / (norm.running_var.double() + norm.eps).sqrt()
+    if affine:
+        scale = scale * norm.weight.double()
+    shift = -norm.running_mean.double() * scale + (norm.bias.double() if affine else 0)
+    assert_close(out[0], scale, dtype, "scale")
+    assert_close(out[1], shift, dtype, "shift")
+
+
 def test_gradient_of_another_layout_and_expanded():
     """A gradient whose strides are not y's (NCHW for a channels_last y; expanded, as sum() gives)."""
     y, weight, bias = _inputs((2, 8, 4, 5), torch.float32, "channels_last")
