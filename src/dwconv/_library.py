@@ -153,6 +153,7 @@ def conv2d_block(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_wei
     weight, bias = _block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
     geom = _geometry(input, weight, bias, stride, padding, dilation)
     input_norm = None
+    _checked_norm_given("input", input_weight, input_bias, input_mean, input_var)
     if input_mean is not None:
         _checked_norm("input", input, geom.in_channels, input_weight, input_bias, input_mean, input_var)
         input_norm = _batch_norm_kernels.scale_shift(input_weight, input_bias, input_mean, input_var, input_eps)
@@ -166,6 +167,8 @@ def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps
     _checked_code(activation)
     weight, bias = (None if t is None else t.to(input.dtype) for t in (weight, bias))
     geom = _geometry(input, weight, bias, stride, padding, dilation)
+    _checked_norm_given("norm", norm_weight, norm_bias, norm_mean, norm_var)
+    _checked_norm_given("input", input_weight, input_bias, input_mean, input_var)
     if norm_mean is not None:
         _checked_norm("norm", input, geom.out_channels, norm_weight, norm_bias, norm_mean, norm_var)
     if input_mean is not None:
@@ -175,22 +178,41 @@ def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps
 
 @_op("dwconv::pointwise_folded")
 def pointwise_folded(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
-                     norm_bias: Optional[Tensor], norm_mean: Tensor, norm_var: Tensor, norm_eps: float,
-                     activation: int) -> Tensor:
+                     norm_bias: Optional[Tensor], norm_mean: Optional[Tensor], norm_var: Optional[Tensor],
+                     norm_eps: float, activation: int) -> Tensor:
     """A 1x1 convolution (stride 1, no padding, one group) of a channels_last input followed by a
-    BatchNorm in eval mode and an activation (its code in _geometry.ACTIVATION_CODES; dwconv.fuse's
-    trained blocks), nothing differentiated: the BatchNorm folded into the weight and bias (one
-    launch), then (N*H*W, C_in) @ (C_in, C_out) + bias, cuBLAS adding the bias in its product's
-    epilogue, and ReLU there too (`_addmm_activation`); another activation in place on the output.
-    Computes in the input's dtype (autocast's: the caller casts the input); channels_last output.
-    One op, so that once the C++ replayer serves it the folding and the product are one call with no
-    Python (an eager eval forward is bound by its host)."""
+    BatchNorm in eval mode (norm_mean None: none) and an activation (its code in
+    _geometry.ACTIVATION_CODES; dwconv.fuse's trained blocks), nothing differentiated: the BatchNorm
+    folded into the weight and bias (one launch), then (N*H*W, C_in) @ (C_in, C_out) + bias, cuBLAS
+    adding the bias in its product's epilogue, and ReLU there too (`_addmm_activation`); another
+    activation in place on the output. Computes in the input's dtype (autocast's: the caller casts
+    the input); channels_last output. One op, so that once the C++ replayer serves it the folding and
+    the product are one call with no Python (an eager eval forward is bound by its host)."""
     _served_from_cpp(input)
     _checked_pointwise(input, weight)
     weight, bias = _block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
-    if _checked_activation(activation) == ACTIVATION_CODES["relu"]:  # (the fold gives a bias: the epilogue's)
-        return pointwise_product(input, weight, bias, relu=True)
-    return _ACTIVATIONS_IN_PLACE[ACTIVATION_NAMES[activation]](pointwise_product(input, weight, bias))
+    relu = _checked_activation(activation) == ACTIVATION_CODES["relu"] and bias is not None
+    out = _rows_product(input, weight, bias, relu)
+    return out if relu else _ACTIVATIONS_IN_PLACE[ACTIVATION_NAMES[activation]](out)
+
+
+def _rows_product(input: Tensor, weight: Tensor, bias: Optional[Tensor], relu: bool) -> Tensor:
+    """pointwise_product for the op (nothing differentiated), each operand one strided view: a
+    recorded program replays every view step at each call, and permute, reshape and t are two to
+    three steps each where as_strided is one. input: channels_last (its rows of channels one
+    (N*H*W, C_in) matrix, _checked_pointwise); weight: any strides."""
+    batch, in_channels, height, width = input.shape
+    out_channels = weight.shape[0]
+    rows = input.as_strided((batch * height * width, in_channels), (in_channels, 1))
+    columns = weight.as_strided((in_channels, out_channels), (weight.stride(1), weight.stride(0)))
+    if bias is None:
+        out = torch.mm(rows, columns)
+    elif relu:
+        out = torch._addmm_activation(bias, rows, columns)
+    else:
+        out = torch.addmm(bias, rows, columns)
+    return out.as_strided((batch, out_channels, height, width),
+                          (height * width * out_channels, 1, width * out_channels, out_channels))
 
 
 # (each on the op's own fresh output; ReLU is the product's epilogue; GELU has no in-place form)
@@ -230,7 +252,9 @@ def pointwise_product(input: Tensor, weight: Tensor, bias: Optional[Tensor], rel
 def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps, activation):
     _checked_activation(activation)
     _checked_pointwise(input, weight)
-    _checked_norm("norm", input, weight.shape[0], norm_weight, norm_bias, norm_mean, norm_var)
+    _checked_norm_given("norm", norm_weight, norm_bias, norm_mean, norm_var)
+    if norm_mean is not None:
+        _checked_norm("norm", input, weight.shape[0], norm_weight, norm_bias, norm_mean, norm_var)
     return torch.empty((input.shape[0], weight.shape[0], input.shape[2], input.shape[3]), dtype=input.dtype,
                        device=input.device, memory_format=torch.channels_last)
 
@@ -241,6 +265,7 @@ def _block_parameters(input: Tensor, weight: Tensor, bias: Optional[Tensor], nor
     """conv2d_block's weight and bias in the input's dtype, the BatchNorm folded in where it has one."""
     if not (isinstance(weight, Tensor) and weight.is_floating_point()):
         raise TypeError(f"weight must be a floating tensor, got {weight!r:.60}")
+    _checked_norm_given("norm", norm_weight, norm_bias, norm_mean, norm_var)
     if norm_mean is None:
         return weight.to(input.dtype), None if bias is None else bias.to(input.dtype)
     _checked_norm("norm", input, weight.shape[0], norm_weight, norm_bias, norm_mean, norm_var)
@@ -248,6 +273,13 @@ def _block_parameters(input: Tensor, weight: Tensor, bias: Optional[Tensor], nor
         raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
     return _batch_norm_kernels.fold(plain(weight).contiguous(), plain(bias), norm_weight, norm_bias, norm_mean,
                                     norm_var, eps, input.dtype)
+
+
+def _checked_norm_given(name: str, *tensors: Optional[Tensor]) -> None:
+    """A clear error where a BatchNorm's weight, bias or variance is given without its mean (none of
+    them is read then: a silently ignored argument)."""
+    if tensors[2] is None and any(t is not None for t in tensors):
+        raise ValueError(f"{name}_mean must be given with {name}_var, {name}_weight and {name}_bias")
 
 
 def _checked_norm(name: str, input: Tensor, channels: int, *tensors: Optional[Tensor]) -> None:

@@ -318,6 +318,11 @@ class _FoldingConv:
         # (the dtype the product computes in, not the weight's: folded in the graph (gradients wanted)
         # or not folded at all, the weight stays float32 and autocast casts it at the call)
         if _compute_dtype(input, weight) in _PRODUCT_DTYPES and _pointwise_rows(self, input):
+            if not torch.compiler.is_compiling() and weight is self.weight \
+                    and _pointwise_op_computes(self, input, (weight, bias)):
+                # (eager, nothing differentiated: one op call, its views and the weight's cast replayed from C++)
+                return torch.ops.dwconv.pointwise_folded.default(_autocast_input(input), weight, bias, None, None,
+                                                                 None, None, 0.0, ACTIVATION_CODES["identity"])
             return pointwise_product(input, weight, bias)
         return self._conv_forward(input, weight, bias)
 
