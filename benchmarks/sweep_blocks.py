@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from dwconv.kernels.batch_norm import EvalNorm  # noqa: E402
+
 DEVICE = "cuda"
 
 
@@ -71,7 +73,7 @@ def block_tensors(shape, kernel, input_norm: bool, device: str, seed: int = 0):
     if device == "cpu":
         x = torch.empty(shape, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
         channels = shape[1]
-        norm = torch.empty(2, channels) if input_norm else None
+        norm = EvalNorm(*(torch.empty(channels) for _ in range(4)), 1e-5) if input_norm else None
         return x, torch.empty(channels, 1, *kernel, dtype=torch.bfloat16), torch.empty(channels, dtype=torch.bfloat16), norm
     gen = torch.Generator(device=device).manual_seed(seed)
     channels = shape[1]
@@ -79,9 +81,11 @@ def block_tensors(shape, kernel, input_norm: bool, device: str, seed: int = 0):
     weight = (torch.randn(channels, 1, *kernel, device=device, generator=gen) / kernel[0]).to(torch.bfloat16)
     bias = torch.randn(channels, device=device, generator=gen).to(torch.bfloat16)
     norm = None
-    if input_norm:
-        norm = torch.stack([0.5 + torch.rand(channels, device=device, generator=gen),
-                            0.1 * torch.randn(channels, device=device, generator=gen)])
+    if input_norm:  # (scales 0.5 to 1.5, shifts about 0.1)
+        var = torch.rand(channels, device=device, generator=gen) + 0.5
+        norm = EvalNorm((0.5 + torch.rand(channels, device=device, generator=gen)) * var.sqrt(),
+                        0.1 * torch.randn(channels, device=device, generator=gen),
+                        torch.zeros(channels, device=device), var, 0.0)
     return x, weight, bias, norm
 
 
@@ -95,8 +99,8 @@ def reference(x, weight, bias, norm, geom, code):
 
     input_code, output_code = split_activation_code(code)
     x = x.float()
-    if norm is not None:
-        x = x * norm[0].view(1, -1, 1, 1) + norm[1].view(1, -1, 1, 1)
+    if norm is not None:  # (F.batch_norm in eval mode)
+        x = F.batch_norm(x, norm.mean, norm.var, norm.weight, norm.bias, False, 0.0, norm.eps)
     x = INPUT_FUNCTIONS[input_code](x) if input_code else x
     x = F.pad(x, (geom.pad_left, geom.pad_right, geom.pad_top, geom.pad_bottom))  # (any, also uneven, padding)
     out = F.conv2d(x, weight.float(), bias.float(), (geom.stride_h, geom.stride_w), 0,

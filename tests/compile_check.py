@@ -32,6 +32,7 @@ from dwconv import tuning  # noqa: E402
 tuning.override(plan_as_gpu=True)  # the launchers' GPU choices for these CPU tensors (what the GPU compiles)
 
 from dwconv._geometry import conv_geometry, forward_activation_code  # noqa: E402
+from dwconv.kernels.batch_norm import EvalNorm  # noqa: E402
 from dwconv.dispatch import (ForwardConfig, GradWeightConfig, conv_forward, conv_grad_input,  # noqa: E402
                              conv_grad_input_and_weight, conv_grad_weight, launch_forward)
 
@@ -49,9 +50,11 @@ def tensors(shape, kernel, dtype, stride=1, padding=0, dilation=1, multiplier=1,
 def forward(shape, kernel, dtype, config, activation=0, input_norm=False, **conv):
     """input_norm: each input channel scaled and shifted as it loads (a fused block's BatchNorm before)."""
     x, weight, geom, _ = tensors(shape, kernel, dtype, **conv)
-    scale_shift = torch.randn(2, shape[1]) if input_norm else None
+    channels = shape[1]
+    norm = EvalNorm(torch.randn(channels), torch.randn(channels), torch.randn(channels), torch.rand(channels) + 1,
+                    1e-5) if input_norm else None
     conv_forward(x, weight, torch.randn(weight.shape[0]).to(dtype), geom, config, activation=activation,
-                 input_norm=scale_shift)
+                 input_norm=norm)
 
 
 def fused_backward(shape, kernel, dtype, config, **conv):

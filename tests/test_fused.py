@@ -13,6 +13,7 @@ from dwconv._library import conv_arguments
 from dwconv.activations import FUNCTIONS, activation_code
 from dwconv.dispatch import ForwardConfig, conv_forward
 from dwconv.kernels import large_fma
+from dwconv.kernels.batch_norm import EvalNorm
 from dwconv.kernels._shared import output_memory_format
 from helpers import DEVICE, assert_close, poisoned, randn, reference_conv
 
@@ -61,15 +62,20 @@ def activated_forward(family, activation, dtype, has_bias=True, input_activation
         config = ForwardConfig("large_fma", *large_fma.large_fma_blocks(geom))
     out = poisoned(geom.output_shape, dtype, memory_format=output_memory_format(x))
     code = forward_activation_code(activation if input_activation is None else (input_activation, activation))
-    scale_shift = None
-    if input_norm:  # (scales of both signs; shifts of 1 to 3: activated, never near 0)
-        scale_shift = torch.stack([randn(8) + 0.5 * torch.ones(8, device=DEVICE).copysign(randn(8)),
-                                   (1 + 2 * torch.rand(8, device=DEVICE)) * torch.ones(8, device=DEVICE).copysign(randn(8))])
-    out = conv_forward(x, weight, bias, geom, config=config, out=out, activation=code, input_norm=scale_shift)
+    norm = None
+    if input_norm:  # (scales of both signs; shifts of 1 to 3: activated, never near 0; "plain": no affine)
+        scale = randn(8) + 0.5 * torch.ones(8, device=DEVICE).copysign(randn(8))
+        shift = (1 + 2 * torch.rand(8, device=DEVICE)) * torch.ones(8, device=DEVICE).copysign(randn(8))
+        mean, var, eps = randn(8), 0.5 + 1.5 * torch.rand(8, device=DEVICE), 1e-3
+        affine = (scale * (var + eps).sqrt(), shift + mean * scale) if input_norm != "plain" else (None, None)
+        norm = EvalNorm(*affine, mean, var, eps)
+    out = conv_forward(x, weight, bias, geom, config=config, out=out, activation=code, input_norm=norm)
     activated_input = x.double()
-    if input_norm:
-        activated_input = activated_input * scale_shift[0].double().view(1, -1, 1, 1) + \
-            scale_shift[1].double().view(1, -1, 1, 1)
+    if input_norm:  # (F.batch_norm in eval mode in float64, per input channel)
+        view = lambda t: t.double().view(1, -1, 1, 1)  # noqa: E731
+        activated_input = (activated_input - view(norm.mean)) / (view(norm.var) + norm.eps).sqrt()
+        if norm.weight is not None:
+            activated_input = activated_input * view(norm.weight) + view(norm.bias)
     if input_activation is not None:
         activated_input = FUNCTIONS[input_activation](activated_input)
     return out, FUNCTIONS[activation](reference_conv(activated_input, weight, bias, stride, padding, 1))
@@ -135,9 +141,10 @@ def test_every_family_normalizes_its_input(family):
     + [("tile-rolled", "silu")])
 def test_input_norm_with_each_tile_path(family, input_activation):
     """Each tile path's input loads (the band's unrolled and rolled loops, the pixel rows, masked and
-    interior), the BatchNorm alone (identity) or before an activation."""
+    interior), the BatchNorm alone (identity) or before an activation; before ReLU a BatchNorm
+    without weight and bias."""
     out, ref = activated_forward(family, "identity", torch.float32, input_activation=input_activation,
-                                 input_norm=True)
+                                 input_norm="plain" if input_activation == "relu" else True)
     assert_close(out, ref, torch.float32, f"{family} {input_activation}")
 
 

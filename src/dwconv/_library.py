@@ -156,7 +156,7 @@ def conv2d_block(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_wei
     _checked_norm_given("input", input_weight, input_bias, input_mean, input_var)
     if input_mean is not None:
         _checked_norm("input", input, geom.in_channels, input_weight, input_bias, input_mean, input_var)
-        input_norm = _batch_norm_kernels.scale_shift(input_weight, input_bias, input_mean, input_var, input_eps)
+        input_norm = _batch_norm_kernels.EvalNorm(input_weight, input_bias, input_mean, input_var, input_eps)
     return conv_forward(plain(input), plain(weight), plain(bias), geom, activation=_checked_code(activation),
                         input_norm=input_norm)
 

@@ -22,9 +22,10 @@ from ._geometry import (INPUT_ACTIVATION_UNIT, INPUT_FUNCTIONS, ConvGeometry, gr
                         input_grad_geometry, next_power_of_2)
 from .kernels import grad_input as grad_input_family
 from .kernels import grad_weight as grad_weight_family
-from .kernels import large_fma, nchw_pixels, pairs, rows, tile, toeplitz
+from .kernels import batch_norm, large_fma, nchw_pixels, pairs, rows, tile, toeplitz
 from .kernels._launch import ForwardConfig, GradWeightConfig, cached_plan, gpu_plan, layout_key, plan_cache
 from .kernels._shared import channels_last_kernel_applies, output_memory_format, ring_size
+from .kernels.batch_norm import EvalNorm
 from .kernels.weight_sums import weight_grad_sums
 from .tuning import tuned
 
@@ -176,18 +177,18 @@ _FUSED_CONFIGS = plan_cache()
 
 def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                  config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None,
-                 activation: int = 0, input_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 activation: int = 0, input_norm: Optional[EvalNorm] = None) -> torch.Tensor:
     """The forward convolution of checked arguments (out: written into when given), through an
     activation (a code of _geometry.activation_code, applied before the outputs' rounding; with an
-    input activation, that of the input too). input_norm: (2, in_channels), each input channel's
-    scale and shift (a BatchNorm in eval mode), applied to the input before its activation."""
+    input activation, that of the input too). input_norm: a BatchNorm in eval mode over the input's
+    channels (kernels.batch_norm.EvalNorm), applied to the input before its activation."""
     return launch_forward(x, weight, bias, geom, config, out, activation=activation, input_norm=input_norm)[0]
 
 
 def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                    config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None,
                    weight_grad_from: Optional[torch.Tensor] = None, flip_weight: bool = False,
-                   runs: Optional[int] = None, activation: int = 0, input_norm: Optional[torch.Tensor] = None
+                   runs: Optional[int] = None, activation: int = 0, input_norm: Optional[EvalNorm] = None
                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """conv_forward, and the NCHW fused backward: with weight_grad_from (the forward's input; rows or
     "nchw_pixels", stride 1, multiplier 1) this call is grad_input (x = grad_out, weight flipped) and
@@ -219,11 +220,11 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                                            (config.block_h, config.block_w, config.num_warps, config.vec),
                                            activation), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
-           layout_key(weight_grad_from) if fused else None, flip_weight, runs, activation, input_activation,
-           input_norm is not None)
-    plan = cached_plan(_FORWARD_PLANS, key, lambda: _forward_plan(geom, config, x, out, bias is not None,
-                                                                  weight_grad_from, flip_weight, runs, activation,
-                                                                  input_activation, input_norm is not None))
+           layout_key(weight_grad_from) if fused else None, flip_weight, runs, activation, input_activation)
+    norm_key = None if input_norm is None else (input_norm.weight is not None, input_norm.eps)
+    plan = cached_plan(_FORWARD_PLANS, key + (norm_key,),
+                       lambda: _forward_plan(geom, config, x, out, bias is not None, weight_grad_from, flip_weight,
+                                             runs, activation, input_activation, norm_key))
     if plan.kernel == "nchw_pixels":
         return out, nchw_pixels.launch_nchw_pixels(plan, x, weight, bias, out, weight_grad_from)
     if plan.kernel == "rows":
@@ -238,7 +239,7 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.Tensor, out: torch.Tensor,
                   has_bias: bool, features: Optional[torch.Tensor], flip_weight: bool = False,
                   runs: Optional[int] = None, activation: int = 0, input_activation: int = 0,
-                  input_norm: bool = False):
+                  input_norm: Optional[Tuple[bool, float]] = None):
     if config is None:
         config = forward_config(geom, x, out, backward=flip_weight)
     assert not input_activation or config.kernel in tile.TILE_KERNELS, "only the tile kernels activate their input"
@@ -264,12 +265,14 @@ def _takes_input_activation(geom: ConvGeometry, x: torch.Tensor, config: Optiona
 _INPUT_ACTIVATED_CONFIGS = plan_cache()
 
 
-def _normalized(x: torch.Tensor, input_norm: torch.Tensor) -> torch.Tensor:
-    """x * scale + shift per channel (input_norm: conv_forward's), computed in input_norm's dtype
-    and rounded to x's once, as the tile kernels compute it before their input activation."""
+def _normalized(x: torch.Tensor, input_norm: EvalNorm) -> torch.Tensor:
+    """x * scale + shift per channel (input_norm: conv_forward's, its scale and shift by one launch,
+    batch_norm.scale_shift), computed in their dtype and rounded to x's once, as the tile kernels
+    compute it before their input activation (the other families read this)."""
+    scale_shift = batch_norm.scale_shift(*input_norm)
     # (two selects, not an unbind: the C++ replayer's programs take ops of one result)
-    scale, shift = input_norm[0].view(1, -1, 1, 1), input_norm[1].view(1, -1, 1, 1)
-    return torch.addcmul(shift, x.to(input_norm.dtype), scale).to(x.dtype)
+    scale, shift = scale_shift[0].view(1, -1, 1, 1), scale_shift[1].view(1, -1, 1, 1)
+    return torch.addcmul(shift, x.to(scale_shift.dtype), scale).to(x.dtype)
 
 
 def conv_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, geom: ConvGeometry, input_like: torch.Tensor,

@@ -27,7 +27,7 @@ BLOCK_S x BLOCK_C at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -238,16 +238,13 @@ def grad_input_kernel(grad_ptr, y_ptr, grad_y_ptr, totals_ptr, mean_ptr, invstd_
         tl.store(grad_y_ptr + offsets, grad_y.to(grad_y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["channels", "taps", "eps"])  # (one binary for every layer: the kernel is tiny)
-def fold_kernel(weight_ptr, bias_ptr, norm_weight_ptr, norm_bias_ptr, mean_ptr, var_ptr, out_weight_ptr, out_bias_ptr,
-                channels, taps, eps, HAS_BIAS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_C: tl.constexpr,
-                BLOCK_T: tl.constexpr, HAS_WEIGHT: tl.constexpr = True):
-    """weight [channels, taps] * scale and (bias - mean) * scale + beta, scale = gamma / sqrt(var + eps),
-    per output channel, computed in float32 (float64 for float64 statistics). Without HAS_WEIGHT:
-    scale, then shift, into out_weight_ptr's (2, channels) (the BatchNorm as x * scale + shift:
-    scale_shift; one tensor, where two views of it would be two ops more at each replayed call)."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < channels
+@triton.jit
+def _eval_norm(c, c_ok, norm_weight_ptr, norm_bias_ptr, mean_ptr, var_ptr, eps, bias_ptr, AFFINE: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    """A BatchNorm in eval mode per channel c (any shape) as x * scale + shift, after a convolution's
+    bias where HAS_BIAS: scale = gamma / sqrt(var + eps), shift = (bias - mean) * scale + beta, in
+    float32 (float64 for float64 statistics): fold_kernel's, and the tile kernels' input norm's (the
+    values scale_shift writes)."""
     var = tl.load(var_ptr + c, mask=c_ok, other=1.0)
     acc = tl.float64 if var.dtype == tl.float64 else tl.float32
     if acc == tl.float64:
@@ -262,11 +259,26 @@ def fold_kernel(weight_ptr, bias_ptr, norm_weight_ptr, norm_bias_ptr, mean_ptr, 
     shift *= scale
     if AFFINE:
         shift += tl.load(norm_bias_ptr + c, mask=c_ok, other=0.0).to(acc)
+    return scale, shift
+
+
+@triton.jit(do_not_specialize=["channels", "taps", "eps"])  # (one binary for every layer: the kernel is tiny)
+def fold_kernel(weight_ptr, bias_ptr, norm_weight_ptr, norm_bias_ptr, mean_ptr, var_ptr, out_weight_ptr, out_bias_ptr,
+                channels, taps, eps, HAS_BIAS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_C: tl.constexpr,
+                BLOCK_T: tl.constexpr, HAS_WEIGHT: tl.constexpr = True):
+    """weight [channels, taps] * scale and (bias - mean) * scale + beta, scale = gamma / sqrt(var + eps),
+    per output channel, computed in float32 (float64 for float64 statistics). Without HAS_WEIGHT:
+    scale, then shift, into out_weight_ptr's (2, channels) (the BatchNorm as x * scale + shift:
+    scale_shift; one tensor, where two views of it would be two ops more at each replayed call)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    scale, shift = _eval_norm(c, c_ok, norm_weight_ptr, norm_bias_ptr, mean_ptr, var_ptr, eps, bias_ptr, AFFINE, HAS_BIAS)
     if not HAS_WEIGHT:
         tl.store(out_weight_ptr + c, scale.to(out_weight_ptr.dtype.element_ty), mask=c_ok)
         tl.store(out_weight_ptr + channels + c, shift.to(out_weight_ptr.dtype.element_ty), mask=c_ok)
         return
     tl.store(out_bias_ptr + c, shift.to(out_bias_ptr.dtype.element_ty), mask=c_ok)
+    acc = scale.dtype
     for first in range(0, taps, BLOCK_T):
         t = first + tl.arange(0, BLOCK_T)
         offsets = c[:, None].to(tl.int64) * taps + t[None, :]
@@ -507,6 +519,17 @@ def fold(weight: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: Option
     if written == dtype:  # (no `.to` at all: a recorded program replays each call, a no-op's too)
         return out_weight, out_bias
     return out_weight.to(dtype), out_bias.to(dtype)
+
+
+class EvalNorm(NamedTuple):
+    """A BatchNorm in eval mode as a convolution applies it to its input (the tile kernels compute
+    its scale and shift themselves): weight and bias (both or neither), running mean and variance,
+    contiguous floating vectors of the input's channels, and eps."""
+    weight: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    mean: torch.Tensor
+    var: torch.Tensor
+    eps: float
 
 
 def scale_shift(norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor], running_mean: torch.Tensor,

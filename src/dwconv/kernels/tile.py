@@ -29,7 +29,7 @@ from ._launch import (ForwardConfig, GradWeightConfig, LaunchPlan, alignment, ca
                       new_partial, plan_cache)
 from ._shared import (_activate, _activation_slope, _load_weights, _tap_weights, acc_dtype,
                       channels_last_kernel_applies, forward_constants, needs_int64, partial_dtype)
-from .batch_norm import _scale_shift
+from .batch_norm import EvalNorm, _eval_norm, _scale_shift
 from .weight_sums import sum_partials, weight_grad_sums
 
 
@@ -380,12 +380,12 @@ def _tile_pixels(base, first_row, first_col, c_ok, rows, cols, stride_h, stride_
 
 
 def depthwise_fwd_tile_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, in_norm_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, in_weight_ptr, in_bias_ptr, in_mean_ptr, in_var_ptr,
     out_channels, in_h, in_w, out_h, out_w,
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
     w_stride_c, w_stride_tap, w_first_tap,
-    stride_w, pad_top, pad_left, dilation_w,
+    stride_w, pad_top, pad_left, dilation_w, in_eps,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_ACTIVATION: tl.constexpr,
     INPUT_NORM: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
@@ -408,10 +408,11 @@ def depthwise_fwd_tile_kernel(
     INPUT_ACTIVATION: an activation's code (_activate's) applied to each input value as it loads,
     one that maps 0 to 0 (the masked loads' zeros stay the padding's): the activation of the layer
     before, fused (no pass of its own over that layer's output).
-    INPUT_NORM: each input value is first multiplied by its channel's in_norm_ptr[c] and added
-    in_norm_ptr[in_channels + c] (float32; the BatchNorm in eval mode before that activation, so
-    that the layer before's convolution needs no folding of its own), the padding's values zeroed
-    after both.
+    INPUT_NORM (1 with a weight and bias, 2 without): each input value first goes through the
+    BatchNorm in eval mode before that activation (in_weight_ptr, in_bias_ptr, in_mean_ptr,
+    in_var_ptr, in_eps: its own tensors, as x * scale + shift, computed here as fold_kernel computes
+    them: no launch of its own), so that the layer before's convolution needs no folding of its own;
+    the padding's values zeroed after both.
     INTERIOR_TILES: whether any tile can be interior (ConvGeometry.has_interior_tile); if not, only
     the masked branch is compiled (Triton's coalescing pass takes time superlinear in the code: a
     7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine)."""
@@ -436,8 +437,10 @@ def depthwise_fwd_tile_kernel(
     in_scale = None
     in_shift = None
     if INPUT_NORM:
-        in_scale = tl.load(in_norm_ptr + in_c, mask=c_ok, other=0.0).to(ACC_DTYPE)
-        in_shift = tl.load(in_norm_ptr + out_channels // MULTIPLIER + in_c, mask=c_ok, other=0.0).to(ACC_DTYPE)
+        in_scale, in_shift = _eval_norm(in_c, c_ok, in_weight_ptr, in_bias_ptr, in_mean_ptr, in_var_ptr, in_eps,
+                                        in_mean_ptr, INPUT_NORM == 1, False)
+        in_scale = in_scale.to(ACC_DTYPE)
+        in_shift = in_shift.to(ACC_DTYPE)
     w_taps = w_ptr + w_first_tap + out_c * w_stride_c  # (tap t at + t * w_stride_tap: negative when flipped)
     # Most strips of a large image read only inside it: those skip every bounds test (the masked
     # loads' tests and zero fills were half the instructions of a 3x3 tile).
@@ -939,11 +942,11 @@ def input_activation_code(code: int, x: torch.Tensor) -> int:
 
 def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
                  flip_weight: bool = False, activation: int = 0, input_activation: int = 0,
-                 input_norm: bool = False) -> LaunchPlan:
+                 input_norm: Optional[Tuple[bool, float]] = None) -> LaunchPlan:
     """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc", "nhwc_pixels":
     unit channel strides). input_activation: the code of one applied to the input's values as they
-    load (one that maps 0 to 0: _geometry.INPUT_ACTIVATIONS); input_norm: each input channel scaled
-    and shifted before it (forward's input_norm)."""
+    load (one that maps 0 to 0: _geometry.INPUT_ACTIVATIONS); input_norm: (affine, eps) of a
+    BatchNorm in eval mode applied to each input channel before it (forward's input_norm)."""
     nhwc = config.kernel in NHWC_KERNELS
     assert not nhwc or channels_last_kernel_applies(x, out), "the NHWC tiles need unit channel strides"
     taps = geom.kernel_h * geom.kernel_w
@@ -954,13 +957,14 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
     tiles = cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
                *_weight_strides(config.kernel, geom, flip_weight, x), geom.stride_w, geom.pad_top, geom.pad_left,
-               geom.dilation_w)
+               geom.dilation_w, 0.0 if input_norm is None else input_norm[1])
     unroll = taps <= tuned().max_band_taps
     assert config.block_h * taps <= _band_limit(x.device) or config.block_h == 1, "band too long to unroll"
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
     constants = dict(
         forward_constants(geom, config, x, out, has_bias, activation),
-        INPUT_ACTIVATION=input_activation_code(input_activation, x), INPUT_NORM=input_norm,
+        INPUT_ACTIVATION=input_activation_code(input_activation, x),
+        INPUT_NORM=0 if input_norm is None else 1 if input_norm[0] else 2,
         # offsets inside one image (not one plane) for the channels_last tiles
         INDEX_64=needs_int64(x, out, first_dim=1 if nhwc else 2), STRIDE_H=geom.stride_h,
         DILATION_H=geom.dilation_h, UNROLL=unroll, BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,
@@ -976,15 +980,15 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
 
 
 def forward(plan: LaunchPlan, geom: ConvGeometry, x: torch.Tensor, weight: torch.Tensor,
-            bias: Optional[torch.Tensor], out: torch.Tensor, input_norm: Optional[torch.Tensor] = None) -> None:
-    """input_norm: with a plan of input_norm, (2, in_channels) float32 (float64 for float64 inputs),
-    contiguous: each input channel's scale, then its shift."""
+            bias: Optional[torch.Tensor], out: torch.Tensor, input_norm: Optional[EvalNorm] = None) -> None:
+    """input_norm: with a plan of input_norm, the BatchNorm's tensors (batch_norm.EvalNorm)."""
     if weight_taps_major(plan.kernel, x):
         weight = weight.reshape(geom.out_channels, -1).t()
     weight = weight.contiguous()
     kernel = depthwise_fwd_pixels_kernel if plan.constants["PIXELS"] else depthwise_fwd_tile_kernel
-    launch(kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, out,
-           input_norm if input_norm is not None else weight)
+    norm = (weight,) * 4 if input_norm is None else \
+        tuple(input_norm.mean if t is None else t for t in input_norm[:4])  # (absent ones: any pointer)
+    launch(kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, out, *norm)
 
 
 # ---- the channels_last backward ---------------------------------------------------------------------
