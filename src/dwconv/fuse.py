@@ -16,7 +16,8 @@ its input as it loads it, and the convolution folds nothing
 (`find_input_activations`, `_input_link`). A fused eval call that nothing differentiates is one
 registered op, `dwconv::conv2d_block`, which folds inside its own program; so is a trained block's
 1x1 convolution of a channels_last half-precision input, folding, product and activation (ReLU in
-the product's epilogue: `dwconv::pointwise_folded`).
+the product's epilogue: `dwconv::pointwise_folded`), and, eager, the product alone of such an
+expansion whose BatchNorm the depthwise layer applies (the same op without a BatchNorm).
 
 Nothing is replaced: the three modules keep their identity, parameters, buffers and state_dict
 keys; only their classes change (FusedDepthwiseConv2d, and subclasses of the norm's and the
