@@ -68,7 +68,9 @@ def activated_forward(family, activation, dtype, has_bias=True, input_activation
         shift = (1 + 2 * torch.rand(8, device=DEVICE)) * torch.ones(8, device=DEVICE).copysign(randn(8))
         mean, var, eps = randn(8), 0.5 + 1.5 * torch.rand(8, device=DEVICE), 1e-3
         affine = (scale * (var + eps).sqrt(), shift + mean * scale) if input_norm != "plain" else (None, None)
-        norm = EvalNorm(*affine, mean, var, eps)
+        # (a float64 model's BatchNorm is float64: its scale and shift then computed in float64)
+        statistics_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        norm = EvalNorm(*(None if t is None else t.to(statistics_dtype) for t in (*affine, mean, var)), eps)
     out = conv_forward(x, weight, bias, geom, config=config, out=out, activation=code, input_norm=norm)
     activated_input = x.double()
     if input_norm:  # (F.batch_norm in eval mode in float64, per input channel)
@@ -192,6 +194,14 @@ def test_float64_activations(family):
     for activation in ("silu", "gelu", "gelu_tanh"):  # (exp and erf in float64)
         out, ref = activated_forward(family, activation, torch.float64, has_bias=False)
         assert_close(out, ref, torch.float64, f"{family} {activation}")
+
+
+@pytest.mark.parametrize("family", ["tile", "nhwc_pixels"])
+def test_float64_input_norm(family):
+    """A float64 BatchNorm before the input activation: its scale and shift computed in float64 (in
+    float32 they would be off by float32's rounding, far outside float64's tolerance)."""
+    out, ref = activated_forward(family, "identity", torch.float64, input_activation="silu", input_norm=True)
+    assert_close(out, ref, torch.float64, family)
 
 
 # ---- the functional and the module ----------------------------------------------------------------
