@@ -7,7 +7,8 @@ choices (docs/decisions.md, "In eval mode the other BatchNorms fold"):
     fold+conv    the BatchNorm folded into the convolution's weight and bias: cuDNN's convolution,
                  which adds the bias in a pass of its own, then the activation
     fold+product a 1x1 convolution of a channels_last input as the matrix product with the bias in
-                 cuBLAS's epilogue (_library.pointwise_product), then the activation
+                 cuBLAS's epilogue (_library._rows_product, as dwconv::pointwise_folded runs it), then
+                 the activation
     fold+product+relu   the same with ReLU in the epilogue too (torch._addmm_activation)
     converted    the block as convert(fuse=True) runs it (its folding at each call included)
 
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import dwconv  # noqa: E402
 from dwconv.activations import FUNCTIONS, activation_of  # noqa: E402
 from dwconv.bench import checked_and_timed  # noqa: E402
-from dwconv._library import pointwise_product  # noqa: E402
+from dwconv._library import _rows_product  # noqa: E402
 from dwconv.fuse import _pointwise_rows, fold_batch_norm  # noqa: E402
 
 # (name, batch, in channels, height, width, out channels, kernel, stride, activation module)
@@ -75,9 +76,9 @@ def paths(stock: nn.Module, x: torch.Tensor) -> dict:
     calls = {"stock": lambda: stock(x), "converted": lambda: converted(x),
              "fold+conv": lambda: activate(conv._conv_forward(x, weight, bias))}
     if _pointwise_rows(conv, x):
-        calls["fold+product"] = lambda: activate(pointwise_product(x, weight, bias))
+        calls["fold+product"] = lambda: activate(_rows_product(x, weight, bias, relu=False))
         if name == "relu":
-            calls["fold+product+relu"] = lambda: pointwise_product(x, weight, bias, relu=True)
+            calls["fold+product+relu"] = lambda: _rows_product(x, weight, bias, relu=True)
     return {label: under_autocast(fn) for label, fn in calls.items()}
 
 

@@ -200,7 +200,8 @@ def _rows_product(input: Tensor, weight: Tensor, bias: Optional[Tensor], relu: b
     """pointwise_product for the op (nothing differentiated), each operand one strided view: a
     recorded program replays every view step at each call, and permute, reshape and t are two to
     three steps each where as_strided is one. input: channels_last (its rows of channels one
-    (N*H*W, C_in) matrix, _checked_pointwise); weight: any strides."""
+    (N*H*W, C_in) matrix, _checked_pointwise); weight: any strides. relu (with a bias): ReLU in
+    cuBLASLt's epilogue too (`torch._addmm_activation`, which has no derivative)."""
     batch, in_channels, height, width = input.shape
     out_channels = weight.shape[0]
     rows = input.as_strided((batch * height * width, in_channels), (in_channels, 1))
@@ -233,19 +234,15 @@ def _checked_pointwise(input: Tensor, weight: Tensor) -> None:
                          f"{getattr(weight, 'shape', weight)!r:.60}")
 
 
-def pointwise_product(input: Tensor, weight: Tensor, bias: Optional[Tensor], relu: bool = False) -> Tensor:
+def pointwise_product(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """A 1x1 convolution (stride 1, no padding, one group) of a channels_last input as (N*H*W, C_in)
     @ (C_in, C_out) plus the bias, the output channels_last: cuBLAS adds the bias in its product's
     epilogue, where cuDNN's convolution adds it in a pass of its own over the output
-    (docs/decisions.md, "In eval mode the other BatchNorms fold"). relu: ReLU in that epilogue too
-    (`torch._addmm_activation`, which has no derivative: nothing differentiated; a bias given)."""
+    (docs/decisions.md, "In eval mode the other BatchNorms fold"). Differentiable, and what
+    torch.compile traces; the op computes the same by _rows_product."""
     # (the NHWC view is contiguous: one (N*H*W, C_in) matrix, no copy)
     rows, weight = input.permute(0, 2, 3, 1), weight.reshape(weight.shape[0], weight.shape[1])
-    if relu:
-        out = torch._addmm_activation(bias, rows.reshape(-1, rows.shape[-1]), weight.t()).view(*rows.shape[:3], -1)
-    else:
-        out = torch.nn.functional.linear(rows, weight, bias)
-    return out.permute(0, 3, 1, 2)
+    return torch.nn.functional.linear(rows, weight, bias).permute(0, 3, 1, 2)
 
 
 @pointwise_folded.register_fake

@@ -319,8 +319,7 @@ class _FoldingConv:
         # (the dtype the product computes in, not the weight's: folded in the graph (gradients wanted)
         # or not folded at all, the weight stays float32 and autocast casts it at the call)
         if _compute_dtype(input, weight) in _PRODUCT_DTYPES and _pointwise_rows(self, input):
-            if not torch.compiler.is_compiling() and weight is self.weight \
-                    and _pointwise_op_computes(self, input, (weight, bias)):
+            if not torch.compiler.is_compiling() and weight is self.weight and _op_computes(input, (weight, bias)):
                 # (eager, nothing differentiated: one op call, its views and the weight's cast replayed from C++)
                 return torch.ops.dwconv.pointwise_folded.default(_autocast_input(input), weight, bias, None, None,
                                                                  None, None, 0.0, ACTIVATION_CODES["identity"])
@@ -356,8 +355,13 @@ def _pointwise_op_computes(conv: nn.Conv2d, input: torch.Tensor, tensors: tuple)
     precision of a channels_last input (_pointwise_rows), the block op's conditions on the tensors
     (_block_op_computes: nothing differentiated), and not a warmup's fake run (whose folding
     _folded_parameters records for the compile)."""
-    return (not precompile._TRACING.__dict__.get("active") and _compute_dtype(input, input) in _PRODUCT_DTYPES
-            and _pointwise_rows(conv, input) and _block_op_computes(input, tensors))
+    return _compute_dtype(input, input) in _PRODUCT_DTYPES and _pointwise_rows(conv, input) \
+        and _op_computes(input, tensors)
+
+
+def _op_computes(input: torch.Tensor, tensors: tuple) -> bool:
+    """_block_op_computes, and not a warmup's fake run."""
+    return not precompile._TRACING.__dict__.get("active") and _block_op_computes(input, tensors)
 
 
 class _TrainedActivation:
