@@ -13,6 +13,18 @@ def arg_names(kernel) -> List[str]:
     return kernel.arg_names
 
 
+def float64_parameters(kernel) -> frozenset:
+    """The names of a @triton.jit kernel's parameters annotated tl.float64 (compiled or under the
+    interpreter), as Triton's launcher reads the annotations."""
+    import inspect
+
+    from triton.runtime.jit import _normalize_ty
+
+    parameters = inspect.signature(kernel.fn).parameters.values()
+    return frozenset(p.name for p in parameters
+                     if p.annotation is not inspect.Parameter.empty and _normalize_ty(p.annotation) == "fp64")
+
+
 def launch_compiled(compiled, grid: Tuple[int, int, int], *args) -> None:
     """Launches a CompiledKernel (what a JITFunction launch returns) directly, skipping the
     JITFunction's per-call specialisation and cache lookup; args: the non-constexpr arguments."""

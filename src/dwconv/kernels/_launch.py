@@ -17,7 +17,7 @@ from typing import Callable, Dict, Hashable, Optional, Tuple, TypeVar
 
 import torch
 
-from .._triton_compat import arg_names, launch_compiled
+from .._triton_compat import arg_names, float64_parameters, launch_compiled
 from ..tuning import on_change, tuned
 
 T = TypeVar("T")
@@ -170,6 +170,7 @@ def launch_now(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
             launch_now(kernel, plan, *tensors)
         return
     if not tensors[0].is_cuda:
+        _check_float_scalars(kernel, plan, len(tensors))
         with _INTERPRETER_LOCK:
             kernel[plan.grid](*tensors, *plan.scalars, **plan.constants)
         return
@@ -187,6 +188,18 @@ def launch_now(kernel, plan: LaunchPlan, *tensors: torch.Tensor) -> None:
     if compiled is not None and all(name in plan.constants for name in names):
         grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
         plan.compiled[key] = (pointers, compiled, grid, plan.scalars + tuple(plan.constants[n] for n in names))
+
+
+def _check_float_scalars(kernel, plan: LaunchPlan, tensors: int) -> None:
+    """Refuses a float scalar for a parameter not annotated tl.float64. Triton's launcher passes such
+    a float as float32 (a float64 model's eps 1e-3 off by 5e-11, its momentum 0.1 by 1.5e-9), but its
+    interpreter keeps Python's float64, so no CPU test of values sees the difference: checked here,
+    under the interpreter, every launch of every test."""
+    names = arg_names(kernel)[tensors:tensors + len(plan.scalars)]
+    wrong = [name for name, value in zip(names, plan.scalars)
+             if isinstance(value, float) and name not in float64_parameters(kernel)]
+    if wrong:
+        raise TypeError(f"{kernel.fn.__name__}: float arguments {wrong} need a tl.float64 annotation")
 
 
 def gpu_plan(device: torch.device) -> bool:

@@ -112,11 +112,13 @@ def statistics_kernel(y_ptr, partial_ptr, channels, inner, chunk, chunks, outer_
 
 @triton.jit(do_not_specialize=_RUNTIME[:3] + ["parts", "momentum", "eps"])
 def statistics_sums_kernel(partial_ptr, mean_ptr, invstd_ptr, running_mean_ptr, running_var_ptr,
-                           channels, inner, chunk, chunks, parts, momentum, eps,
+                           channels, inner, chunk, chunks, parts, momentum: tl.float64, eps: tl.float64,
                            UPDATE_RUNNING: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < channels
     acc: tl.constexpr = partial_ptr.dtype.element_ty
+    momentum = tl.full([], momentum, acc)
+    eps = tl.full([], eps, acc)
     count = tl.zeros([], dtype=acc)
     mean = tl.zeros([BLOCK_C], dtype=acc)
     m2 = tl.zeros([BLOCK_C], dtype=acc)
@@ -247,6 +249,7 @@ def _eval_norm(c, c_ok, norm_weight_ptr, norm_bias_ptr, mean_ptr, var_ptr, eps, 
     values scale_shift writes)."""
     var = tl.load(var_ptr + c, mask=c_ok, other=1.0)
     acc = tl.float64 if var.dtype == tl.float64 else tl.float32
+    eps = tl.full([], eps, acc)
     if acc == tl.float64:
         scale = 1.0 / tl.sqrt(var.to(acc) + eps)
     else:
@@ -264,7 +267,7 @@ def _eval_norm(c, c_ok, norm_weight_ptr, norm_bias_ptr, mean_ptr, var_ptr, eps, 
 
 @triton.jit(do_not_specialize=["channels", "taps", "eps"])  # (one binary for every layer: the kernel is tiny)
 def fold_kernel(weight_ptr, bias_ptr, norm_weight_ptr, norm_bias_ptr, mean_ptr, var_ptr, out_weight_ptr, out_bias_ptr,
-                channels, taps, eps, HAS_BIAS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_C: tl.constexpr,
+                channels, taps, eps: tl.float64, HAS_BIAS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_C: tl.constexpr,
                 BLOCK_T: tl.constexpr, HAS_WEIGHT: tl.constexpr = True):
     """weight [channels, taps] * scale and (bias - mean) * scale + beta, scale = gamma / sqrt(var + eps),
     per output channel, computed in float32 (float64 for float64 statistics). Without HAS_WEIGHT:

@@ -385,7 +385,7 @@ def depthwise_fwd_tile_kernel(
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
     w_stride_c, w_stride_tap, w_first_tap,
-    stride_w, pad_top, pad_left, dilation_w, in_eps,
+    stride_w, pad_top, pad_left, dilation_w, in_eps: tl.float64,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_ACTIVATION: tl.constexpr,
     INPUT_NORM: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
