@@ -134,13 +134,17 @@ def fused_now(block: tuple) -> bool:
     parametrize, as weight_norm and spectral_norm are now: the fused calls read the modules' own
     parameters). Each of the three modules asks at each
     call and gets the same answer: no state passes between them (threads, re-entrant calls)."""
-    if not _holds(block[3]):
-        return False
+    return _holds(block[3]) and _unhooked(block[:3])
+
+
+def _unhooked(modules: tuple) -> bool:
+    """Whether no hook, on these modules (None: none) or on every module, and no parametrization of
+    theirs would see or change a value inside a fused call (fused_now)."""
     hooks = _MODULE_GLOBALS
     if hooks["_global_forward_hooks"] or hooks["_global_forward_pre_hooks"] or hooks["_global_backward_hooks"] \
             or hooks.get("_global_backward_pre_hooks"):
         return False
-    for m in block[:3]:
+    for m in modules:
         if m is not None:
             state = m.__dict__  # (not through the class's attribute lookup: a few hundred calls a forward)
             if state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"] \
@@ -380,6 +384,84 @@ class _TrainedActivation:
         return "computed by its BatchNorm in training" + (", " + super().extra_repr() if super().extra_repr() else "")
 
 
+# ---- squeeze-and-excitation blocks ---------------------------------------------------------------
+
+# the classes whose forward is known, by module and name (neither library need be installed): the
+# names of their reduce convolution, activation, expand convolution, gate, and average pool (None:
+# the forward takes the mean itself)
+_SQUEEZE_EXCITE_CLASSES = {
+    ("torchvision.ops.misc", "SqueezeExcitation"): ("fc1", "activation", "fc2", "scale_activation", "avgpool"),
+    ("timm.models._efficientnet_blocks", "SqueezeExcite"): ("conv_reduce", "act1", "conv_expand", "gate", None),
+}
+
+
+class _SqueezeExcite:
+    """A squeeze-and-excitation module (_SQUEEZE_EXCITE_CLASSES) that computes as one registered op,
+    dwconv::squeeze_excite, in eager where nothing is differentiated and its members are as they were
+    found, without hooks (_squeeze_now); otherwise (and under torch.compile, whose kernels fuse the
+    block already) it runs as its own class does."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return _traced_as_a_call(self, input)
+        arguments = _squeeze_now(self)
+        if arguments is not None and not torch.compiler.is_compiling() and _op_computes(input, arguments[:4]):
+            return torch.ops.dwconv.squeeze_excite.default(input, *arguments)
+        return super().forward(input)
+
+    def extra_repr(self) -> str:
+        return "one op in eager where nothing is differentiated" + (", " + super().extra_repr()
+                                                                    if super().extra_repr() else "")
+
+
+def _squeeze_now(module: nn.Module) -> Optional[tuple]:
+    """squeeze_excite's arguments after the input for a found squeeze-and-excitation module at this
+    call (its convolutions' weights and biases, the activation's and the gate's codes), or None where
+    a member is no longer where it was found or not a 1x1 convolution, or a hook or parametrization
+    would see inside the block."""
+    places, activation, gate = module.__dict__["dwconv_squeeze"]
+    if not _holds(places) or not _unhooked((module,) + tuple(member for _, _, member in places)):
+        return None
+    reduce, expand = places[0][2], places[2][2]
+    if not (_is_pointwise(reduce) and _is_pointwise(expand)):
+        return None
+    return (reduce._parameters["weight"], reduce._parameters["bias"], expand._parameters["weight"],
+            expand._parameters["bias"], activation, gate)
+
+
+def _is_pointwise(conv: nn.Module) -> bool:
+    """Whether conv is a plain nn.Conv2d of 1x1, stride 1, no padding, one group."""
+    return (type(conv) is nn.Conv2d and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
+            and conv.padding in ((0, 0), "valid") and conv.dilation == (1, 1) and conv.groups == 1)
+
+
+def find_squeeze_excites(model: nn.Module) -> List[nn.Module]:
+    """Each module of a _SQUEEZE_EXCITE_CLASSES class whose members the op computes: 1x1 convolutions
+    from the input's channels and back, an activation of ACTIVATION_CODES, a sigmoid or hard sigmoid
+    gate, and (torchvision's) an average pool to 1x1. Each takes the role of _SqueezeExcite."""
+    found = []
+    for module in model.modules():
+        names = _SQUEEZE_EXCITE_CLASSES.get((type(module).__module__, type(module).__name__))
+        if names is None:
+            continue
+        reduce, activation, expand, gate, pool = (module._modules.get(name) if name else None for name in names)
+        if not (_is_pointwise(reduce) and _is_pointwise(expand) and reduce.in_channels == expand.out_channels
+                and reduce.out_channels == expand.in_channels):
+            continue
+        activation_name = activation_of(activation) if isinstance(activation, nn.Module) else None
+        gate_code = 0 if type(gate) is nn.Sigmoid else 1 if activation_of(gate) == "hardsigmoid" else None
+        if activation_name is None or gate_code is None:
+            continue
+        if names[4] is not None and not (type(pool) is nn.AdaptiveAvgPool2d and pool.output_size in (1, (1, 1))):
+            continue
+        places = tuple((module, name, member) for name, member in zip(names, (reduce, activation, expand, gate, pool))
+                       if name)
+        module.__dict__["dwconv_squeeze"] = (places, ACTIVATION_CODES[activation_name], gate_code)
+        module.__class__ = folded_class("squeeze excite", type(module))
+        found.append(module)
+    return found
+
+
 def _normalized_in_training(conv: FusedDepthwiseConv2d, y: torch.Tensor) -> torch.Tensor:
     """The block's BatchNorm (training) and activation after its convolution's output y."""
     _, norm, activation_module, _ = conv.dwconv_block
@@ -484,14 +566,14 @@ def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Prox
 # a block's module roles: (the behaviour mixed in, the class name's prefix)
 _ROLES = {"norm": (_PassedThrough, "Folded"), "activation": (_PassedThrough, "Fused"),
           "trained norm": (_TrainedNorm, "Trained"), "trained activation": (_TrainedActivation, "Trained"),
-          "trained conv": (_FoldingConv, "Folding")}
+          "trained conv": (_FoldingConv, "Folding"), "squeeze excite": (_SqueezeExcite, "Fused")}
 
 
 @functools.lru_cache(maxsize=None)
 def folded_class(role: str, cls: type) -> type:
     """cls with a block's role (a subclass, so its own forward, super() calls and isinstance hold),
     one class for each (_ROLES: a depthwise block's "norm" or "activation", a trained block's
-    "trained norm", "trained activation" or "trained conv"). Pickled and copied by role and class."""
+    "trained norm", "trained activation" or "trained conv"; a "squeeze excite" module). Pickled and copied by role and class."""
     mixin, prefix = _ROLES[role]
     return type(prefix + cls.__name__, (mixin, cls),
                 {"__reduce_ex__": _reduce, "__module__": __name__, "dwconv_role": role})
@@ -763,11 +845,12 @@ def _ends_in_both_modes(parent: nn.Module) -> Optional[Tuple[Optional[str], Opti
     return found[0] if found[0] == found[1] else None
 
 
-def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter, int]:
+def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter, int, int]:
     """Makes each block find_blocks proves a fused one, and each find_norm_blocks proves a trained
-    one (the modules' classes change), and links each find_input_activations finds; returns the
-    blocks (the depthwise blocks first), why other converted layers are not fused, and how many
-    activations their depthwise layer applies in eval mode."""
+    one (the modules' classes change), links each find_input_activations finds, and makes each
+    squeeze-and-excitation module find_squeeze_excites finds one op; returns the blocks (the
+    depthwise blocks first), why other converted layers are not fused, how many activations their
+    depthwise layer applies in eval mode, and how many squeeze-and-excitation modules are one op."""
     blocks, left = find_blocks(model)
     taken = {id(m) for block in blocks for m in block[1:3] if m is not None}
     norm_blocks = find_norm_blocks(model, taken)
@@ -785,7 +868,7 @@ def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter, int
     for (conv, norm, activation_module, _, _), activation, depthwise, between in links:
         depthwise.__dict__["dwconv_input"] = (norm.dwconv_block, activation, between)
         (activation_module if activation_module is not None else norm).__dict__["dwconv_applied_by"] = depthwise
-    return blocks + norm_blocks, left, len(links)
+    return blocks + norm_blocks, left, len(links), len(find_squeeze_excites(model))
 
 
 def _join(block: tuple, members: tuple) -> None:

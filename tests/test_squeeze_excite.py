@@ -1,0 +1,236 @@
+"""The squeeze-and-excitation block as one op (dwconv::squeeze_excite, kernels/channel_scale) against
+PyTorch's ops in float64, and dwconv.fuse's use of it: where it computes, and where the module's own
+forward must run instead."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dwconv
+from dwconv._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS
+from dwconv._library import GATE_NAMES
+from helpers import DEVICE, TOLERANCES, assert_close, randn
+
+GATE_CODES = {name: code for code, name in GATE_NAMES.items()}
+GATE_FUNCTIONS = {"sigmoid": torch.sigmoid, "hardsigmoid": F.hardsigmoid}
+
+
+def reference(x, reduce_weight, reduce_bias, expand_weight, expand_bias, activation, gate):
+    """The block in float64, as torchvision's SqueezeExcitation computes it."""
+    d = lambda t: None if t is None else t.double().cpu()  # noqa: E731
+    x64 = d(x)
+    hidden = ACTIVATION_FUNCTIONS[activation](F.conv2d(x64.mean((2, 3), keepdim=True), d(reduce_weight), d(reduce_bias)))
+    return x64 * GATE_FUNCTIONS[gate](F.conv2d(hidden, d(expand_weight), d(expand_bias)))
+
+
+def parameters(channels, hidden, bias=True, dtype=torch.float32):
+    return (randn(hidden, channels, 1, 1, dtype=dtype), randn(hidden, dtype=dtype) if bias else None,
+            randn(channels, hidden, 1, 1, dtype=dtype), randn(channels, dtype=dtype) if bias else None)
+
+
+def run_op(x, tensors, activation, gate):
+    return torch.ops.dwconv.squeeze_excite.default(x, *tensors, ACTIVATION_CODES[activation], GATE_CODES[gate])
+
+
+# (batch, channels, height, width, hidden): odd and prime sizes; one channel and pixel; an image of
+# more elements than one program takes (the interpreter's 4096, the GPU's 2048)
+SHAPES = [(3, 13, 5, 7, 5), (1, 1, 1, 1, 1), (2, 40, 11, 13, 6)]
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "nchw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_op_against_float64(shape, dtype, layout):
+    """Every dtype and both layouts; the output in the input's dtype and memory format; the
+    parameters float32 under a half-precision input, as autocast leaves them."""
+    batch, channels, height, width, hidden = shape
+    x = (2 * randn(batch, channels, height, width)).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    tensors = parameters(channels, hidden, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    out = run_op(x, tensors, "silu", "sigmoid")
+    assert out.dtype == dtype and out.stride() == x.stride()
+    assert_close(out, reference(x, *tensors, "silu", "sigmoid"), dtype)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("activation,gate", [("relu", "hardsigmoid"), ("hardswish", "sigmoid"), ("gelu", "sigmoid"),
+                                             ("identity", "hardsigmoid")])
+def test_op_activations_and_gates(activation, gate, bias):
+    """Each gate, activations of both kinds (in place or not), with and without the biases; the
+    parameters bfloat16 (a model cast to it) under a bfloat16 input."""
+    x = (3 * randn(2, 24, 6, 9)).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    tensors = parameters(24, 7, bias, dtype=torch.bfloat16)
+    assert_close(run_op(x, tensors, activation, gate), reference(x, *tensors, activation, gate), torch.bfloat16)
+
+
+def test_op_refuses_what_it_cannot_compute():
+    """An error naming the argument, never a crash or a silent answer."""
+    x = randn(2, 8, 5, 5)
+    good = parameters(8, 3)
+    cases = [((randn(2, 8, 5), *good), "input"), ((x.int(), *good), "input"),
+             ((x, randn(3, 7, 1, 1), *good[1:]), "reduce_weight"),
+             ((x, randn(3, 8, 3, 3), *good[1:]), "reduce_weight"),
+             ((x, good[0], randn(4), *good[2:]), "reduce_bias"),
+             ((x, *good[:2], randn(8, 4, 1, 1), good[3]), "expand_weight"),
+             ((x, *good[:3], randn(3)), "expand_bias"),
+             ((x, good[0].int(), *good[1:]), "reduce_weight")]
+    for arguments, name in cases:
+        with pytest.raises(ValueError, match=name):
+            torch.ops.dwconv.squeeze_excite.default(*arguments, ACTIVATION_CODES["relu"], 0)
+    with pytest.raises(ValueError, match="activation"):
+        torch.ops.dwconv.squeeze_excite.default(x, *good, 99, 0)
+    with pytest.raises(ValueError, match="gate"):
+        torch.ops.dwconv.squeeze_excite.default(x, *good, ACTIVATION_CODES["relu"], 2)
+
+
+def test_opcheck():
+    x = randn(2, 8, 5, 3).contiguous(memory_format=torch.channels_last)
+    torch.library.opcheck(torch.ops.dwconv.squeeze_excite.default,
+                          (x, *parameters(8, 3), ACTIVATION_CODES["silu"], GATE_CODES["sigmoid"]))
+
+
+# ---- the modules, as torchvision and timm write them (their classes' module and name are what
+# dwconv.fuse knows them by; neither library is a dependency) ---------------------------------------
+
+class SqueezeExcitation(nn.Module):
+    """torchvision.ops.misc.SqueezeExcitation's code."""
+
+    def __init__(self, input_channels, squeeze_channels, activation=nn.ReLU, scale_activation=nn.Sigmoid):
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(input_channels, squeeze_channels, 1)
+        self.fc2 = nn.Conv2d(squeeze_channels, input_channels, 1)
+        self.activation = activation()
+        self.scale_activation = scale_activation()
+
+    def _scale(self, input):
+        scale = self.avgpool(input)
+        scale = self.fc1(scale)
+        scale = self.activation(scale)
+        scale = self.fc2(scale)
+        return self.scale_activation(scale)
+
+    def forward(self, input):
+        scale = self._scale(input)
+        return scale * input
+
+
+SqueezeExcitation.__module__ = "torchvision.ops.misc"
+
+
+class SqueezeExcite(nn.Module):
+    """timm.models._efficientnet_blocks.SqueezeExcite's code (its default arguments)."""
+
+    def __init__(self, in_chs, rd_channels, act_layer=nn.ReLU, gate_layer=nn.Sigmoid):
+        super().__init__()
+        self.conv_reduce = nn.Conv2d(in_chs, rd_channels, 1, bias=True)
+        self.act1 = act_layer(inplace=True)
+        self.conv_expand = nn.Conv2d(rd_channels, in_chs, 1, bias=True)
+        self.gate = gate_layer()
+
+    def forward(self, x):
+        x_se = x.mean((2, 3), keepdim=True)
+        x_se = self.conv_reduce(x_se)
+        x_se = self.act1(x_se)
+        x_se = self.conv_expand(x_se)
+        return x * self.gate(x_se)
+
+
+SqueezeExcite.__module__ = "timm.models._efficientnet_blocks"
+
+
+def model_with(block: nn.Module) -> nn.Module:
+    """A depthwise layer (so that convert has a layer to convert), then the block."""
+    return nn.Sequential(nn.Conv2d(12, 12, 3, padding=1, groups=12), block).to(DEVICE).eval()
+
+
+def op_calls(model, x) -> int:
+    """The model's output's calls of dwconv::squeeze_excite (two calls before: the C++ replayer, where
+    on, serves from the first and records at the second)."""
+    for _ in range(2):
+        model(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        model(x)
+    return sum(e.count for e in profile.key_averages() if e.key == "dwconv::squeeze_excite")
+
+
+BLOCKS = {"torchvision": lambda: SqueezeExcitation(12, 4, nn.SiLU),
+          "timm": lambda: SqueezeExcite(12, 5, nn.ReLU, nn.Hardsigmoid)}
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_fused_module_is_one_op_with_stock_values(kind):
+    stock = model_with(BLOCKS[kind]())
+    fused = dwconv.convert(stock, fuse=True, precompile=False)
+    assert type(fused[1]).__name__.startswith("Fused") and set(fused.state_dict()) == set(stock.state_dict())
+    x = randn(2, 12, 7, 6).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        assert op_calls(fused, x) == 1
+        assert_close(fused(x), stock.double()(x.double()), torch.float32)
+    # (bfloat16 autocast: the op computes from the float32 parameters; stock from their casts)
+    if DEVICE == "cuda":
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+            out = fused(x)
+        assert out.dtype == torch.bfloat16
+        assert_close(out, stock.double()(x.double()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_fused_module_runs_as_its_class_where_the_op_cannot(kind):
+    """Gradients wanted, a hook on a member, a member replaced, torch.compile's tracing: the module's
+    own forward, with stock's values and gradients."""
+    stock = model_with(BLOCKS[kind]())
+    fused = dwconv.convert(stock, fuse=True, precompile=False)
+    x = randn(2, 12, 5, 5).contiguous(memory_format=torch.channels_last)
+    # gradients wanted
+    leaf = x.clone().requires_grad_()
+    fused(leaf).sum().backward()
+    stock_leaf = x.clone().requires_grad_()
+    stock(stock_leaf).sum().backward()
+    assert_close(leaf.grad, stock_leaf.grad, torch.float32, "grad of input")
+    assert op_calls(fused, leaf) == 0
+    # a hook on the reduce convolution sees its output
+    members = list(fused[1].children())
+    reduce = next(m for m in members if isinstance(m, nn.Conv2d))
+    seen = []
+    handle = reduce.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    with torch.no_grad():
+        assert op_calls(fused, x) == 0 and seen
+        handle.remove()
+        assert op_calls(fused, x) == 1
+        # a member replaced: the new one computes
+        name = next(n for n, m in fused[1].named_children() if m is reduce)
+        setattr(fused[1], name, nn.Conv2d(12, reduce.out_channels, 1).to(DEVICE))
+        setattr(stock[1], name, copy.deepcopy(getattr(fused[1], name)))
+        assert op_calls(fused, x) == 0
+        assert_close(fused(x), stock.double()(x.double()), torch.float32)
+
+
+def test_blocks_the_op_does_not_compute_are_left_alone():
+    """A gate or activation of no code, a pool that is not to 1x1, a reduce convolution of 3x3, a
+    subclass (its forward may differ): the class stays."""
+    blocks = [SqueezeExcitation(12, 4, nn.ReLU, nn.Tanh), SqueezeExcitation(12, 4, nn.Tanh)]
+    pooled = SqueezeExcitation(12, 4)
+    pooled.avgpool = nn.AdaptiveAvgPool2d(2)
+    wide = SqueezeExcitation(12, 4)
+    wide.fc1 = nn.Conv2d(12, 4, 3, padding=1)
+    sub = type("SqueezeExcitation", (SqueezeExcitation,), {"__module__": "mine"})(12, 4)
+    for block in blocks + [pooled, wide, sub]:
+        fused = dwconv.convert(model_with(block), fuse=True, precompile=False, verbose=False)
+        assert not type(fused[1]).__name__.startswith("Fused"), block
+
+
+def test_fused_module_copies():
+    """(Pickled as the other roles are, by role and class: this file's stand-in classes do not import
+    under their libraries' names.)"""
+    fused = dwconv.convert(model_with(BLOCKS["torchvision"]()), fuse=True, precompile=False)
+    x = randn(1, 12, 4, 4)
+    for twin in (copy.deepcopy(fused),):
+        assert type(twin[1]) is type(fused[1])
+        with torch.no_grad():
+            assert op_calls(twin, x) == 1
+            assert_close(twin(x), fused(x).double(), torch.float32)
