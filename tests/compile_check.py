@@ -270,7 +270,22 @@ def batch_norm_fold(weight_shape, dtype, bias=True, affine=True, layout=torch.co
     scale_shift(gamma, beta, torch.randn(channels), torch.rand(channels) + 1, 1e-5)
 
 
+def squeeze_excite(shape, hidden, dtype, activation, gate, layout=torch.contiguous_format):
+    """A squeeze-and-excitation block's kernels (dwconv::squeeze_excite): the gate from the mean, then
+    the gate applied."""
+    from dwconv._library import squeeze_excite as op
+
+    x = torch.randn(shape, dtype=dtype).contiguous(memory_format=layout)
+    channels = shape[1]
+    op(x, torch.randn(hidden, channels, 1, 1), torch.randn(hidden), torch.randn(channels, hidden, 1, 1),
+       torch.randn(channels), activation, gate)
+
+
 CASES += [
+    ("squeeze_excite, bfloat16 channels_last, silu, sigmoid (EfficientNet-B0's widest)", squeeze_excite,
+     ((2, 1152, 7, 7), 48, bf16, 3, 0), dict(layout=CL)),
+    ("squeeze_excite, float32 NCHW, relu, hard sigmoid (MobileNetV3's)", squeeze_excite,
+     ((2, 72, 28, 28), 24, f32, 1, 1), {}),
     ("batch_norm fold into a pointwise convolution, bfloat16", batch_norm_fold, ((960, 160, 1, 1), bf16), {}),
     ("batch_norm fold into a depthwise 3x3, float32, no bias, no affine", batch_norm_fold, ((144, 1, 3, 3), f32),
      dict(bias=False, affine=False)),

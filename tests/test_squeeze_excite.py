@@ -67,6 +67,18 @@ def test_op_activations_and_gates(activation, gate, bias):
     assert_close(run_op(x, tensors, activation, gate), reference(x, *tensors, activation, gate), torch.bfloat16)
 
 
+def test_op_reads_the_weights_by_their_strides():
+    """Weights that are views (a transposed copy's, a channels_last one's): read as they lie."""
+    x = randn(2, 10, 4, 3).contiguous(memory_format=torch.channels_last)
+    reduce_weight = randn(10, 4, 1, 1).transpose(0, 1)  # ([4, 10, 1, 1] with strides (1, 4, 1, 1))
+    expand_weight = randn(10, 4, 1, 1).contiguous(memory_format=torch.channels_last)[:, :, :, :]
+    tensors = (reduce_weight, randn(4), randn(20, 4, 1, 1)[::2], randn(10))
+    assert not tensors[2].is_contiguous() and not reduce_weight.is_contiguous()
+    assert_close(run_op(x, tensors, "silu", "sigmoid"), reference(x, *tensors, "silu", "sigmoid"), torch.float32)
+    tensors = (reduce_weight, randn(4), expand_weight, randn(10))
+    assert_close(run_op(x, tensors, "relu", "hardsigmoid"), reference(x, *tensors, "relu", "hardsigmoid"), torch.float32)
+
+
 def test_op_refuses_what_it_cannot_compute():
     """An error naming the argument, never a crash or a silent answer."""
     x = randn(2, 8, 5, 5)
@@ -171,12 +183,14 @@ def test_fused_module_is_one_op_with_stock_values(kind):
     with torch.no_grad():
         assert op_calls(fused, x) == 1
         assert_close(fused(x), stock.double()(x.double()), torch.float32)
-    # (bfloat16 autocast: the op computes from the float32 parameters; stock from their casts)
-    if DEVICE == "cuda":
-        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
-            out = fused(x)
-        assert out.dtype == torch.bfloat16
-        assert_close(out, stock.double()(x.double()), torch.bfloat16)
+    # (bfloat16 autocast: the op computes from the float32 parameters, stock from their casts; the
+    # input in bfloat16, as the layer before gives it)
+    half = x.bfloat16()
+    with torch.no_grad(), torch.autocast(DEVICE, torch.bfloat16):
+        assert op_calls(fused, half) == 1
+        out = fused(half)
+    assert out.dtype == torch.bfloat16 and out.stride() == half.stride()
+    assert_close(out, stock.double()(half.double()), torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind", sorted(BLOCKS))

@@ -31,7 +31,7 @@ from ._geometry import (ACTIVATION_CODES, ACTIVATION_FUNCTIONS, ConvGeometry, co
                         split_activation_code)
 from .dispatch import conv_forward
 from .kernels import batch_norm as _batch_norm_kernels
-from .kernels import channel_scale as _channel_scale
+from .kernels import squeeze_excite as _squeeze_excite
 from .kernels._shared import output_memory_format
 from .kernels.layout import nchw_copy
 
@@ -257,9 +257,7 @@ def _(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps
                        device=input.device, memory_format=torch.channels_last)
 
 
-# squeeze_excite's gates: code -> name, the function in place
-GATE_NAMES = {0: "sigmoid", 1: "hardsigmoid"}
-_GATES_IN_PLACE = {0: torch.sigmoid_, 1: functools.partial(torch.nn.functional.hardsigmoid, inplace=True)}
+GATE_NAMES = {0: "sigmoid", 1: "hardsigmoid"}  # squeeze_excite's gates by code
 
 
 @_op("dwconv::squeeze_excite")
@@ -268,28 +266,20 @@ def squeeze_excite(input: Tensor, reduce_weight: Tensor, reduce_bias: Optional[T
     """A squeeze-and-excitation block's forward (torchvision's SqueezeExcitation, timm's SqueezeExcite;
     dwconv.fuse's, in eager), nothing differentiated: input * gate(expand(act(reduce(the input's
     mean over H and W)))), reduce and expand 1x1 convolutions (weight [out, in, 1, 1], bias or None),
-    act an activation's code (_geometry.ACTIVATION_CODES), gate one of GATE_NAMES. The mean, both
-    products and the activations in float32 (float64 for a float64 input) from the parameters as
-    they are, of any floating dtype (stock under autocast casts all four, and rounds the gate to
-    the input's dtype); the gate applied in one pass (kernels/channel_scale); the output in the
-    input's dtype and memory format. One op, so that once the C++ replayer serves it the block is
-    one call with no Python: stock's is five modules, a dozen ops and, under autocast, four casts."""
+    act an activation's code (_geometry.ACTIVATION_CODES), gate one of GATE_NAMES. The mean
+    (PyTorch's), then both products and the activations in one launch, in float32 (float64 for a
+    float64 input) from the parameters as they are, of any floating dtype and strides (stock under
+    autocast casts all four, and rounds the gate to the input's dtype), then the gate applied in one
+    pass (kernels/squeeze_excite); the output in the input's dtype and memory format. One op, so
+    that once the C++ replayer serves it the block is one call with no Python: stock's is five
+    modules, a dozen ops and, under autocast, four casts."""
     _served_from_cpp(input)
     _checked_squeeze(input, reduce_weight, reduce_bias, expand_weight, expand_bias, activation, gate)
-    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
-    squeezed = torch.mean(input, (2, 3), dtype=acc)
-    hidden = _ACTIVATIONS_IN_PLACE[ACTIVATION_NAMES[activation]](_small_product(squeezed, reduce_weight, reduce_bias))
-    scale = _GATES_IN_PLACE[gate](_small_product(hidden, expand_weight, expand_bias))
-    if _channel_scale.scalable(input):
-        return _channel_scale.channel_scale(input, scale)
+    squeezed = torch.mean(input, (2, 3), dtype=torch.float64 if input.dtype == torch.float64 else torch.float32)
+    scale = _squeeze_excite.excite(squeezed, reduce_weight, reduce_bias, expand_weight, expand_bias, activation, gate)
+    if _squeeze_excite.scalable(input):
+        return _squeeze_excite.channel_scale(input, scale)
     return (input * scale[:, :, None, None]).to(input.dtype)
-
-
-def _small_product(rows: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """rows [N, in] @ weight [out, in, 1, 1] (any strides) + bias, in rows' dtype."""
-    out_channels, in_channels = weight.shape[:2]
-    columns = weight.as_strided((in_channels, out_channels), (weight.stride(1), weight.stride(0))).to(rows.dtype)
-    return torch.mm(rows, columns) if bias is None else torch.addmm(bias.to(rows.dtype), rows, columns)
 
 
 def _checked_squeeze(input: Tensor, reduce_weight: Tensor, reduce_bias: Optional[Tensor], expand_weight: Tensor,
