@@ -295,9 +295,9 @@ def _checked_squeeze(input: Tensor, reduce_weight: Tensor, reduce_bias: Optional
                            ("expand_bias", expand_bias, (channels,))):
         if t is None and name.endswith("bias"):
             continue
-        if not isinstance(t, Tensor) or tuple(t.shape) != shape or hidden < 1:
-            raise ValueError(f"{name} must be of shape {shape} for an input of {channels} channels, got "
-                             f"{getattr(t, 'shape', t)!r:.60}")
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape or not 1 <= hidden <= _squeeze_excite.MAX_HIDDEN:
+            raise ValueError(f"{name} must be of shape {shape} for an input of {channels} channels (1 to "
+                             f"{_squeeze_excite.MAX_HIDDEN} hidden), got {getattr(t, 'shape', t)!r:.60}")
         if not t.is_floating_point() or t.device != input.device:
             raise ValueError(f"{name} must be floating and on the input's device ({input.device}), got {t.dtype} "
                              f"on {t.device}")

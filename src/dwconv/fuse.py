@@ -43,6 +43,7 @@ from ._library import pointwise_product
 from ._geometry import ACTIVATION_CODES, INPUT_ACTIVATIONS, forward_activation_code, op_arguments
 from .batch_norm import batch_norm_activation, compiled_batch_norm_activation
 from .kernels import batch_norm as batch_norm_kernels
+from .kernels import squeeze_excite as squeeze_excite_kernels
 from .batch_norm import reference as batch_norm_reference
 from .activations import FUNCTIONS, activation_of
 from .functional import _gradient_wanted, depthwise_conv2d
@@ -437,8 +438,9 @@ def _is_pointwise(conv: nn.Module) -> bool:
 
 def find_squeeze_excites(model: nn.Module) -> List[nn.Module]:
     """Each module of a _SQUEEZE_EXCITE_CLASSES class whose members the op computes: 1x1 convolutions
-    from the input's channels and back, an activation of ACTIVATION_CODES, a sigmoid or hard sigmoid
-    gate, and (torchvision's) an average pool to 1x1. Each takes the role of _SqueezeExcite."""
+    from the input's channels and back (at most MAX_HIDDEN between), an activation of
+    ACTIVATION_CODES, a sigmoid or hard sigmoid gate, and (torchvision's) an average pool to 1x1.
+    Each takes the role of _SqueezeExcite."""
     found = []
     for module in model.modules():
         names = _SQUEEZE_EXCITE_CLASSES.get((type(module).__module__, type(module).__name__))
@@ -446,7 +448,7 @@ def find_squeeze_excites(model: nn.Module) -> List[nn.Module]:
             continue
         reduce, activation, expand, gate, pool = (module._modules.get(name) if name else None for name in names)
         if not (_is_pointwise(reduce) and _is_pointwise(expand) and reduce.in_channels == expand.out_channels
-                and reduce.out_channels == expand.in_channels):
+                and reduce.out_channels == expand.in_channels <= squeeze_excite_kernels.MAX_HIDDEN):
             continue
         activation_name = activation_of(activation) if isinstance(activation, nn.Module) else None
         gate_code = 0 if type(gate) is nn.Sigmoid else 1 if activation_of(gate) == "hardsigmoid" else None

@@ -26,7 +26,9 @@ from ._launch import LaunchPlan, cached_plan, gpu_plan, launch, plan_cache
 from ._shared import _activate
 
 
-@triton.jit(do_not_specialize=["channels", "hidden"])
+# (a model's blocks share binaries: nothing specialised but BLOCK_R's power of two, the options and dtypes)
+@triton.jit(do_not_specialize=["channels", "hidden", "reduce_stride_out", "reduce_stride_in", "expand_stride_out",
+                               "expand_stride_in"])
 def excite_kernel(squeezed_ptr, reduce_weight_ptr, reduce_bias_ptr, expand_weight_ptr, expand_bias_ptr, gate_ptr,
                   channels, hidden, reduce_stride_out, reduce_stride_in, expand_stride_out, expand_stride_in,
                   REDUCE_BIAS: tl.constexpr, EXPAND_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATE: tl.constexpr,
@@ -88,6 +90,9 @@ def channel_scale_kernel(x_ptr, gate_ptr, out_ptr, image_elements, channels, pla
 _EXCITE_PLANS = plan_cache()
 
 
+MAX_HIDDEN = 1024  # (excite_kernel holds a program's hidden values in registers)
+
+
 def excite(squeezed: torch.Tensor, reduce_weight: torch.Tensor, reduce_bias: Optional[torch.Tensor],
            expand_weight: torch.Tensor, expand_bias: Optional[torch.Tensor], activation: int, gate: int) -> torch.Tensor:
     """The gate [N, C] in squeezed's dtype from the mean squeezed [N, C] (contiguous): one launch."""
@@ -108,9 +113,10 @@ def excite(squeezed: torch.Tensor, reduce_weight: torch.Tensor, reduce_bias: Opt
 
 def _excite_plan(batch: int, channels: int, hidden: int, reduce_strides: tuple, expand_strides: tuple,
                  reduce_bias: bool, expand_bias: bool, activation: int, gate: int) -> LaunchPlan:
-    # (a [BLOCK_R, BLOCK_C] tile of weights a step, at most 4096 values: 32 a thread of 4 warps)
-    block_r = triton.next_power_of_2(hidden)
-    block_c = max(1, min(triton.next_power_of_2(channels), 4096 // block_r))
+    # (a [BLOCK_R, BLOCK_C] tile of weights a step, at most 4096 values: 32 a thread of 4 warps; BLOCK_C
+    # from BLOCK_R alone, so that EfficientNet-B0's 16 blocks take three binaries)
+    block_r = max(16, triton.next_power_of_2(hidden))
+    block_c = max(4, 4096 // block_r)
     return LaunchPlan("excite", (batch,), (channels, hidden, *reduce_strides, *expand_strides),
                       dict(REDUCE_BIAS=reduce_bias, EXPAND_BIAS=expand_bias, ACTIVATION=activation, GATE=gate,
                            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4))
