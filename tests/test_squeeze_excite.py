@@ -249,3 +249,20 @@ def test_fused_module_copies():
         with torch.no_grad():
             assert op_calls(twin, x) == 1
             assert_close(twin(x), fused(x).double(), torch.float32)
+
+
+def test_warmup_compiles_the_op(tmp_path, monkeypatch):
+    """A fused model's warmup in eval (its fake run) records the block's op call, one for any batch
+    size, and its pool compiles both kernels for sm_90 into an empty cache."""
+    from dwconv.precompile import compile_calls, layer_calls
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fused = dwconv.convert(model_with(BLOCKS["torchvision"]()), fuse=True, precompile=False, verbose=False)
+    x = randn(2, 12, 9, 11).contiguous(memory_format=torch.channels_last)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        calls = [call for call in layer_calls(fused, x) if call.squeeze]
+        assert [call.without_batch() for call in calls] == \
+            [call.without_batch() for call in layer_calls(fused, torch.cat([x, x, x])) if call.squeeze]
+    assert len(calls) == 1 and calls[0].tensors[0][2] == "bfloat16" and calls[0].passes() == ["forward"]
+    report = compile_calls(calls, 90, workers=1, verbose=False)
+    assert report.errors == [] and report.launches == 2

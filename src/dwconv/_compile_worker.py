@@ -53,6 +53,9 @@ def compile_call(call: dict) -> None:
     if arguments[0] == "block":  # (precompile.BLOCK: a fused block's eval call)
         compile_block(x, weight, bias, *arguments[1:])
         return
+    if arguments[0] == "squeeze_excite":  # (precompile.SQUEEZE: a squeeze-and-excitation block's eval call)
+        compile_squeeze(x, weight, bias, *arguments[1:])
+        return
     geom = conv_geometry(x, weight, bias, *arguments[:3])  # (an activation may follow: eager_conv's)
     with torch.no_grad():
         if call["pass"] == "forward":
@@ -103,6 +106,18 @@ def compile_block(x, weight, bias, stride, padding, dilation, activation: int, n
     with torch.no_grad():
         torch.ops.dwconv.conv2d_block(x, weight, bias, *tensors(norm, weight.shape[0]), *tensors(input_norm, x.shape[1]),
                                       list(stride), list(padding), list(dilation), activation)
+
+
+def compile_squeeze(x, reduce_weight, expand_weight, reduce_bias, expand_bias, activation: int, gate: int) -> None:
+    """The registered op squeeze_excite's kernels (the biases given as specs, or None)."""
+    import torch
+
+    def tensor(spec):
+        return None if spec is None else torch.empty_strided(spec[0], spec[1], dtype=getattr(torch, spec[2]))
+
+    with torch.no_grad():
+        torch.ops.dwconv.squeeze_excite(x, reduce_weight, tensor(reduce_bias), expand_weight, tensor(expand_bias),
+                                        activation, gate)
 
 
 class LaunchSelector:

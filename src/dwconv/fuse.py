@@ -406,8 +406,11 @@ class _SqueezeExcite:
         if isinstance(input, torch.fx.Proxy):
             return _traced_as_a_call(self, input)
         arguments = _squeeze_now(self)
-        if arguments is not None and not torch.compiler.is_compiling() and _op_computes(input, arguments[:4]):
-            return torch.ops.dwconv.squeeze_excite.default(input, *arguments)
+        if arguments is not None and not torch.compiler.is_compiling():
+            if _op_computes(input, arguments[:4]):
+                return torch.ops.dwconv.squeeze_excite.default(input, *arguments)
+            if precompile._TRACING.__dict__.get("active") and not _gradient_wanted(input, *arguments[:4]):
+                precompile.record_squeeze(input, *arguments)  # (a warmup's fake run: the op's kernels compile)
         return super().forward(input)
 
     def extra_repr(self) -> str:

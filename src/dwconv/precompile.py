@@ -73,6 +73,13 @@ class LayerCall:
         is affine and its running statistics' dtype), not a plain convolution."""
         return self.arguments[0] == BLOCK
 
+    @property
+    def squeeze(self) -> bool:
+        """Whether this is a squeeze-and-excitation block's eval call (the registered op squeeze_excite:
+        tensors the input, the reduce and the expand convolutions' weights; arguments SQUEEZE, each
+        bias's spec or None, the activation's and the gate's codes), not a convolution."""
+        return self.arguments[0] == SQUEEZE
+
     def without_batch(self) -> "LayerCall":
         """The call as the batch sizes that share its kernel binaries see it: the input's batch size
         (and its stride) replaced by what the launch plans choose by it (dispatch.batch_choices;
@@ -82,7 +89,9 @@ class LayerCall:
         if self.fold:  # (no batch: a weight's)
             return self
         (shape, strides, dtype), weight = self.tensors[:2]
-        batch = ("any batch", *(() if self.batch_norm else batch_choices(shape, getattr(torch, dtype), weight[0])))
+        # (BatchNorm's kernels and the squeeze-and-excitation's choose nothing by it)
+        batch = ("any batch", *(() if self.batch_norm or self.squeeze
+                                else batch_choices(shape, getattr(torch, dtype), weight[0])))
         return LayerCall((((batch, *shape[1:]), (0, *strides[1:]), dtype), *self.tensors[1:]), self.grads,
                          self.arguments)
 
@@ -98,7 +107,7 @@ class LayerCall:
     def cost(self, pass_: str) -> tuple:
         """Larger first: a pool's wall time is bounded by the task that starts last. Backward passes,
         channels_last, strides, then kernel size (the unrolled channels_last tiles compile longest)."""
-        if self.batch_norm or self.fold:
+        if self.batch_norm or self.fold or self.squeeze:
             return (pass_ == "backward", not self.fold and self.tensors[0][1][1] == 1, 0, 0)
         (_, _, k_h, k_w) = self.tensors[1][0]
         stride = self.arguments[1 if self.block else 0]
@@ -109,6 +118,7 @@ class LayerCall:
 BATCH_NORM = "batch_norm"  # (a LayerCall's first argument: a fused block's BatchNorm in training)
 FOLD = "fold"  # (a LayerCall's first argument: a BatchNorm folded into its convolution in eval mode)
 BLOCK = "block"  # (a LayerCall's first argument: a fused block's eval call, the op conv2d_block)
+SQUEEZE = "squeeze_excite"  # (a LayerCall's first argument: a squeeze-and-excitation block's eval call)
 
 
 def record_batch_norm(y: torch.Tensor, norm: nn.Module, activation: str) -> None:
@@ -147,6 +157,17 @@ def record_block(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
     arguments = (BLOCK, *op_arguments, activation, norm_spec(norm), norm_spec(input_norm))
     calls.setdefault(LayerCall.of(input, weight, bias, arguments), None)
+
+
+def record_squeeze(input: torch.Tensor, reduce_weight: torch.Tensor, reduce_bias: Optional[torch.Tensor],
+                   expand_weight: torch.Tensor, expand_bias: Optional[torch.Tensor], activation: int, gate: int) -> None:
+    """Under layer_calls' fake run, a squeeze-and-excitation block's eval call (fuse.py calls it where
+    the op would run): a call of its own, which compiles the op's kernels."""
+    calls = getattr(_TRACING, "calls", None)
+    if calls is None:
+        return
+    arguments = (SQUEEZE, _spec(reduce_bias), _spec(expand_bias), activation, gate)
+    calls.setdefault(LayerCall.of(input, reduce_weight, expand_weight, arguments), None)
 
 
 def _spec(t: Optional[torch.Tensor]):
