@@ -40,19 +40,21 @@ def run_op(x, tensors, activation, gate):
 SHAPES = [(3, 13, 5, 7, 5), (1, 1, 1, 1, 1), (2, 40, 11, 13, 6)]
 
 
-@pytest.mark.parametrize("layout", ["channels_last", "nchw"])
+@pytest.mark.parametrize("layout", ["channels_last", "nchw", "strided"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_op_against_float64(shape, dtype, layout):
-    """Every dtype and both layouts; the output in the input's dtype and memory format; the
-    parameters float32 under a half-precision input, as autocast leaves them."""
+    """Every dtype and both layouts (and a strided view, which PyTorch's multiply takes); the output
+    in the input's dtype and memory format; the parameters float32 under a half-precision input, as
+    autocast leaves them."""
     batch, channels, height, width, hidden = shape
-    x = (2 * randn(batch, channels, height, width)).to(dtype)
+    x = (2 * randn(batch, channels, height, 2 * width)).to(dtype)
+    x = x[..., ::2] if layout == "strided" else x[..., :width].contiguous()
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     tensors = parameters(channels, hidden, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     out = run_op(x, tensors, "silu", "sigmoid")
-    assert out.dtype == dtype and out.stride() == x.stride()
+    assert out.dtype == dtype and (layout == "strided" or out.stride() == x.stride())
     assert_close(out, reference(x, *tensors, "silu", "sigmoid"), dtype)
 
 

@@ -578,7 +578,8 @@ _ROLES = {"norm": (_PassedThrough, "Folded"), "activation": (_PassedThrough, "Fu
 def folded_class(role: str, cls: type) -> type:
     """cls with a block's role (a subclass, so its own forward, super() calls and isinstance hold),
     one class for each (_ROLES: a depthwise block's "norm" or "activation", a trained block's
-    "trained norm", "trained activation" or "trained conv"; a "squeeze excite" module). Pickled and copied by role and class."""
+    "trained norm", "trained activation" or "trained conv"; a "squeeze excite" module). Pickled and
+    copied by role and class."""
     mixin, prefix = _ROLES[role]
     return type(prefix + cls.__name__, (mixin, cls),
                 {"__reduce_ex__": _reduce, "__module__": __name__, "dwconv_role": role})
