@@ -91,7 +91,8 @@ def test_op_refuses_what_it_cannot_compute():
              ((x, good[0], randn(4), *good[2:]), "reduce_bias"),
              ((x, *good[:2], randn(8, 4, 1, 1), good[3]), "expand_weight"),
              ((x, *good[:3], randn(3)), "expand_bias"),
-             ((x, randn(1025, 8, 1, 1), randn(1025), randn(8, 1025, 1, 1), good[3]), "reduce_weight"),
+             ((x, randn(1025, 8, 1, 1), randn(1025), randn(8, 1025, 1, 1), good[3]), "reduce_weight may have at most"),
+             ((x, randn(0, 8, 1, 1), randn(0), randn(8, 0, 1, 1), good[3]), "reduce_weight"),
              ((x, good[0].int(), *good[1:]), "reduce_weight")]
     for arguments, name in cases:
         with pytest.raises(ValueError, match=name):

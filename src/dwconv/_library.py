@@ -289,15 +289,18 @@ def _checked_squeeze(input: Tensor, reduce_weight: Tensor, reduce_bias: Optional
         raise ValueError(f"input must be a floating 4-D tensor, got {getattr(input, 'shape', input)!r:.60}")
     channels = input.shape[1]
     hidden = reduce_weight.shape[0] if isinstance(reduce_weight, Tensor) and reduce_weight.dim() == 4 else -1
+    if hidden > _squeeze_excite.MAX_HIDDEN:
+        raise ValueError(f"reduce_weight may have at most {_squeeze_excite.MAX_HIDDEN} output channels (the hidden "
+                         f"ones), got {hidden}")
     for name, t, shape in (("reduce_weight", reduce_weight, (hidden, channels, 1, 1)),
                            ("reduce_bias", reduce_bias, (hidden,)),
                            ("expand_weight", expand_weight, (channels, hidden, 1, 1)),
                            ("expand_bias", expand_bias, (channels,))):
         if t is None and name.endswith("bias"):
             continue
-        if not isinstance(t, Tensor) or tuple(t.shape) != shape or not 1 <= hidden <= _squeeze_excite.MAX_HIDDEN:
-            raise ValueError(f"{name} must be of shape {shape} for an input of {channels} channels (1 to "
-                             f"{_squeeze_excite.MAX_HIDDEN} hidden), got {getattr(t, 'shape', t)!r:.60}")
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape or hidden < 1:
+            raise ValueError(f"{name} must be of shape {shape} for an input of {channels} channels, got "
+                             f"{getattr(t, 'shape', t)!r:.60}")
         if not t.is_floating_point() or t.device != input.device:
             raise ValueError(f"{name} must be floating and on the input's device ({input.device}), got {t.dtype} "
                              f"on {t.device}")
