@@ -22,7 +22,8 @@ def reference(x, reduce_weight, reduce_bias, expand_weight, expand_bias, activat
     """The block in float64, as torchvision's SqueezeExcitation computes it."""
     d = lambda t: None if t is None else t.double().cpu()  # noqa: E731
     x64 = d(x)
-    hidden = ACTIVATION_FUNCTIONS[activation](F.conv2d(x64.mean((2, 3), keepdim=True), d(reduce_weight), d(reduce_bias)))
+    squeezed = x64.mean((2, 3), keepdim=True)
+    hidden = ACTIVATION_FUNCTIONS[activation](F.conv2d(squeezed, d(reduce_weight), d(reduce_bias)))
     return x64 * GATE_FUNCTIONS[gate](F.conv2d(hidden, d(expand_weight), d(expand_bias)))
 
 
@@ -78,7 +79,8 @@ def test_op_reads_the_weights_by_their_strides():
     assert not tensors[2].is_contiguous() and not reduce_weight.is_contiguous()
     assert_close(run_op(x, tensors, "silu", "sigmoid"), reference(x, *tensors, "silu", "sigmoid"), torch.float32)
     tensors = (reduce_weight, randn(4), expand_weight, randn(10))
-    assert_close(run_op(x, tensors, "relu", "hardsigmoid"), reference(x, *tensors, "relu", "hardsigmoid"), torch.float32)
+    assert_close(run_op(x, tensors, "relu", "hardsigmoid"), reference(x, *tensors, "relu", "hardsigmoid"),
+                 torch.float32)
 
 
 def test_op_refuses_what_it_cannot_compute():

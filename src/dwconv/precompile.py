@@ -160,7 +160,8 @@ def record_block(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 
 def record_squeeze(input: torch.Tensor, reduce_weight: torch.Tensor, reduce_bias: Optional[torch.Tensor],
-                   expand_weight: torch.Tensor, expand_bias: Optional[torch.Tensor], activation: int, gate: int) -> None:
+                   expand_weight: torch.Tensor, expand_bias: Optional[torch.Tensor], activation: int,
+                   gate: int) -> None:
     """Under layer_calls' fake run, a squeeze-and-excitation block's eval call (fuse.py calls it where
     the op would run): a call of its own, which compiles the op's kernels."""
     calls = getattr(_TRACING, "calls", None)

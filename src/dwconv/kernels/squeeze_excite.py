@@ -95,7 +95,8 @@ MAX_HIDDEN = 1024  # (excite_kernel holds a program's hidden values in registers
 
 
 def excite(squeezed: torch.Tensor, reduce_weight: torch.Tensor, reduce_bias: Optional[torch.Tensor],
-           expand_weight: torch.Tensor, expand_bias: Optional[torch.Tensor], activation: int, gate: int) -> torch.Tensor:
+           expand_weight: torch.Tensor, expand_bias: Optional[torch.Tensor], activation: int, gate: int
+           ) -> torch.Tensor:
     """The gate [N, C] in squeezed's dtype from the mean squeezed [N, C] (contiguous): one launch."""
     batch, channels = squeezed.shape
     hidden = reduce_weight.shape[0]
