@@ -4,6 +4,7 @@ Tested against Triton 3.6 and 3.9."""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, List, Optional, Tuple
 
@@ -13,6 +14,7 @@ def arg_names(kernel) -> List[str]:
     return kernel.arg_names
 
 
+@functools.lru_cache(maxsize=None)
 def float64_parameters(kernel) -> frozenset:
     """The names of a @triton.jit kernel's parameters annotated tl.float64 (compiled or under the
     interpreter), as Triton's launcher reads the annotations."""

@@ -348,11 +348,16 @@ def _pointwise_rows(conv: nn.Conv2d, input: torch.Tensor) -> bool:
     transforms: vmap cannot ask a tensor's memory format. torch.compile's tracing answers the
     interpreter stack's question as a transform would, and may ask the format: the product is the
     convolution's value in any layout, the layout only decides which is faster.)"""
-    return (conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.groups == 1
-            and (conv.padding == (0, 0) or isinstance(conv.padding, str)) and conv.padding_mode == "zeros"
-            and input.dim() == 4
+    return (_is_pointwise(conv) and input.dim() == 4
             and (torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None)
             and input.is_contiguous(memory_format=torch.channels_last))
+
+
+def _is_pointwise(conv: nn.Conv2d) -> bool:
+    """Whether conv is a 1x1 convolution, stride 1, no padding (a 1x1 "same" has none;
+    padding_mode "zeros": another mode's F.pad copies the input), one group."""
+    return (conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.groups == 1
+            and (conv.padding == (0, 0) or isinstance(conv.padding, str)) and conv.padding_mode == "zeros")
 
 
 def _pointwise_op_computes(conv: nn.Conv2d, input: torch.Tensor, tensors: tuple) -> bool:
@@ -427,16 +432,15 @@ def _squeeze_now(module: nn.Module) -> Optional[tuple]:
     if not _holds(places) or not _unhooked((module,) + tuple(member for _, _, member in places)):
         return None
     reduce, expand = places[0][2], places[2][2]
-    if not (_is_pointwise(reduce) and _is_pointwise(expand)):
+    if not (_is_plain_pointwise(reduce) and _is_plain_pointwise(expand)):
         return None
     return (reduce._parameters["weight"], reduce._parameters["bias"], expand._parameters["weight"],
             expand._parameters["bias"], activation, gate)
 
 
-def _is_pointwise(conv: nn.Module) -> bool:
-    """Whether conv is a plain nn.Conv2d of 1x1, stride 1, no padding, one group."""
-    return (type(conv) is nn.Conv2d and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
-            and conv.padding in ((0, 0), "valid") and conv.dilation == (1, 1) and conv.groups == 1)
+def _is_plain_pointwise(conv: Optional[nn.Module]) -> bool:
+    """Whether conv is an nn.Conv2d itself (not a subclass, whose forward may differ), _is_pointwise."""
+    return type(conv) is nn.Conv2d and _is_pointwise(conv)
 
 
 def find_squeeze_excites(model: nn.Module) -> List[nn.Module]:
@@ -450,7 +454,8 @@ def find_squeeze_excites(model: nn.Module) -> List[nn.Module]:
         if names is None:
             continue
         reduce, activation, expand, gate, pool = (module._modules.get(name) if name else None for name in names)
-        if not (_is_pointwise(reduce) and _is_pointwise(expand) and reduce.in_channels == expand.out_channels
+        if not (_is_plain_pointwise(reduce) and _is_plain_pointwise(expand)
+                and reduce.in_channels == expand.out_channels
                 and reduce.out_channels == expand.in_channels <= squeeze_excite_kernels.MAX_HIDDEN):
             continue
         activation_name = activation_of(activation) if isinstance(activation, nn.Module) else None

@@ -63,7 +63,7 @@ def excite_kernel(squeezed_ptr, reduce_weight_ptr, reduce_bias_ptr, expand_weigh
         if GATE == 0:
             excited = 1.0 / (1.0 + tl.exp(-excited))
         else:
-            excited = _activate(excited, 7)
+            excited = _activate(excited, 7)  # (hardsigmoid's code)
         tl.store(gate_ptr + n * channels + c, excited, mask=c_ok)
 
 
@@ -140,8 +140,10 @@ def scalable(x: torch.Tensor) -> bool:
     in 32 bits, and a grid of fewer than 2^31 programs."""
     if x.dim() != 4 or x.numel() == 0:
         return False
-    channels_last = x.is_contiguous(memory_format=torch.channels_last)
-    return (channels_last or x.is_contiguous()) and x[0].numel() < 2**31 - 2**16 and x.numel() // 2048 < 2**30
+    # (the image's size from the shape: x[0] would be a select, a step of the op's recorded program)
+    image_elements = x.shape[1] * x.shape[2] * x.shape[3]
+    return ((x.is_contiguous(memory_format=torch.channels_last) or x.is_contiguous())
+            and image_elements < 2**31 - 2**16 and x.numel() // 2048 < 2**30)
 
 
 def channel_scale(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
