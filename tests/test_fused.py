@@ -827,10 +827,15 @@ def test_eval_calls_follow_shapes_autocast_and_dtypes():
     for x in (small, large, small):
         _assert_same_model(stock, fused, x, f"input {tuple(x.shape)}")
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
-        out = fused(small)
+        out, stock_out = fused(small), stock(small)
     assert out.dtype == torch.bfloat16
     with torch.no_grad():
-        assert_close(out, stock.double()(small.double()), torch.bfloat16, "bfloat16 autocast")
+        # (against stock's own error under the same autocast, plus a bfloat16 step of the largest value:
+        # an element-wise 1e-2 failed on one draw, 0.578 against 0.595 where a sum cancels)
+        ref = stock.double()(small.double())
+        error, stock_error = ((t.double() - ref).abs().max().item() for t in (out, stock_out))
+        assert error <= 2 * stock_error + 2**-8 * ref.abs().max().item(), \
+            f"bfloat16 autocast: largest error {error:.3g}, stock's {stock_error:.3g}"
         fused.double()
         # (against the CPU's float64: stock's on the GPU is 3e-8 off it on the H100, torch 2.11)
         assert_close(fused(small.double()), stock.cpu()(small.double().cpu()), torch.float64, "float64 model")
