@@ -908,30 +908,6 @@ def test_warmup_of_a_fused_model_records_the_fused_forward():
     assert calls[1].tensors[0][0] == (2, 8, 9, 11) and calls[1].tensors[1][0] == (8,)
 
 
-def test_warmup_compiles_the_pointwise_op(tmp_path, monkeypatch):
-    """A fused inverted residual block's warmup in eval under bfloat16 autocast, channels_last (its fake
-    run) records both 1x1 convolutions as the op's calls (the expansion's without a BatchNorm: the
-    depthwise layer applies it; the projection's with its BatchNorm), one for any batch size, and
-    its pool compiles their kernels for sm_90 into an empty cache; none in float32 (cuDNN's)."""
-    from dwconv.precompile import compile_calls, layer_calls
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    fused = dwconv.convert(InvertedResidual().eval().to(DEVICE), fuse=True, precompile=False, verbose=False)
-    fused = fused.to(memory_format=torch.channels_last)
-    x = randn(2, 8, 9, 11).contiguous(memory_format=torch.channels_last)
-    assert not [call for call in layer_calls(fused, x) if call.pointwise]
-    with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        calls = [call for call in layer_calls(fused, x) if call.pointwise]
-        assert [call.without_batch() for call in calls] == \
-            [call.without_batch() for call in layer_calls(fused, torch.cat([x, x, x])) if call.pointwise]
-    assert [(call.tensors[1][0], call.arguments) for call in calls] == [
-        ((16, 8, 1, 1), ("pointwise", None, ACTIVATION_CODES["identity"])),
-        ((8, 16, 1, 1), ("pointwise", (True, "float32"), ACTIVATION_CODES["identity"]))]
-    assert all(call.tensors[0][2] == "bfloat16" and call.passes() == ["forward"] for call in calls)
-    report = compile_calls(calls, 90, workers=1, verbose=False)
-    assert report.errors == [] and report.launches == 2
-
-
 def test_warmup_compiles_the_training_blocks_batch_norm(tmp_path, monkeypatch):
     """A fused model's warmup in training compiles BatchNorm's kernels (forward and backward) for
     sm_90 into an empty cache, besides the convolution's."""

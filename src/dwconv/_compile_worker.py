@@ -56,9 +56,6 @@ def compile_call(call: dict) -> None:
     if arguments[0] == "squeeze_excite":  # (precompile.SQUEEZE: a squeeze-and-excitation block's eval call)
         compile_squeeze(x, weight, bias, *arguments[1:])
         return
-    if arguments[0] == "pointwise":  # (precompile.POINTWISE: a trained block's eval 1x1 convolution)
-        compile_pointwise(x, weight, bias, *arguments[1:])
-        return
     geom = conv_geometry(x, weight, bias, *arguments[:3])  # (an activation may follow: eager_conv's)
     with torch.no_grad():
         if call["pass"] == "forward":
@@ -95,33 +92,20 @@ def compile_fold(weight, bias, norm_weight, dtype: str, running_dtype: str, eps:
     fold(weight, bias, norm_weight, norm_bias, *running, eps, getattr(torch, dtype))
 
 
-def _norm_tensors(spec, channels: int) -> tuple:
-    """(weight, bias, running mean, running variance) and eps of a BatchNorm of precompile._norm_spec."""
-    import torch
-
-    if spec is None:
-        return (None,) * 4 + (0.0,)
-    affine, dtype = spec
-    made = [torch.empty(channels, dtype=getattr(torch, dtype)) for _ in range(4)]
-    return (*(made[:2] if affine else (None, None)), *made[2:], 1e-5)
-
-
 def compile_block(x, weight, bias, stride, padding, dilation, activation: int, norm, input_norm) -> None:
     """The registered op conv2d_block's kernels: its foldings and its convolution."""
     import torch
 
-    with torch.no_grad():
-        torch.ops.dwconv.conv2d_block(x, weight, bias, *_norm_tensors(norm, weight.shape[0]),
-                                      *_norm_tensors(input_norm, x.shape[1]), list(stride), list(padding),
-                                      list(dilation), activation)
-
-
-def compile_pointwise(x, weight, bias, norm, activation: int) -> None:
-    """The registered op pointwise_folded's kernel."""
-    import torch
+    def tensors(spec, channels):  # (weight, bias, running mean, running variance) and eps of a BatchNorm
+        if spec is None:
+            return (None,) * 4 + (0.0,)
+        affine, dtype = spec
+        made = [torch.empty(channels, dtype=getattr(torch, dtype)) for _ in range(4)]
+        return (*(made[:2] if affine else (None, None)), *made[2:], 1e-5)
 
     with torch.no_grad():
-        torch.ops.dwconv.pointwise_folded(x, weight, bias, *_norm_tensors(norm, weight.shape[0]), activation)
+        torch.ops.dwconv.conv2d_block(x, weight, bias, *tensors(norm, weight.shape[0]), *tensors(input_norm, x.shape[1]),
+                                      list(stride), list(padding), list(dilation), activation)
 
 
 def compile_squeeze(x, reduce_weight, expand_weight, reduce_bias, expand_bias, activation: int, gate: int) -> None:

@@ -315,12 +315,9 @@ class _FoldingConv:
             return self._conv_or_product(input, self.weight, self.bias)
         # folded: the BatchNorm and the activation after it computed here (they pass their input through)
         tensors = tensors_of(self, norm)
-        if _pointwise_op_computes(self, input, tensors):  # (the product, the BatchNorm and the activation: one op)
+        if _pointwise_op_computes(self, input, tensors):  # (the folding, the product and ReLU: one op)
             return torch.ops.dwconv.pointwise_folded.default(_autocast_input(input), *tensors, norm.eps,
                                                              ACTIVATION_CODES[norm.dwconv_activation])
-        if _pointwise_op_traced(self, input, tensors):  # (a warmup's fake run: the op's kernel compiles in its pool)
-            precompile.record_pointwise(_autocast_input(input), self.weight, self.bias, norm,
-                                        ACTIVATION_CODES[norm.dwconv_activation])
         return FUNCTIONS[norm.dwconv_activation](self._conv_or_product(input, *_folded_parameters(self, norm, input)))
 
     def _conv_or_product(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -328,11 +325,9 @@ class _FoldingConv:
         # or not folded at all, the weight stays float32 and autocast casts it at the call)
         if _compute_dtype(input, weight) in _PRODUCT_DTYPES and _pointwise_rows(self, input):
             if not torch.compiler.is_compiling() and weight is self.weight and _op_computes(input, (weight, bias)):
-                # (eager, nothing differentiated: one op call, one launch)
+                # (eager, nothing differentiated: one op call, its views and the weight's cast replayed from C++)
                 return torch.ops.dwconv.pointwise_folded.default(_autocast_input(input), weight, bias, None, None,
                                                                  None, None, 0.0, ACTIVATION_CODES["identity"])
-            if weight is self.weight and _pointwise_op_traced(self, input, (weight, bias)):
-                precompile.record_pointwise(_autocast_input(input), weight, bias, None, ACTIVATION_CODES["identity"])
             return pointwise_product(input, weight, bias)
         return self._conv_forward(input, weight, bias)
 
@@ -372,13 +367,6 @@ def _pointwise_op_computes(conv: nn.Conv2d, input: torch.Tensor, tensors: tuple)
     _folded_parameters records for the compile)."""
     return _compute_dtype(input, input) in _PRODUCT_DTYPES and _pointwise_rows(conv, input) \
         and _op_computes(input, tensors)
-
-
-def _pointwise_op_traced(conv: nn.Conv2d, input: torch.Tensor, tensors: tuple) -> bool:
-    """Whether this is a warmup's fake run of a call that dwconv::pointwise_folded computes in eager
-    (_pointwise_op_computes): then its kernel compiles in the warmup's pool."""
-    return (bool(precompile._TRACING.__dict__.get("active")) and _compute_dtype(input, input) in _PRODUCT_DTYPES
-            and _pointwise_rows(conv, input) and not _gradient_wanted(input, *tensors))
 
 
 def _op_computes(input: torch.Tensor, tensors: tuple) -> bool:

@@ -80,13 +80,6 @@ class LayerCall:
         bias's spec or None, the activation's and the gate's codes), not a convolution."""
         return self.arguments[0] == SQUEEZE
 
-    @property
-    def pointwise(self) -> bool:
-        """Whether this is a trained block's eval 1x1 convolution (the registered op pointwise_folded:
-        tensors the input, the weight and bias; arguments POINTWISE, the BatchNorm's spec as
-        record_block's (None: none), the activation's code), not a depthwise convolution."""
-        return self.arguments[0] == POINTWISE
-
     def without_batch(self) -> "LayerCall":
         """The call as the batch sizes that share its kernel binaries see it: the input's batch size
         (and its stride) replaced by what the launch plans choose by it (dispatch.batch_choices;
@@ -96,8 +89,8 @@ class LayerCall:
         if self.fold:  # (no batch: a weight's)
             return self
         (shape, strides, dtype), weight = self.tensors[:2]
-        # (BatchNorm's kernels, the squeeze-and-excitation's and the 1x1 product's choose nothing by it)
-        batch = ("any batch", *(() if self.batch_norm or self.squeeze or self.pointwise
+        # (BatchNorm's kernels and the squeeze-and-excitation's choose nothing by it)
+        batch = ("any batch", *(() if self.batch_norm or self.squeeze
                                 else batch_choices(shape, getattr(torch, dtype), weight[0])))
         return LayerCall((((batch, *shape[1:]), (0, *strides[1:]), dtype), *self.tensors[1:]), self.grads,
                          self.arguments)
@@ -114,7 +107,7 @@ class LayerCall:
     def cost(self, pass_: str) -> tuple:
         """Larger first: a pool's wall time is bounded by the task that starts last. Backward passes,
         channels_last, strides, then kernel size (the unrolled channels_last tiles compile longest)."""
-        if self.batch_norm or self.fold or self.squeeze or self.pointwise:
+        if self.batch_norm or self.fold or self.squeeze:
             return (pass_ == "backward", not self.fold and self.tensors[0][1][1] == 1, 0, 0)
         (_, _, k_h, k_w) = self.tensors[1][0]
         stride = self.arguments[1 if self.block else 0]
@@ -126,7 +119,6 @@ BATCH_NORM = "batch_norm"  # (a LayerCall's first argument: a fused block's Batc
 FOLD = "fold"  # (a LayerCall's first argument: a BatchNorm folded into its convolution in eval mode)
 BLOCK = "block"  # (a LayerCall's first argument: a fused block's eval call, the op conv2d_block)
 SQUEEZE = "squeeze_excite"  # (a LayerCall's first argument: a squeeze-and-excitation block's eval call)
-POINTWISE = "pointwise"  # (a LayerCall's first argument: a trained block's eval 1x1 convolution)
 
 
 def record_batch_norm(y: torch.Tensor, norm: nn.Module, activation: str) -> None:
@@ -150,10 +142,6 @@ def record_fold(weight: torch.Tensor, bias: Optional[torch.Tensor], norm: nn.Mod
     calls.setdefault(LayerCall.of(weight, bias, norm.weight, arguments), None)
 
 
-def _norm_spec(module: Optional[nn.Module]):
-    return None if module is None else (module.weight is not None, str(module.running_var.dtype).replace("torch.", ""))
-
-
 def record_block(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  norm: Optional[nn.Module], input_norm: Optional[nn.Module], op_arguments: tuple,
                  activation: int) -> None:
@@ -163,18 +151,12 @@ def record_block(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     calls = getattr(_TRACING, "calls", None)
     if calls is None:
         return
-    arguments = (BLOCK, *op_arguments, activation, _norm_spec(norm), _norm_spec(input_norm))
+
+    def norm_spec(module):
+        return None if module is None else (module.weight is not None, str(module.running_var.dtype).replace("torch.", ""))
+
+    arguments = (BLOCK, *op_arguments, activation, norm_spec(norm), norm_spec(input_norm))
     calls.setdefault(LayerCall.of(input, weight, bias, arguments), None)
-
-
-def record_pointwise(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     norm: Optional[nn.Module], activation: int) -> None:
-    """Under layer_calls' fake run, a trained block's eval 1x1 convolution (fuse.py calls it where the
-    op would run; input as autocast casts it): a call of its own, which compiles the op's kernel."""
-    calls = getattr(_TRACING, "calls", None)
-    if calls is None:
-        return
-    calls.setdefault(LayerCall.of(input, weight, bias, (POINTWISE, _norm_spec(norm), activation)), None)
 
 
 def record_squeeze(input: torch.Tensor, reduce_weight: torch.Tensor, reduce_bias: Optional[torch.Tensor],
