@@ -7,11 +7,10 @@ choices (docs/decisions.md, "In eval mode the other BatchNorms fold"):
     fold+conv    the BatchNorm folded into the convolution's weight and bias: cuDNN's convolution,
                  which adds the bias in a pass of its own, then the activation
     fold+product a 1x1 convolution of a channels_last input as the matrix product with the bias in
-                 cuBLAS's epilogue (`rows_product`, as dwconv::pointwise_folded ran it before its
-                 Triton launch), then the activation
+                 cuBLAS's epilogue (_library._rows_product, as dwconv::pointwise_folded runs it), then
+                 the activation
     fold+product+relu   the same with ReLU in the epilogue too (torch._addmm_activation)
-    converted    the block as convert(fuse=True) runs it (a 1x1 layer: dwconv::pointwise_folded,
-                 one Triton launch with the BatchNorm and the activation in its epilogue)
+    converted    the block as convert(fuse=True) runs it (its folding at each call included)
 
 Every path under bfloat16 autocast on a channels_last input, as the models bench runs; each output
 checked against float64's (stock's modules in float64). Prints milliseconds, GB/s of the floor
@@ -23,9 +22,7 @@ against stock.
 
 Layers (batch 256, 224 x 224 images): MobileNetV2's stem (3x3 stride 2, 3 -> 32, ReLU6), its widest
 expansion (24 -> 144 at 56 x 56, ReLU6), a projection (144 -> 24 at 56 x 56, none), its last 1x1
-(320 -> 1280 at 7 x 7, ReLU6); MobileNetV4-conv-medium's ReLU expansions (80 -> 480 at 28 x 28, 160
--> 640 at 14 x 14, 256 -> 1024 at 7 x 7) and projections (640 -> 160, 1024 -> 256); EfficientNet-B0's
-last 1x1 (320 -> 1280 at 7 x 7, SiLU).
+(320 -> 1280 at 7 x 7, ReLU6), and a ReLU expansion as MobileNetV4's (80 -> 480 at 28 x 28).
 """
 
 import argparse
@@ -41,29 +38,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import dwconv  # noqa: E402
 from dwconv.activations import FUNCTIONS, activation_of  # noqa: E402
 from dwconv.bench import checked_and_timed  # noqa: E402
+from dwconv._library import _rows_product  # noqa: E402
 from dwconv.fuse import _pointwise_rows, fold_batch_norm  # noqa: E402
 
 # (name, batch, in channels, height, width, out channels, kernel, stride, activation module)
 LAYERS = [("stem", 256, 3, 224, 224, 32, 3, 2, nn.ReLU6), ("expansion", 256, 24, 56, 56, 144, 1, 1, nn.ReLU6),
           ("projection", 256, 144, 56, 56, 24, 1, 1, nn.Identity), ("last", 256, 320, 7, 7, 1280, 1, 1, nn.ReLU6),
-          ("v4 expansion 28", 256, 80, 28, 28, 480, 1, 1, nn.ReLU),
-          ("v4 expansion 14", 256, 160, 14, 14, 640, 1, 1, nn.ReLU),
-          ("v4 projection 14", 256, 640, 14, 14, 160, 1, 1, nn.Identity),
-          ("v4 expansion 7", 256, 256, 7, 7, 1024, 1, 1, nn.ReLU),
-          ("v4 projection 7", 256, 1024, 7, 7, 256, 1, 1, nn.Identity),
-          ("b0 last", 256, 320, 7, 7, 1280, 1, 1, nn.SiLU)]
-
-
-def rows_product(input: torch.Tensor, weight: torch.Tensor, bias, relu: bool) -> torch.Tensor:
-    """(N*H*W, C_in) @ (C_in, C_out) + bias by cuBLAS, the bias (and ReLU where relu) in its
-    epilogue, each operand one strided view; the output channels_last."""
-    batch, in_channels, height, width = input.shape
-    out_channels = weight.shape[0]
-    rows = input.as_strided((batch * height * width, in_channels), (in_channels, 1))
-    columns = weight.as_strided((in_channels, out_channels), (weight.stride(1), weight.stride(0)))
-    out = torch._addmm_activation(bias, rows, columns) if relu else torch.addmm(bias, rows, columns)
-    return out.as_strided((batch, out_channels, height, width),
-                          (height * width * out_channels, 1, width * out_channels, out_channels))
+          ("relu expansion", 256, 80, 28, 28, 480, 1, 1, nn.ReLU)]
 
 
 def block(in_channels: int, out_channels: int, kernel: int, stride: int, activation: type, device: str) -> nn.Module:
@@ -95,9 +76,9 @@ def paths(stock: nn.Module, x: torch.Tensor) -> dict:
     calls = {"stock": lambda: stock(x), "converted": lambda: converted(x),
              "fold+conv": lambda: activate(conv._conv_forward(x, weight, bias))}
     if _pointwise_rows(conv, x):
-        calls["fold+product"] = lambda: activate(rows_product(x, weight, bias, relu=False))
+        calls["fold+product"] = lambda: activate(_rows_product(x, weight, bias, relu=False))
         if name == "relu":
-            calls["fold+product+relu"] = lambda: rows_product(x, weight, bias, relu=True)
+            calls["fold+product+relu"] = lambda: _rows_product(x, weight, bias, relu=True)
     return {label: under_autocast(fn) for label, fn in calls.items()}
 
 

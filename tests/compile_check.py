@@ -281,26 +281,7 @@ def squeeze_excite(shape, hidden, dtype, activation, gate, layout=torch.contiguo
        torch.randn(channels), activation, gate)
 
 
-def pointwise(shape, out_channels, dtype, activation, norm=True, bias=False):
-    """A trained block's eval 1x1 convolution (dwconv::pointwise_folded): the product with the BatchNorm
-    and the activation in its epilogue."""
-    from dwconv._library import pointwise_folded as op
-
-    channels = shape[1]
-    x = torch.randn(shape, dtype=dtype).contiguous(memory_format=CL)
-    tensors = (torch.randn(out_channels), torch.randn(out_channels), torch.randn(out_channels),
-               torch.rand(out_channels) + 1) if norm else (None,) * 4
-    op(x, torch.randn(out_channels, channels, 1, 1), torch.randn(out_channels) if bias else None, *tensors, 1e-5,
-       activation)
-
-
 CASES += [
-    ("pointwise, bfloat16, relu, a BatchNorm (MobileNetV4's expansion)", pointwise, ((2, 80, 28, 28), 480, bf16, 1), {}),
-    ("pointwise, float16, none, a BatchNorm (a projection to 24 channels)", pointwise, ((2, 144, 14, 14), 24, f16, 0),
-     {}),
-    ("pointwise, bfloat16, silu, a bias, no BatchNorm", pointwise, ((2, 320, 7, 7), 1280, bf16, 3),
-     dict(norm=False, bias=True)),
-    ("pointwise, float32, gelu", pointwise, ((2, 40, 7, 7), 72, f32, 4), {}),
     ("squeeze_excite, bfloat16 channels_last, silu, sigmoid (EfficientNet-B0's widest)", squeeze_excite,
      ((2, 1152, 7, 7), 48, bf16, 3, 0), dict(layout=CL)),
     ("squeeze_excite, float32 NCHW, relu, hard sigmoid (MobileNetV3's)", squeeze_excite,

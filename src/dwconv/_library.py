@@ -31,7 +31,6 @@ from ._geometry import (ACTIVATION_CODES, ACTIVATION_FUNCTIONS, ConvGeometry, co
                         split_activation_code)
 from .dispatch import conv_forward
 from .kernels import batch_norm as _batch_norm_kernels
-from .kernels import pointwise as _pointwise
 from .kernels import squeeze_excite as _squeeze_excite
 from .kernels._shared import output_memory_format
 from .kernels.layout import nchw_copy
@@ -184,22 +183,46 @@ def pointwise_folded(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm
                      norm_eps: float, activation: int) -> Tensor:
     """A 1x1 convolution (stride 1, no padding, one group) of a channels_last input followed by a
     BatchNorm in eval mode (norm_mean None: none) and an activation (its code in
-    _geometry.ACTIVATION_CODES; dwconv.fuse's trained blocks), nothing differentiated: one launch
-    (kernels/pointwise.py), the BatchNorm and the bias applied to the product's accumulator, then
-    the activation. Computes in the input's dtype (autocast's: the caller casts the input), the
-    weight cast to it as it loads; channels_last output. One op, so that once the C++ replayer serves
-    it a call is one launch with no Python (an eager eval forward is bound by its host)."""
+    _geometry.ACTIVATION_CODES; dwconv.fuse's trained blocks), nothing differentiated: the BatchNorm
+    folded into the weight and bias (one launch), then (N*H*W, C_in) @ (C_in, C_out) + bias, cuBLAS
+    adding the bias in its product's epilogue, and ReLU there too (`_addmm_activation`); another
+    activation in place on the output. Computes in the input's dtype (autocast's: the caller casts
+    the input); channels_last output. One op, so that once the C++ replayer serves it the folding and
+    the product are one call with no Python (an eager eval forward is bound by its host)."""
     _served_from_cpp(input)
     _checked_pointwise(input, weight)
-    _checked_norm_given("norm", norm_weight, norm_bias, norm_mean, norm_var)
-    if norm_mean is not None:
-        _checked_norm("norm", input, weight.shape[0], norm_weight, norm_bias, norm_mean, norm_var)
-    if bias is not None and (not bias.is_floating_point() or bias.shape != weight.shape[:1] or bias.stride(0) != 1
-                             or bias.device != input.device):
-        raise ValueError(f"bias must be a contiguous floating vector of {weight.shape[0]} channels on "
-                         f"{input.device}, got {bias.dtype} of shape {tuple(bias.shape)} on {bias.device}")
-    return _pointwise.pointwise(plain(input), plain(weight), plain(bias), norm_weight, norm_bias, norm_mean, norm_var,
-                                norm_eps, _checked_activation(activation))
+    weight, bias = _block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
+    relu = _checked_activation(activation) == ACTIVATION_CODES["relu"] and bias is not None
+    out = _rows_product(input, weight, bias, relu)
+    return out if relu else _ACTIVATIONS_IN_PLACE[ACTIVATION_NAMES[activation]](out)
+
+
+def _rows_product(input: Tensor, weight: Tensor, bias: Optional[Tensor], relu: bool) -> Tensor:
+    """pointwise_product for the op (nothing differentiated), each operand one strided view: a
+    recorded program replays every view step at each call, and permute, reshape and t are two to
+    three steps each where as_strided is one. input: channels_last (its rows of channels one
+    (N*H*W, C_in) matrix, _checked_pointwise); weight: any strides. relu (with a bias): ReLU in
+    cuBLASLt's epilogue too (`torch._addmm_activation`, which has no derivative)."""
+    batch, in_channels, height, width = input.shape
+    out_channels = weight.shape[0]
+    rows = input.as_strided((batch * height * width, in_channels), (in_channels, 1))
+    columns = weight.as_strided((in_channels, out_channels), (weight.stride(1), weight.stride(0)))
+    if bias is None:
+        out = torch.mm(rows, columns)
+    elif relu:
+        out = torch._addmm_activation(bias, rows, columns)
+    else:
+        out = torch.addmm(bias, rows, columns)
+    return out.as_strided((batch, out_channels, height, width),
+                          (height * width * out_channels, 1, width * out_channels, out_channels))
+
+
+# (each on the op's own fresh output; ReLU is the product's epilogue; GELU has no in-place form)
+_ACTIVATIONS_IN_PLACE = dict(
+    ACTIVATION_FUNCTIONS, relu6=functools.partial(torch.nn.functional.relu6, inplace=True),
+    silu=functools.partial(torch.nn.functional.silu, inplace=True),
+    hardswish=functools.partial(torch.nn.functional.hardswish, inplace=True),
+    hardsigmoid=functools.partial(torch.nn.functional.hardsigmoid, inplace=True))
 
 
 def _checked_pointwise(input: Tensor, weight: Tensor) -> None:
@@ -207,13 +230,9 @@ def _checked_pointwise(input: Tensor, weight: Tensor) -> None:
     not a 1x1 convolution's of the input's channels."""
     if input.dim() != 4 or not input.is_contiguous(memory_format=torch.channels_last):
         raise ValueError(f"input must be a channels_last 4-D tensor, got shape {tuple(input.shape)}")
-    if not input.is_floating_point():
-        raise TypeError(f"input must be a floating tensor, got {input.dtype}")
     if not (isinstance(weight, Tensor) and weight.dim() == 4 and weight.shape[1:] == (input.shape[1], 1, 1)):
         raise ValueError(f"weight must be of shape (out_channels, {input.shape[1]}, 1, 1) for this input, got "
                          f"{getattr(weight, 'shape', weight)!r:.60}")
-    if not weight.is_floating_point() or weight.device != input.device:
-        raise ValueError(f"weight must be a floating tensor on {input.device}, got {weight.dtype} on {weight.device}")
 
 
 def pointwise_product(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -221,7 +240,7 @@ def pointwise_product(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> 
     @ (C_in, C_out) plus the bias, the output channels_last: cuBLAS adds the bias in its product's
     epilogue, where cuDNN's convolution adds it in a pass of its own over the output
     (docs/decisions.md, "In eval mode the other BatchNorms fold"). Differentiable, and what
-    torch.compile traces; the op computes the same in one launch."""
+    torch.compile traces; the op computes the same by _rows_product."""
     # (the NHWC view is contiguous: one (N*H*W, C_in) matrix, no copy)
     rows, weight = input.permute(0, 2, 3, 1), weight.reshape(weight.shape[0], weight.shape[1])
     return torch.nn.functional.linear(rows, weight, bias).permute(0, 3, 1, 2)

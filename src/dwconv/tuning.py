@@ -79,12 +79,6 @@ class Tuning:
     batch_norm_channels: Tuple[int, ...] = (128, 256, 512)
     batch_norm_reduce_rows: int = 256
     batch_norm_reduce_channels: int = 16
-    # the eval 1x1 products' blocks in half precision (kernels/pointwise.py): rows, output channels (up to the
-    # layer's) and input channels a step, pipeline stages (benchmarks/pointwise_sweep.py)
-    pointwise_block_m: int = 128
-    pointwise_block_n: int = 128
-    pointwise_block_k: int = 64
-    pointwise_stages: int = 2
     # ---- checks and launching
     fast_launch: bool = switch("DWCONV_FAST_LAUNCH") is not False  # repeat launches skip Triton's dispatch
     poison_partials: bool = False  # tests: NaN-fill partial sums and BatchNorm's outputs, so an unwritten one shows
