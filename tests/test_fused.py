@@ -15,7 +15,7 @@ from dwconv.dispatch import ForwardConfig, conv_forward
 from dwconv.kernels import large_fma
 from dwconv.kernels.batch_norm import EvalNorm
 from dwconv.kernels._shared import output_memory_format
-from helpers import DEVICE, assert_close, poisoned, randn, reference_conv
+from helpers import DEVICE, TOLERANCES, assert_close, poisoned, randn, reference_conv
 
 ACTIVATIONS = sorted(FUNCTIONS)
 
@@ -740,6 +740,34 @@ def test_pointwise_folded_op(affine, bias, activation):
     ref = F.conv2d(x.double(), weight.double(), None if conv_bias is None else conv_bias.double())
     ref = ref if affine is None else _reference_norm(ref, norm, 1e-3)
     assert_close(out, ACTIVATION_FUNCTIONS[activation](ref), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (3, 70, 5, 7, 67), (2, 16, 1, 13, 130), (1, 3, 11, 1, 2)])
+def test_pointwise_folded_sizes_and_dtypes(shape, dtype):
+    """The op over odd, prime and one-element sizes, every dtype, the weight, bias and BatchNorm in
+    float32 (autocast's parameters; float64 for a float64 input, as a float64 model's); against
+    float64 (the folded weight rounds in half precision: judged against the size of the sum's terms)."""
+    batch, in_channels, height, width, out_channels = shape
+    parameters = torch.float64 if dtype == torch.float64 else torch.float32
+    x = randn(batch, in_channels, height, width, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight, bias = randn(out_channels, in_channels, 1, 1, dtype=parameters), randn(out_channels, dtype=parameters)
+    norm = tuple(t.to(parameters) for t in _norm_tensors(out_channels))
+    out = torch.ops.dwconv.pointwise_folded(x, weight, bias, *norm, 1e-5, ACTIVATION_CODES["silu"])
+    assert out.dtype == dtype and out.is_contiguous(memory_format=torch.channels_last)
+    x64, weight_cast, bias64 = x.double().cpu(), weight.to(dtype).double().cpu(), bias.double().cpu()
+    ref = F.silu(_reference_norm(F.conv2d(x64, weight_cast, bias64), norm, 1e-5))
+    # (a sum of in_channels products: judged against the size of its terms, as the weight gradient's
+    # tests are, the BatchNorm's scale applied to them; SiLU's slope is under 1.1)
+    scale = (norm[0].double() / (norm[3].double() + 1e-5).sqrt()).abs().cpu()
+    terms = F.conv2d(x64.abs(), weight_cast.abs(), bias64.abs()) * scale[:, None, None]
+    atol, rtol = TOLERANCES[dtype]
+    out = out.double().cpu()
+    excess = (out - ref).abs() - (atol + rtol * (ref.abs() + 1.1 * terms))
+    worst = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
+    assert not out.isnan().any() and excess.max() <= 0, \
+        f"{int((excess > 0).sum())} of {out.numel()} beyond tolerance, worst at {worst}: got {out[worst].item():.6g}, " \
+        f"expected {ref[worst].item():.6g}"
 
 
 def test_pointwise_folded_op_refuses_bad_arguments():
