@@ -330,8 +330,9 @@ def model_paths(compile_modes: List[str], eager: bool = True, fuse: bool = False
              (f"stock eager, {CUDA_GRAPH}", "stock", CUDA_GRAPH, None),
              (f"dwconv eager, {CUDA_GRAPH}", "dwconv", CUDA_GRAPH, None)] if eager else []
     if eager and fuse:
-        paths += [("dwconv fused eager", "fused", None, None), (f"dwconv fused eager, {CUDA_GRAPH}", "fused", CUDA_GRAPH,
-                                                                 None)]
+        paths += [("dwconv fused eager", "fused", None, None), (f"dwconv fused eager, {MODULE_BY_MODULE}",
+                                                                "fused module by module", None, None),
+                  (f"dwconv fused eager, {CUDA_GRAPH}", "fused", CUDA_GRAPH, None)]
     for mode in compile_modes:
         label = "compiled" if mode == "default" else f"compiled {mode}"
         paths += [(f"stock {label}", "stock", mode, None), (f"dwconv {label}", "dwconv", mode, None)]
@@ -341,7 +342,21 @@ def model_paths(compile_modes: List[str], eager: bool = True, fuse: bool = False
 
 def stock_path(path: str) -> str:
     """The stock path a path is compared with: the same compilation."""
-    return path.replace("dwconv fused", "stock").replace("dwconv", "stock").replace(", Python path", "")
+    return (path.replace("dwconv fused", "stock").replace("dwconv", "stock").replace(", Python path", "")
+            .replace(f", {MODULE_BY_MODULE}", ""))
+
+
+# the fused model's eager path without its blocks' replayed programs (dwconv.block_replay): what they save
+MODULE_BY_MODULE = "blocks module by module"
+
+
+def module_by_module(fused: nn.Module) -> nn.Module:
+    """A copy of a fused model whose inverted-residual blocks run their modules' calls (never one replayed program)."""
+    copied = copy.deepcopy(fused)
+    for module in copied.modules():
+        if "dwconv_programs" in module.__dict__:
+            module.__dict__["dwconv_programs"] = None
+    return copied
 
 
 class native_setting:
@@ -379,6 +394,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     models = {"stock": stock, "dwconv": converted}
     if fuse:
         models["fused"] = convert(stock, verbose=True, fuse=True)
+        models["fused module by module"] = module_by_module(models["fused"])
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(batch, 3, image, image, device="cuda", generator=gen)
     y = torch.randint(0, 10, (batch,), device="cuda", generator=gen)
@@ -456,20 +472,20 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     for precision, memory_format, path, step, native, fn, model, variant in profiled:  # (the same steps' GPU time)
         model.train(step == "train step")
         with native_setting(native):
-            share = depthwise_share(model, fn, hooks=variant != "fused")
+            share = depthwise_share(model, fn, hooks=not variant.startswith("fused"))
         # (no kernel found under the layers' ranges is no measurement, not 0 ms: stock cuDNN layers
         # read 0 on the H200 while kernels were found by their operators' links alone,
         # test_depthwise_share_of_stock_layers)
         attributed = share["depthwise_ms"] > 0 or not share["ranges"]
         # (a fused model's kernels of dwconv are its blocks' BatchNorms' too: not stock's
         # depthwise layers' share, so its whole step's GPU time alone)
-        for what in ("depthwise_ms", "gpu_ms")[0 if attributed and variant != "fused" else 1:]:
+        for what in ("depthwise_ms", "gpu_ms")[0 if attributed and not variant.startswith("fused") else 1:]:
             profiles.append(dict(suite="model profile", layer=name, dtype=precision, path=path,
                                  layout=rows_layout(memory_format), ms=share[what],
                                  **{"pass": f"{step} {what[:-3]} GPU"}))
         depthwise = f"{share['depthwise_ms']:.3f}" if attributed else "not attributed"
         print(f"  {precision:<17} {step:<10} {path:<26} profiler: "
-              + ("blocks (dwconv's kernels) " if variant == "fused" else "depthwise ")
+              + ("blocks (dwconv's kernels) " if variant.startswith("fused") else "depthwise ")
               + f"{depthwise} of {share['gpu_ms']:.3f} ms GPU", flush=True)
     for row in rows:  # speedup against the stock model of the same precision, step and compilation
         base_path = row.pop("stock_path")

@@ -63,7 +63,8 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     activation feeds a fused depthwise layer alone (an inverted residual's expansion), that layer
     applies the activation to its input as it loads it. Each squeeze-and-excitation module
     (torchvision's SqueezeExcitation, timm's SqueezeExcite) computes as one op in eager where
-    nothing is differentiated. A block one of whose modules
+    nothing is differentiated, and each inverted-residual block of torchvision's and timm's
+    MobileNets and EfficientNets as one program replayed from C++ in eager eval (dwconv.block_replay). A block one of whose modules
     has a hook (or while a global module hook is registered) runs every module as before, so hooks
     see stock's values. Parameters, buffers and state_dict keys stay the same; the blocks fused and
     the layers left are printed when verbose."""
@@ -87,7 +88,7 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
     if fuse:
         from .fuse import fuse_blocks
 
-        blocks, not_fused, input_activations, squeeze_excites = fuse_blocks(model)
+        blocks, not_fused, input_activations, squeeze_excites, replayed = fuse_blocks(model)
         if verbose:
             depthwise = [block for block in blocks if isinstance(block[0], DepthwiseConv2d)]
             trained = [block for block in blocks if not isinstance(block[0], DepthwiseConv2d)]
@@ -101,7 +102,8 @@ def convert(model: nn.Module, inplace: bool = False, verbose: bool = True, examp
                   f"{sum(conv is not None for conv, *_ in trained) - input_activations} folded into their "
                   f"convolution in eager eval, {input_activations} applied with their activation by the depthwise "
                   f"layer after them in eval mode); {squeeze_excites} squeeze-and-excitation block(s) one op each "
-                  f"in eager where nothing is differentiated")
+                  f"in eager where nothing is differentiated; {replayed} inverted-residual block(s) one replayed program "
+                  f"each in eager eval")
     from .precompile import warm_up_on_first_call, warmup
 
     if precompile and layers:

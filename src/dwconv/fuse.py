@@ -50,6 +50,7 @@ from .functional import _gradient_wanted, depthwise_conv2d
 from .kernels._launch import PLAIN_TENSORS
 from .modules import DepthwiseConv2d
 from .replay.native import replayed
+from .block_replay import ReplayedBlock, find_replayed_blocks, new_state
 
 # a block: the layer, its BatchNorm2d, its activation module, the activation's name, and where the
 # modules are ((owner, attribute name, module): a block whose module another replaced is no longer one)
@@ -576,7 +577,8 @@ def _traced_as_a_call(module: nn.Module, input: torch.fx.Proxy) -> torch.fx.Prox
 # a block's module roles: (the behaviour mixed in, the class name's prefix)
 _ROLES = {"norm": (_PassedThrough, "Folded"), "activation": (_PassedThrough, "Fused"),
           "trained norm": (_TrainedNorm, "Trained"), "trained activation": (_TrainedActivation, "Trained"),
-          "trained conv": (_FoldingConv, "Folding"), "squeeze excite": (_SqueezeExcite, "Fused")}
+          "trained conv": (_FoldingConv, "Folding"), "squeeze excite": (_SqueezeExcite, "Fused"),
+          "replayed block": (ReplayedBlock, "Replayed")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -856,12 +858,14 @@ def _ends_in_both_modes(parent: nn.Module) -> Optional[Tuple[Optional[str], Opti
     return found[0] if found[0] == found[1] else None
 
 
-def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter, int, int]:
+def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter, int, int, int]:
     """Makes each block find_blocks proves a fused one, and each find_norm_blocks proves a trained
-    one (the modules' classes change), links each find_input_activations finds, and makes each
-    squeeze-and-excitation module find_squeeze_excites finds one op; returns the blocks (the
+    one (the modules' classes change), links each find_input_activations finds, makes each
+    squeeze-and-excitation module find_squeeze_excites finds one op, and each inverted-residual
+    block find_replayed_blocks finds one replayed program in eager eval; returns the blocks (the
     depthwise blocks first), why other converted layers are not fused, how many activations their
-    depthwise layer applies in eval mode, and how many squeeze-and-excitation modules are one op."""
+    depthwise layer applies in eval mode, how many squeeze-and-excitation modules are one op, and
+    how many blocks one program."""
     blocks, left = find_blocks(model)
     taken = {id(m) for block in blocks for m in block[1:3] if m is not None}
     norm_blocks = find_norm_blocks(model, taken)
@@ -879,7 +883,12 @@ def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter, int
     for (conv, norm, activation_module, _, _), activation, depthwise, between in links:
         depthwise.__dict__["dwconv_input"] = (norm.dwconv_block, activation, between)
         (activation_module if activation_module is not None else norm).__dict__["dwconv_applied_by"] = depthwise
-    return blocks + norm_blocks, left, len(links), len(find_squeeze_excites(model))
+    squeeze_excites = len(find_squeeze_excites(model))
+    replayed_blocks = find_replayed_blocks(model)
+    for block in replayed_blocks:
+        block.__dict__["dwconv_programs"] = new_state()
+        block.__class__ = folded_class("replayed block", type(block))
+    return blocks + norm_blocks, left, len(links), squeeze_excites, len(replayed_blocks)
 
 
 def _join(block: tuple, members: tuple) -> None:

@@ -114,6 +114,7 @@ class _Recorder(TorchDispatchMode):
         self.index: Dict[int, int] = {}
         self.count = len(inputs)
         self.steps: List = []
+        self.inside_op = 0  # (ops of the pass being run: a launch inside one is part of that op's step)
         self.finalizers: List[weakref.finalize] = []
         for number, t in enumerate(inputs):
             if t is not None:
@@ -134,7 +135,11 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         step_args, step_kwargs = tree_map(self.ref, args), tree_map(self.ref, kwargs)
-        out = func(*args, **kwargs)
+        self.inside_op += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.inside_op -= 1
         results = []
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
@@ -149,6 +154,8 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def launch(self, kernel, plan, tensors):
+        if self.inside_op:  # (a registered op's own launch: its step would run it a second time)
+            raise NotRecordable("a launch inside a recorded op")
         refs = tuple(self.ref(t) for t in tensors)
         with _disable_current_modes():  # (the interpreter's own tensor ops are not the pass's)
             _launch.launch_now(kernel, plan, *tensors)

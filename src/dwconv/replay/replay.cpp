@@ -572,6 +572,20 @@ void remember_call(const at::Tensor& input, const at::Tensor& weight, const std:
   reg.calls[*key] = number;
 }
 
+// The layouts of these tensors as one key (append_layout and the negative bit each), none where
+// the replayer must not take one (replayable): a replayed block's programs' key (block_replay.py)
+// in one call from Python, where program_key took 0.5 us a tensor.
+std::optional<py::bytes> layouts_key(const std::vector<at::Tensor>& tensors) {
+  std::vector<int64_t> key;
+  key.reserve(tensors.size() * 12);
+  for (const auto& t : tensors) {
+    if (!replayable(t)) return std::nullopt;
+    append_layout(key, t);
+    key.push_back(t.is_neg());
+  }
+  return py::bytes(reinterpret_cast<const char*>(key.data()), key.size() * sizeof(int64_t));
+}
+
 // conv for a call remembered before, None for any other (the caller takes the full path). Under
 // autocast, first the casts F.conv2d's autocast makes, by its own function (cached_cast: the same
 // eligibility, and the same cache of a float32 leaf weight's cast within the autocast region): from
@@ -824,6 +838,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv", &conv);
   m.def("norm", &norm);
   m.def("conv_known", &conv_known);
+  m.def("layouts_key", &layouts_key);
   m.def("remember_call", &remember_call);
   m.def("last_used", &last_used);
   m.def("tick", &tick);
