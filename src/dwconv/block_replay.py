@@ -33,7 +33,7 @@ from . import precompile
 from .functional import _gradient_wanted, uses_triton
 from .replay import native
 from .replay.program import NotRecordable, record
-from .tuning import on_change, tuned
+from .tuning import on_change
 
 # the classes whose forward is known, by module and name (neither library need be installed)
 BLOCK_CLASSES = {
@@ -177,7 +177,7 @@ def _key(state: _State, input: torch.Tensor):
 def _replays_now(input: torch.Tensor) -> bool:
     """The call's conditions outside the block (module docstring)."""
     hooks = _MODULE_GLOBALS
-    return (type(input) is torch.Tensor and tuned().block_programs and not torch.compiler.is_compiling()
+    return (type(input) is torch.Tensor and not torch.compiler.is_compiling()
             and not torch._C._is_tracing() and torch._C._functorch.peek_interpreter_stack() is None
             and not precompile._TRACING.__dict__.get("active") and uses_triton(input) and native.enabled(input)
             and not any(hooks.get(name) for name in _GLOBAL_HOOKS))

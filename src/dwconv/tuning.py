@@ -83,7 +83,6 @@ class Tuning:
     fast_launch: bool = switch("DWCONV_FAST_LAUNCH") is not False  # repeat launches skip Triton's dispatch
     poison_partials: bool = False  # tests: NaN-fill partial sums and BatchNorm's outputs, so an unwritten one shows
     plan_as_gpu: bool = False  # compile checks: CPU tensors get the GPU's kernels and blocks
-    block_programs: bool = True  # fused eager eval: a known block's forward one replayed program (block_replay.py)
     replay_layer_capacity: int = 512  # layers the C++ path keeps recorded (least recently used go)
     replay_build_timeout_s: float = 600.0  # the C++ replayer's build never waits longer (stale locks too)
     # a warmup's compile processes; 0: one a CPU core. Under evaluation: 16 compiles at once on the H200's
