@@ -251,3 +251,16 @@ def test_a_launch_inside_a_recorded_op_refuses_the_recording(monkeypatch):
     x, weight = randn(1, 4, 6, 6), randn(4, 1, 3, 3)
     with pytest.raises(NotRecordable, match="a launch inside a recorded op"):
         record(lambda x, w: torch.ops.dwconv.conv2d.default(x, w, None, [1, 1], [1, 1, 1, 1], [1, 1]), [x, weight])
+
+
+def test_models_bench_checks_replays_bitwise(replays):
+    """The models bench's check (bench_models.replays_bitwise): true for the fused model and its
+    module-by-module copy, false where they differ."""
+    from dwconv.bench_models import module_by_module, replays_bitwise
+
+    fused = dwconv.convert(_model(), fuse=True, precompile=False, verbose=False)
+    python = module_by_module(fused)
+    x = _input("nchw")
+    assert replays_bitwise(fused, python, x) and replays[0] == 4
+    python[3].conv[1][1].eps = 0.5
+    assert not replays_bitwise(fused, python, x)

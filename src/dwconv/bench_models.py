@@ -157,6 +157,15 @@ def compare_outputs(stock: nn.Module, converted: nn.Module, x: torch.Tensor) -> 
     return ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
 
 
+def replays_bitwise(fused: nn.Module, module_by_module: nn.Module, x: torch.Tensor, calls: int = 3) -> bool:
+    """Whether the fused model's eval forwards (its blocks replayed from the second call on, bfloat16
+    autocast, channels_last) equal those of its copy run module by module, bit for bit."""
+    x = x.contiguous(memory_format=torch.channels_last)
+    models = [m.eval().to(memory_format=torch.channels_last) for m in (fused, module_by_module)]
+    with torch.no_grad(), torch.autocast(x.device.type, dtype=torch.bfloat16):
+        return all(torch.equal(models[0](x), models[1](x)) for _ in range(calls))
+
+
 PRECISIONS = {"float32": (None, torch.contiguous_format), "bf16": (torch.bfloat16, torch.channels_last)}
 
 
@@ -401,7 +410,9 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
     rel = compare_outputs(stock, converted, x[:8])
     if fuse:
         print(f"{name}: fused model's eval outputs differ from stock's by "
-              f"{compare_outputs(stock, models['fused'], x[:8]):.2e} (relative, float32 without TF32)", flush=True)
+              f"{compare_outputs(stock, models['fused'], x[:8]):.2e} (relative, float32 without TF32); its "
+              f"blocks replayed equal them run module by module bit for bit (bfloat16): "
+              f"{replays_bitwise(models['fused'], models['fused module by module'], x[:8])}", flush=True)
     grad_rel = compare_gradients(stock, converted, x[:8])
     print(f"{name}: {converted.dwconv_converted} depthwise layers converted; eval outputs differ by {rel:.2e}, "
           f"parameter gradients by {grad_rel:.2e} (relative, float32 without TF32)"
