@@ -264,3 +264,29 @@ def test_models_bench_checks_replays_bitwise(replays):
     assert replays_bitwise(fused, python, x) and replays[0] == 4
     python[3].conv[1][1].eps = 0.5
     assert not replays_bitwise(fused, python, x)
+
+
+def test_threads_replay_their_own_inputs(replays):
+    """Two threads calling one fused model at once: each gets its input's values (the Python path's)."""
+    import threading
+
+    fused = dwconv.convert(_model(), fuse=True, precompile=False, verbose=False)
+    python = _python_path(fused)
+    _recorded(fused)
+    inputs = [[_input("nchw") for _ in range(2)] for _ in range(2)]
+    with torch.no_grad():
+        expected = [[python(x) for x in xs] for xs in inputs]
+    results = [[], []]
+
+    def run(i):
+        with torch.no_grad():
+            results[i] = [fused(x) for x in inputs[i]]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert replays[0] >= 4 + 16
+    for got, want in zip(results, expected):
+        assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))

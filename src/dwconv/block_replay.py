@@ -93,8 +93,9 @@ class _State:
             for t in (*m._parameters.values(), *m._buffers.values()):
                 if t is not None:
                     seen.setdefault(id(t), t)
-        self.tensors = list(seen.values())
-        self.token = next(_TOKENS)
+        # (one attribute: a call reads the token and its tensors together while another thread takes anew)
+        self.current = (next(_TOKENS), list(seen.values()))  # (the token, the tensors: the programs' inputs)
+        self.token = self.current[0]
         return True
 
     def holds(self) -> bool:
@@ -118,20 +119,23 @@ class ReplayedBlock:
         if state is None or self.training or not _replays_now(input):
             return super().forward(input)
         if state.holds():
-            key = _key(state, input)
+            token, tensors = state.current
+            inputs = [input, *tensors]
+            key = _key(token, inputs)
             program = _PROGRAMS.get(key, 0) if key is not None else None
             if isinstance(program, native.NativeProgram):
-                return program.replay(input, *state.tensors)
+                return program.replay(*inputs)
             if program is None:
                 return super().forward(input)
             if program > 0:
-                return self._recorded(key, program, [input, *state.tensors])
+                return self._recorded(key, program, inputs)
         # (a first sight runs the Python path: its registered ops record their own programs first, which
         # they cannot while the block records, and its modules make what they make at a first call;
         # then the snapshot)
         out = super().forward(input)
         if state.holds() or state.take(self):
-            key = _key(state, input)
+            token, tensors = state.current
+            key = _key(token, [input, *tensors])
             if key is not None and key not in _PROGRAMS:
                 if len(_PROGRAMS) >= _PROGRAM_LIMIT:
                     _PROGRAMS.clear()
@@ -161,17 +165,17 @@ class ReplayedBlock:
         return "eval forward one replayed program" + (", " + super().extra_repr() if super().extra_repr() else "")
 
 
-def _key(state: _State, input: torch.Tensor):
-    """The programs' key of a call (a snapshot's token, the tensors' layouts, the autocast state), or
-    None where it runs in Python: autograd would differentiate it, or a tensor is a subclass."""
-    inputs = [input, *state.tensors]
+def _key(token: int, inputs: List[torch.Tensor]):
+    """The programs' key of a call of these inputs (the block's input, then its tensors) under a
+    snapshot's token: the token, the tensors' layouts and the autocast state; None where it runs in
+    Python: autograd would differentiate it, or a tensor is a subclass."""
     if _gradient_wanted(*inputs):
         return None
     layouts = native.extension().layouts_key(inputs)
     if layouts is None:
         return None
-    device = input.device.type
-    return state.token, layouts, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    device = inputs[0].device.type
+    return token, layouts, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
 
 
 def _replays_now(input: torch.Tensor) -> bool:
