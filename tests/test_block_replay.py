@@ -290,3 +290,25 @@ def test_threads_replay_their_own_inputs(replays):
     assert replays[0] >= 4 + 16
     for got, want in zip(results, expected):
         assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_compiled_and_traced_models_run_their_modules(replays):
+    """torch.compile (fullgraph: no graph break), torch.jit.trace and torch.fx see the blocks'
+    modules, not a replay; the eager model replays beside them."""
+    from test_integration import BACKEND
+
+    fused = dwconv.convert(_model(), fuse=True, precompile=False, verbose=False)
+    python = _python_path(fused)
+    _recorded(fused)
+    count = replays[0]
+    x = _input("nchw")
+    with torch.no_grad():
+        expected = python(x)
+        compiled = torch.compile(fused, fullgraph=True, backend=BACKEND)
+        assert_close(compiled(x), expected, torch.float32, "compiled")
+        traced = torch.jit.trace(fused, x, check_trace=False)
+        assert_close(traced(x), expected, torch.float32, "jit.trace")
+        graph = torch.fx.symbolic_trace(fused)
+        assert_close(graph(x), expected, torch.float32, "fx")
+        assert replays[0] == count
+        assert torch.equal(fused(x), expected) and replays[0] == count + 4

@@ -115,6 +115,8 @@ class ReplayedBlock:
     is one program replayed from C++; otherwise it runs as its own class does."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # (asked first: Dynamo traces nothing of the replay, guards none of it)
+            return super().forward(input)
         state = self.__dict__.get("dwconv_programs")
         if state is None or self.training or not _replays_now(input):
             return super().forward(input)
@@ -181,8 +183,8 @@ def _key(token: int, inputs: List[torch.Tensor]):
 def _replays_now(input: torch.Tensor) -> bool:
     """The call's conditions outside the block (module docstring)."""
     hooks = _MODULE_GLOBALS
-    return (type(input) is torch.Tensor and not torch.compiler.is_compiling()
-            and not torch._C._is_tracing() and torch._C._functorch.peek_interpreter_stack() is None
+    return (type(input) is torch.Tensor and not torch._C._is_tracing()
+            and torch._C._functorch.peek_interpreter_stack() is None
             and not precompile._TRACING.__dict__.get("active") and uses_triton(input) and native.enabled(input)
             and not any(hooks.get(name) for name in _GLOBAL_HOOKS))
 
