@@ -103,6 +103,15 @@ class UniversalInvertedResidual(nn.Module):
 
 
 UniversalInvertedResidual.__module__ = "timm.models._efficientnet_blocks"
+ConvNormAct.__module__ = "timm.layers.conv_bn_act"
+
+
+class Clamped(nn.Module):
+    """A user's module whose forward reads state no snapshot sees (its class's list)."""
+    limit = [1e9]
+
+    def forward(self, x):
+        return x.clamp(max=self.limit[0])
 
 
 def _model():
@@ -312,3 +321,23 @@ def test_compiled_and_traced_models_run_their_modules(replays):
         assert_close(graph(x), expected, torch.float32, "fx")
         assert replays[0] == count
         assert torch.equal(fused(x), expected) and replays[0] == count + 4
+
+
+def test_a_users_module_keeps_its_block_module_by_module(replays):
+    """A block holding a module of none of the known libraries is not replayed, whether it was there
+    at convert or swapped in after: its forward may read state a snapshot cannot see."""
+    stock = _model()
+    stock[4].se = Clamped()
+    fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
+    assert type(fused[4]).__name__ == "UniversalInvertedResidual"
+    _recorded(fused)
+    assert replays[0] == 3
+    for model in (stock, fused):
+        model[5].se = Clamped().eval()
+    Clamped.limit[0] = 0.5
+    try:
+        _assert_as_stock(fused, stock, "a user's module swapped in, its state changed", None, replays)
+        Clamped.limit[0] = -0.25
+        _assert_as_stock(fused, stock, "its state changed again", None, replays)
+    finally:
+        Clamped.limit[0] = 1e9

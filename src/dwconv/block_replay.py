@@ -16,7 +16,9 @@ mode, without hooks, no global module hook; and the block's modules as they were
 children, and how many entries each holds). A change (a BatchNorm's eps, a swapped child, a new
 parameter, train()) makes a new snapshot, and the block records again. Only for blocks whose fused
 modules depend on no module outside them and that no fused module outside depends on
-(`find_replayed_blocks`: not the block after a stem whose activation its depthwise layer applies).
+(`find_replayed_blocks`: not the block after a stem whose activation its depthwise layer applies),
+and whose modules all come from torch.nn, timm, torchvision or dwconv (LIBRARIES: a user's module
+may keep state the snapshot cannot see).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ BLOCK_CLASSES = {
     ("timm.models._efficientnet_blocks", "UniversalInvertedResidual"),
 }
 
+# the packages a module of a replayed block must come from: their forwards read the module's children and
+# attributes (which the snapshot sees), not state of their own elsewhere (a user's module may: its block
+# keeps its modules' calls)
+LIBRARIES = ("torch.nn.modules.", "timm.", "torchvision.", "dwconv.")
 _STRUCTURE = ("_parameters", "_buffers", "_modules")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _MODULE_GLOBALS = vars(nn.modules.module)
@@ -74,7 +80,7 @@ class _State:
         """A snapshot of block's modules as they are; False (none) where one of them is training."""
         self.token = None
         modules = list(block.modules())
-        if any(m.training for m in modules):
+        if any(m.training for m in modules) or not _from_libraries(modules):
             return False
         dicts = [m.__dict__ for m in modules]
         owners = [d for d in dicts for name in d if not name.startswith("_")]
@@ -191,8 +197,8 @@ def _replays_now(input: torch.Tensor) -> bool:
 
 def find_replayed_blocks(model: nn.Module) -> List[nn.Module]:
     """The outermost modules of BLOCK_CLASSES holding a fused module (one with dwconv's block
-    attributes), where each fused module inside refers to modules inside alone and none outside
-    refers to one inside."""
+    attributes), all their modules of LIBRARIES' classes, where each fused module inside refers to
+    modules inside alone and none outside refers to one inside."""
     references = {}
     for module in model.modules():
         found = [m for name, value in module.__dict__.items() if name.startswith("dwconv_")
@@ -204,12 +210,16 @@ def find_replayed_blocks(model: nn.Module) -> List[nn.Module]:
         if id(block) in inside_chosen or (type(block).__module__, type(block).__name__) not in BLOCK_CLASSES:
             continue
         inside = {id(m) for m in block.modules()}
-        if not inside & references.keys():
+        if not inside & references.keys() or not _from_libraries(block.modules()):
             continue
         if all(refs <= inside if holder in inside else not refs & inside for holder, refs in references.items()):
             chosen.append(block)
             inside_chosen |= inside
     return chosen
+
+
+def _from_libraries(modules) -> bool:
+    return all(type(m).__module__.startswith(LIBRARIES) for m in modules)
 
 
 def _modules_in(value, depth: int = 0) -> list:
