@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import dwconv  # noqa: E402
-from dwconv import _library, fuse, functional, replay  # noqa: E402
+from dwconv import _library, block_replay, fuse, functional, replay  # noqa: E402
 from dwconv.bench_models import build_model  # noqa: E402
 from dwconv.kernels import _launch, batch_norm as batch_norm_kernels  # noqa: E402
 
@@ -86,10 +86,11 @@ def call_ms(call, forwards: int, rounds: int, name: str = "") -> list:
 
 
 def print_block_ops(fused, forward) -> None:
-    """Each fused block's op call (fuse._block_op) in one eval forward behind a queued sleep: ms of
-    host time, the layer and its input's shape, slowest first."""
-    calls = []
-    block_op = fuse._block_op
+    """Each fused block's op call (fuse._block_op, where its inverted-residual block is not one
+    replayed program) and each replayed block's call (block_replay.ReplayedBlock) in one eval forward
+    behind a queued sleep: ms of host time, the layer or block and its input's shape, slowest first."""
+    calls, blocks = [], []
+    block_op, block_forward = fuse._block_op, block_replay.ReplayedBlock.forward
 
     def timed(conv, norm, link, input, tensors):
         started = time.perf_counter()
@@ -97,10 +98,16 @@ def print_block_ops(fused, forward) -> None:
         calls.append(((time.perf_counter() - started) * 1e3, conv, tuple(input.shape), link is not None))
         return out
 
-    fuse._block_op = timed
+    def timed_block(module, input):
+        started = time.perf_counter()
+        out = block_forward(module, input)
+        blocks.append(((time.perf_counter() - started) * 1e3, type(module).__name__, tuple(input.shape)))
+        return out
+
+    fuse._block_op, block_replay.ReplayedBlock.forward = timed, timed_block
     try:
         forward()  # (a first call with the wrapper: nothing timed is new to the caches)
-        calls.clear()
+        calls.clear(), blocks.clear()
         if CUDA:
             torch.cuda.synchronize()
             torch.cuda._sleep(int(4e8))
@@ -108,8 +115,12 @@ def print_block_ops(fused, forward) -> None:
         if CUDA:
             torch.cuda.synchronize()
     finally:
-        fuse._block_op = block_op
-    print("\nthe fused blocks' op calls in one eval forward, slowest first (ms of host time):")
+        fuse._block_op, block_replay.ReplayedBlock.forward = block_op, block_forward
+    print(f"\nthe replayed blocks' calls in one eval forward, {sum(ms for ms, *_ in blocks):.3f} ms in all, "
+          "slowest first (ms of host time):")
+    for ms, name, shape in sorted(blocks, key=lambda c: -c[0]):
+        print(f"  {ms:8.3f}  {name:<36} input {shape}")
+    print("\nthe fused blocks' op calls outside them, slowest first (ms of host time):")
     for ms, conv, shape, linked in sorted(calls, key=lambda c: -c[0]):
         print(f"  {ms:8.3f}  {conv.kernel_size} stride {conv.stride} {conv.dwconv_activation:<10} "
               f"input {shape}{', input normalized' if linked else ''}")

@@ -106,6 +106,37 @@ UniversalInvertedResidual.__module__ = "timm.models._efficientnet_blocks"
 ConvNormAct.__module__ = "timm.layers.conv_bn_act"
 
 
+class EdgeResidual(nn.Module):
+    """timm.models._efficientnet_blocks.EdgeResidual's code (no squeeze, no anti-aliasing): no
+    depthwise layer, its two BatchNorms folded into their convolutions in eval mode."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.has_skip = True
+        self.conv_exp = nn.Conv2d(channels, 2 * channels, 3, padding=1, bias=False)
+        self.bn1 = nn.Sequential(_bn(2 * channels), nn.ReLU())
+        self.aa = nn.Identity()
+        self.se = nn.Identity()
+        self.conv_pwl = nn.Conv2d(2 * channels, channels, 1, bias=False)
+        self.bn2 = _bn(channels)
+        self.drop_path = nn.Identity()
+
+    def forward(self, x):
+        shortcut = x
+        x = self.conv_exp(x)
+        x = self.bn1(x)
+        x = self.aa(x)
+        x = self.se(x)
+        x = self.conv_pwl(x)
+        x = self.bn2(x)
+        if self.has_skip:
+            x = self.drop_path(x) + shortcut
+        return x
+
+
+EdgeResidual.__module__ = "timm.models._efficientnet_blocks"
+
+
 class Clamped(nn.Module):
     """A user's module whose forward reads state no snapshot sees (its class's list)."""
     limit = [1e9]
@@ -116,10 +147,11 @@ class Clamped(nn.Module):
 
 def _model():
     """A stem into a block without expansion (the stem's activation linked into its depthwise layer:
-    not replayed), then four blocks that are: two of torchvision's, two of timm's."""
+    not replayed), then five blocks that are: two of torchvision's, three of timm's (the last
+    without a depthwise layer)."""
     return nn.Sequential(_conv_norm_act(3, 8, 3, 2), InvertedResidual(8, 10, 1, 1), InvertedResidual(10, 12, 2, 3),
                          InvertedResidual(12, 12, 1, 2), UniversalInvertedResidual(12, 12, 3, 5),
-                         UniversalInvertedResidual(12, 16, 0, 3, stride=2)).to(DEVICE).eval()
+                         UniversalInvertedResidual(12, 16, 0, 3, stride=2), EdgeResidual(16)).to(DEVICE).eval()
 
 
 def _python_path(fused):
@@ -155,9 +187,9 @@ def test_blocks_replay_bitwise_their_python_path(layout, autocast, replays, caps
     if layout == "channels_last":
         stock = stock.to(memory_format=torch.channels_last)
     fused = dwconv.convert(stock, fuse=True, precompile=False)
-    assert "4 inverted-residual block(s) one replayed program each in eager eval" in capsys.readouterr().out
+    assert "5 inverted-residual block(s) one replayed program each in eager eval" in capsys.readouterr().out
     assert [type(m).__name__ for m in fused[1:]] == ["InvertedResidual"] + ["ReplayedInvertedResidual"] * 2 + \
-        ["ReplayedUniversalInvertedResidual"] * 2
+        ["ReplayedUniversalInvertedResidual"] * 2 + ["ReplayedEdgeResidual"]
     python = _python_path(fused)
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
         for call in range(3):  # (a first sight runs the Python path, the second records, the third replays)
@@ -167,8 +199,8 @@ def test_blocks_replay_bitwise_their_python_path(layout, autocast, replays, caps
             if not autocast:
                 assert_close(out, stock.double()(x.double()), torch.float32, f"call {call} against float64")
                 stock.float()
-    assert replays[0] == 4
-    assert sum(isinstance(p, native.NativeProgram) for p in block_replay._PROGRAMS.values()) == 4
+    assert replays[0] == 5
+    assert sum(isinstance(p, native.NativeProgram) for p in block_replay._PROGRAMS.values()) == 5
 
 
 def _recorded(fused, layout="nchw"):
@@ -193,9 +225,10 @@ def test_replayed_blocks_see_every_change(replays):
     stock = _model()
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     _recorded(fused)
-    assert replays[0] == 4
+    assert replays[0] == 5
     for model in (stock, fused):
         model[2].conv[1][1].eps = 0.25  # (a folded BatchNorm's eps: the folding reads it)
+        model[6].bn2.eps = 0.3  # (one folded into a 1x1 convolution's product)
     _assert_as_stock(fused, stock, "a BatchNorm's eps", True, replays)
     with torch.no_grad():
         for model in (stock, fused):
@@ -270,7 +303,7 @@ def test_models_bench_checks_replays_bitwise(replays):
     fused = dwconv.convert(_model(), fuse=True, precompile=False, verbose=False)
     python = module_by_module(fused)
     x = _input("nchw")
-    assert replays_bitwise(fused, python, x) and replays[0] == 4
+    assert replays_bitwise(fused, python, x) and replays[0] == 5
     python[3].conv[1][1].eps = 0.5
     assert not replays_bitwise(fused, python, x)
 
@@ -296,7 +329,7 @@ def test_threads_replay_their_own_inputs(replays):
         t.start()
     for t in threads:
         t.join()
-    assert replays[0] >= 4 + 16
+    assert replays[0] >= 5 + 20
     for got, want in zip(results, expected):
         assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
 
@@ -320,7 +353,7 @@ def test_compiled_and_traced_models_run_their_modules(replays):
         graph = torch.fx.symbolic_trace(fused)
         assert_close(graph(x), expected, torch.float32, "fx")
         assert replays[0] == count
-        assert torch.equal(fused(x), expected) and replays[0] == count + 4
+        assert torch.equal(fused(x), expected) and replays[0] == count + 5
 
 
 def test_a_users_module_keeps_its_block_module_by_module(replays):
@@ -331,7 +364,7 @@ def test_a_users_module_keeps_its_block_module_by_module(replays):
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     assert type(fused[4]).__name__ == "UniversalInvertedResidual"
     _recorded(fused)
-    assert replays[0] == 3
+    assert replays[0] == 4
     for model in (stock, fused):
         model[5].se = Clamped().eval()
     Clamped.limit[0] = 0.5

@@ -42,7 +42,9 @@ BLOCK_CLASSES = {
     ("torchvision.models.mobilenetv2", "InvertedResidual"),
     ("torchvision.models.mobilenetv3", "InvertedResidual"),
     ("torchvision.models.efficientnet", "MBConv"),
+    ("torchvision.models.efficientnet", "FusedMBConv"),
     ("timm.models._efficientnet_blocks", "DepthwiseSeparableConv"),
+    ("timm.models._efficientnet_blocks", "EdgeResidual"),
     ("timm.models._efficientnet_blocks", "InvertedResidual"),
     ("timm.models._efficientnet_blocks", "UniversalInvertedResidual"),
 }
@@ -154,6 +156,10 @@ class ReplayedBlock:
         """The block's forward, recorded as a program for calls like this one."""
         forward = super().forward
         versions = [t._version for t in inputs]
+        # (autocast's casts made as ops of the pass: a weight's cast cached by an earlier call in the same
+        # autocast region is a tensor from before the recording, which a program cannot take)
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
         try:
             out, program = record(lambda input, *tensors: forward(input), inputs)
             if [t._version for t in inputs] != versions:  # (a replay would write them a second time)
@@ -167,6 +173,8 @@ class ReplayedBlock:
             _PROGRAMS[key] = None
             warnings.warn(f"dwconv: a {type(self).__mro__[2].__name__} block could not be recorded for the C++ path "
                           f"({error!r}); it keeps the Python path", RuntimeWarning)
+        finally:
+            torch.set_autocast_cache_enabled(cache)
         return forward(inputs[0])
 
     def extra_repr(self) -> str:
