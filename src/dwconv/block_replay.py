@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from operator import getitem, is_
-from typing import List
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -70,48 +70,67 @@ on_change(_PROGRAMS.clear)
 
 class _State:
     """A block's snapshot of its modules (taken at a call) and the token of the programs recorded
-    under it. Copies and pickles start without one."""
+    under it, as one value (`snapshot`: threads that take and check at once each see a whole one).
+    Copies and pickles start without one."""
 
     def __init__(self):
-        self.token = None
+        self.snapshot = None
 
     def __reduce__(self):
         return _State, ()
 
-    def take(self, block: nn.Module) -> bool:
-        """A snapshot of block's modules as they are; False (none) where one of them is training."""
-        self.token = None
+    @property
+    def token(self):
+        snapshot = self.snapshot
+        return None if snapshot is None else snapshot.token
+
+    def take(self, block: nn.Module) -> Optional["_Snapshot"]:
+        """A new snapshot of block's modules as they are; None where one of them is training or hooked,
+        or not of LIBRARIES' classes."""
+        self.snapshot = None
         modules = list(block.modules())
-        if any(m.training for m in modules) or not _from_libraries(modules):
-            return False
         dicts = [m.__dict__ for m in modules]
+        hooks = [d[h] for d in dicts for h in _HOOKS]
+        if any(m.training for m in modules) or not _from_libraries(modules) or any(hooks):
+            return None
+        # (each public attribute and each parameter, buffer and child, by identity)
         owners = [d for d in dicts for name in d if not name.startswith("_")]
         owners += [d[s] for d in dicts for s in _STRUCTURE for _ in d[s]]
-        self.keys = [name for d in dicts for name in d if not name.startswith("_")]
-        self.keys += [name for d in dicts for s in _STRUCTURE for name in d[s]]
-        self.owners, self.values = owners, [getitem(d, name) for d, name in zip(owners, self.keys)]
-        self.modules, self.classes = modules, [type(m) for m in modules]
-        self.containers = dicts + [d[s] for d in dicts for s in _STRUCTURE]
-        self.sizes = tuple(map(len, self.containers))
-        self.hooks = [d[h] for d in dicts for h in _HOOKS]
-        if any(self.hooks):
-            return False
-        seen = {}
+        keys = [name for d in dicts for name in d if not name.startswith("_")]
+        keys += [name for d in dicts for s in _STRUCTURE for name in d[s]]
+        containers = dicts + [d[s] for d in dicts for s in _STRUCTURE]
+        tensors = {}
         for m in modules:
             for t in (*m._parameters.values(), *m._buffers.values()):
                 if t is not None:
-                    seen.setdefault(id(t), t)
-        # (one attribute: a call reads the token and its tensors together while another thread takes anew)
-        self.current = (next(_TOKENS), list(seen.values()))  # (the token, the tensors: the programs' inputs)
-        self.token = self.current[0]
-        return True
+                    tensors.setdefault(id(t), t)
+        snapshot = _Snapshot(next(_TOKENS), list(tensors.values()), modules, [type(m) for m in modules],
+                             containers, tuple(map(len, containers)), owners, keys,
+                             [getitem(d, name) for d, name in zip(owners, keys)], hooks)
+        self.snapshot = snapshot
+        return snapshot
 
-    def holds(self) -> bool:
-        """Whether the block's modules are as the snapshot saw them, none of them hooked."""
-        return (self.token is not None and all(map(is_, map(type, self.modules), self.classes))
-                and tuple(map(len, self.containers)) == self.sizes
-                and all(map(is_, map(getitem, self.owners, self.keys), self.values))
-                and not any(self.hooks))
+    def holds(self) -> Optional["_Snapshot"]:
+        """The snapshot, where the block's modules are as it saw them, none of them hooked; else None."""
+        s = self.snapshot
+        if (s is not None and all(map(is_, map(type, s.modules), s.classes))
+                and tuple(map(len, s.containers)) == s.sizes
+                and all(map(is_, map(getitem, s.owners, s.keys), s.values)) and not any(s.hooks)):
+            return s
+        return None
+
+
+class _Snapshot(NamedTuple):
+    token: int  # (the key's first part of the programs recorded under it)
+    tensors: list  # (the parameters and buffers: the programs' inputs after the block's input)
+    modules: list
+    classes: list
+    containers: list  # (each module's __dict__, parameters, buffers and children ...)
+    sizes: tuple  # (... and how many entries each held)
+    owners: list
+    keys: list
+    values: list
+    hooks: list
 
 
 def new_state() -> _State:
@@ -128,10 +147,10 @@ class ReplayedBlock:
         state = self.__dict__.get("dwconv_programs")
         if state is None or self.training or not _replays_now(input):
             return super().forward(input)
-        if state.holds():
-            token, tensors = state.current
-            inputs = [input, *tensors]
-            key = _key(token, inputs)
+        snapshot = state.holds()
+        if snapshot is not None:
+            inputs = [input, *snapshot.tensors]
+            key = _key(snapshot.token, inputs)
             program = _PROGRAMS.get(key, 0) if key is not None else None
             if isinstance(program, native.NativeProgram):
                 return program.replay(*inputs)
@@ -143,9 +162,9 @@ class ReplayedBlock:
         # they cannot while the block records, and its modules make what they make at a first call;
         # then the snapshot)
         out = super().forward(input)
-        if state.holds() or state.take(self):
-            token, tensors = state.current
-            key = _key(token, [input, *tensors])
+        snapshot = state.holds() or state.take(self)
+        if snapshot is not None:
+            key = _key(snapshot.token, [input, *snapshot.tensors])
             if key is not None and key not in _PROGRAMS:
                 if len(_PROGRAMS) >= _PROGRAM_LIMIT:
                     _PROGRAMS.clear()
