@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import dwconv
 from dwconv import block_replay
+from dwconv.bench_models import module_by_module, replays_bitwise
 from dwconv.replay import native
 from dwconv.replay.program import NotRecordable, record
 from helpers import DEVICE, assert_close, randn
@@ -154,15 +155,6 @@ def _model():
                          UniversalInvertedResidual(12, 16, 0, 3, stride=2), EdgeResidual(16)).to(DEVICE).eval()
 
 
-def _python_path(fused):
-    """A copy of the fused model whose blocks never replay (the path a recording records)."""
-    python = copy.deepcopy(fused)
-    for module in python.modules():
-        if "dwconv_programs" in module.__dict__:
-            module.__dict__["dwconv_programs"] = None
-    return python
-
-
 @pytest.fixture
 def replays(monkeypatch):
     """How many block programs replayed (not the other programs of the C++ path)."""
@@ -182,7 +174,7 @@ def _input(layout, channels=3):
 
 
 @pytest.mark.parametrize("layout, autocast", [("nchw", False), ("channels_last", True)])
-def test_blocks_replay_bitwise_their_python_path(layout, autocast, replays, capsys):
+def test_blocks_replay_bitwise_theirmodule_by_module(layout, autocast, replays, capsys):
     stock = _model()
     if layout == "channels_last":
         stock = stock.to(memory_format=torch.channels_last)
@@ -190,7 +182,7 @@ def test_blocks_replay_bitwise_their_python_path(layout, autocast, replays, caps
     assert "5 inverted-residual block(s) one replayed program each in eager eval" in capsys.readouterr().out
     assert [type(m).__name__ for m in fused[1:]] == ["InvertedResidual"] + ["ReplayedInvertedResidual"] * 2 + \
         ["ReplayedUniversalInvertedResidual"] * 2 + ["ReplayedEdgeResidual"]
-    python = _python_path(fused)
+    python = module_by_module(fused)
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
         for call in range(3):  # (a first sight runs the Python path, the second records, the third replays)
             x = _input(layout)
@@ -258,7 +250,7 @@ def test_replayed_blocks_see_every_change(replays):
     _assert_as_stock(fused, stock, "eval mode again (running statistics updated by the training call)")
 
 
-def test_gradients_take_the_python_path(replays):
+def test_gradients_take_themodule_by_module(replays):
     stock = _model()
     fused = dwconv.convert(stock, fuse=True, precompile=False, verbose=False)
     _recorded(fused)
@@ -298,8 +290,6 @@ def test_a_launch_inside_a_recorded_op_refuses_the_recording(monkeypatch):
 def test_models_bench_checks_replays_bitwise(replays):
     """The models bench's check (bench_models.replays_bitwise): true for the fused model and its
     module-by-module copy, false where they differ."""
-    from dwconv.bench_models import module_by_module, replays_bitwise
-
     fused = dwconv.convert(_model(), fuse=True, precompile=False, verbose=False)
     python = module_by_module(fused)
     x = _input("nchw")
@@ -313,7 +303,7 @@ def test_threads_replay_their_own_inputs(replays):
     import threading
 
     fused = dwconv.convert(_model(), fuse=True, precompile=False, verbose=False)
-    python = _python_path(fused)
+    python = module_by_module(fused)
     _recorded(fused)
     inputs = [[_input("nchw") for _ in range(2)] for _ in range(2)]
     with torch.no_grad():
@@ -340,7 +330,7 @@ def test_compiled_and_traced_models_run_their_modules(replays):
     from test_integration import BACKEND
 
     fused = dwconv.convert(_model(), fuse=True, precompile=False, verbose=False)
-    python = _python_path(fused)
+    python = module_by_module(fused)
     _recorded(fused)
     count = replays[0]
     x = _input("nchw")

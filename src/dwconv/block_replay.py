@@ -12,7 +12,7 @@ parameters and buffers are the program's inputs, read as they are at each call) 
 state are the recording's key; nothing is differentiated; eager (not compiling, tracing, under a
 functorch transform or a dispatch mode, nor a warmup's fake run); every module of the block in eval
 mode, without hooks, no global module hook; and the block's modules as they were recorded
-(`_State.holds`, by identity: each module's class, public attributes, parameters, buffers and
+(`BlockPrograms.holds`, by identity: each module's class, public attributes, parameters, buffers and
 children, and how many entries each holds). A change (a BatchNorm's eps, a swapped child, a new
 parameter, train()) makes a new snapshot, and the block records again. Only for blocks whose fused
 modules depend on no module outside them and that no fused module outside depends on
@@ -68,7 +68,7 @@ _TRIES = 3  # (a recording that meets a launch inside an op not yet served tries
 on_change(_PROGRAMS.clear)
 
 
-class _State:
+class BlockPrograms:
     """A block's snapshot of its modules (taken at a call) and the token of the programs recorded
     under it, as one value (`snapshot`: threads that take and check at once each see a whole one).
     Copies and pickles start without one."""
@@ -77,7 +77,7 @@ class _State:
         self.snapshot = None
 
     def __reduce__(self):
-        return _State, ()
+        return BlockPrograms, ()
 
     @property
     def token(self):
@@ -131,10 +131,6 @@ class _Snapshot(NamedTuple):
     keys: list
     values: list
     hooks: list
-
-
-def new_state() -> _State:
-    return _State()
 
 
 class ReplayedBlock:

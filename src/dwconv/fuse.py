@@ -50,7 +50,7 @@ from .functional import _gradient_wanted, depthwise_conv2d
 from .kernels._launch import PLAIN_TENSORS
 from .modules import DepthwiseConv2d
 from .replay.native import replayed
-from .block_replay import ReplayedBlock, find_replayed_blocks, new_state
+from .block_replay import BlockPrograms, ReplayedBlock, find_replayed_blocks
 
 # a block: the layer, its BatchNorm2d, its activation module, the activation's name, and where the
 # modules are ((owner, attribute name, module): a block whose module another replaced is no longer one)
@@ -886,7 +886,7 @@ def fuse_blocks(model: nn.Module) -> Tuple[List[Block], collections.Counter, int
     squeeze_excites = len(find_squeeze_excites(model))
     replayed_blocks = find_replayed_blocks(model)
     for block in replayed_blocks:
-        block.__dict__["dwconv_programs"] = new_state()
+        block.__dict__["dwconv_programs"] = BlockPrograms()
         block.__class__ = folded_class("replayed block", type(block))
     return blocks + norm_blocks, left, len(links), squeeze_excites, len(replayed_blocks)
 
