@@ -12,6 +12,7 @@ from dwconv._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS, INPUT_ACTIV
 from dwconv._library import conv_arguments
 from dwconv.activations import FUNCTIONS, activation_code
 from dwconv.dispatch import ForwardConfig, conv_forward
+from dwconv.kernels import batch_norm as batch_norm_kernels
 from dwconv.kernels import large_fma
 from dwconv.kernels.batch_norm import EvalNorm
 from dwconv.kernels._shared import output_memory_format
@@ -659,20 +660,27 @@ def _reference_norm(y, norm, eps):
     return F.batch_norm(y.double().cpu(), mean, var, weight, bias, False, 0.0, eps)
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "nchw"])
 @pytest.mark.parametrize("case", ["both", "after", "before", "neither", "no affine"])
-def test_block_op(case):
-    """The fused block's eval op: the BatchNorm after folded (its weight and bias in any floating
-    dtype), the one before and its activation applied to the input as it loads; opcheck, and values
-    against F.conv2d and F.batch_norm in float64."""
-    x, weight, bias = randn(2, 6, 9, 11).contiguous(memory_format=torch.channels_last), randn(6, 1, 3, 3), randn(6)
+def test_block_op(case, layout, monkeypatch):
+    """The fused block's eval op: the BatchNorm after applied to the sums by the tile kernels
+    (channels_last here: no folding launch) or folded by a launch for the other families (NCHW 3x3
+    here: large_fma), the one before and its activation applied to the input as it loads; opcheck,
+    and values against F.conv2d and F.batch_norm in float64."""
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x, weight, bias = randn(2, 6, 9, 11).contiguous(memory_format=memory_format), randn(6, 1, 3, 3), randn(6)
     after = _norm_tensors(6, case != "no affine") if case in ("both", "after", "no affine") else (None,) * 4
     before = _norm_tensors(6, case != "no affine") if case in ("both", "before", "no affine") else (None,) * 4
     conv = conv_arguments(conv_geometry(x, weight, bias, 1, 1, 1))
     code = forward_activation_code(("silu", "relu6") if before[2] is not None else "relu6")
     args = (x, weight, bias, *after, 1e-3, *before, 1e-5, *conv, code)
+    folds = []
+    fold = batch_norm_kernels.fold
+    monkeypatch.setattr(batch_norm_kernels, "fold", lambda *a: folds.append(1) or fold(*a))
     torch.library.opcheck(torch.ops.dwconv.conv2d_block.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
     out = torch.ops.dwconv.conv2d_block(*args)
+    assert bool(folds) == (after[2] is not None and layout == "nchw"), folds
     ref = x if before[2] is None else F.silu(_reference_norm(x, before, 1e-5))
     ref = reference_conv(ref, weight, bias, 1, 1, 1)
     if after[2] is not None:
@@ -680,19 +688,27 @@ def test_block_op(case):
     assert_close(out, F.relu6(ref), torch.float32, case)
 
 
-def test_block_op_computes_in_the_input_dtype():
-    """float32 weight and BatchNorm (autocast's parameters) with a bfloat16 input: folded to bfloat16."""
-    x = randn(2, 8, 7, 9).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+@pytest.mark.parametrize("layout", ["channels_last", "nchw"])
+def test_block_op_computes_in_the_input_dtype(layout):
+    """float32 weight and BatchNorm (autocast's parameters) with a bfloat16 input: a bfloat16 output.
+    The tile kernels (channels_last) read the float32 weight as it is and apply the BatchNorm to
+    their float32 sums; the other families (NCHW here) convolve with the weight and bias folded and
+    rounded to bfloat16, as autocast's convolution rounds its weight, and read PyTorch's normalised
+    input in bfloat16."""
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = randn(2, 8, 7, 9).to(torch.bfloat16).contiguous(memory_format=memory_format)
     weight, norm = randn(8, 1, 3, 3), _norm_tensors(8)
     conv = conv_arguments(conv_geometry(x, weight.to(torch.bfloat16), None, 1, 1, 1))
     out = torch.ops.dwconv.conv2d_block(x, weight, None, *norm, 1e-5, *norm, 1e-5, *conv,
                                         forward_activation_code(("relu", "identity")))
     assert out.dtype == torch.bfloat16
-    # (the folded weight and bias rounded to bfloat16, as autocast's convolution rounds its weight)
     from dwconv.fuse import fold_parameters
 
     folded = fold_parameters(weight.double(), None, *(t.double() for t in norm), 1e-5)
-    ref = reference_conv(F.relu(_reference_norm(x, norm, 1e-5)), *(t.to(torch.bfloat16) for t in folded), 1, 1, 1)
+    activated = F.relu(_reference_norm(x, norm, 1e-5))
+    if layout == "nchw":  # (and its input normalised by PyTorch, in bfloat16)
+        folded, activated = tuple(t.to(torch.bfloat16) for t in folded), activated.to(torch.bfloat16)
+    ref = reference_conv(activated, *folded, 1, 1, 1)
     assert_close(out, ref, torch.bfloat16)
 
 

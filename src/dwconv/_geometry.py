@@ -190,10 +190,12 @@ def conv_geometry(
     padding: Padding = 0,
     dilation: IntOrPair = 1,
     sides: Optional[Sequence[int]] = None,
+    any_parameter_dtype: bool = False,
 ) -> ConvGeometry:
     """Checks a depthwise conv2d call (groups == input channels) and returns its geometry.
     sides: explicit (top, bottom, left, right) padding in place of `padding` (the registered ops
-    take padding resolved this way, since 'same' may be asymmetric)."""
+    take padding resolved this way, since 'same' may be asymmetric). any_parameter_dtype: weight and
+    bias may be of any floating dtype (a fused block's op, whose kernels read them as they are)."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if not isinstance(weight, torch.Tensor):
@@ -226,14 +228,14 @@ def conv_geometry(
 
     if input.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"input dtype must be float32, float16, bfloat16 or float64, got {input.dtype}")
-    if weight.dtype != input.dtype:
+    if weight.dtype != input.dtype and not (any_parameter_dtype and weight.is_floating_point()):
         raise TypeError(f"weight dtype ({weight.dtype}) must match input dtype ({input.dtype})")
     if weight.device != input.device:
         raise ValueError(f"weight is on {weight.device} but input is on {input.device}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.dtype != input.dtype:
+        if bias.dtype != input.dtype and not (any_parameter_dtype and bias.is_floating_point()):
             raise TypeError(f"bias dtype ({bias.dtype}) must match input dtype ({input.dtype})")
         if bias.device != input.device:
             raise ValueError(f"bias is on {bias.device} but input is on {input.device}")

@@ -40,8 +40,9 @@ ACTIVATION_NAMES = {code: name for name, code in ACTIVATION_CODES.items()}
 
 
 def _geometry(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
-              dilation: List[int]) -> ConvGeometry:
-    return conv_geometry(input, weight, bias, stride, 0, dilation, sides=padding)
+              dilation: List[int], any_parameter_dtype: bool = False) -> ConvGeometry:
+    return conv_geometry(input, weight, bias, stride, 0, dilation, sides=padding,
+                         any_parameter_dtype=any_parameter_dtype)
 
 
 def conv_arguments(geom: ConvGeometry) -> Tuple[List[int], List[int], List[int]]:
@@ -144,22 +145,41 @@ def conv2d_block(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_wei
                  padding: List[int], dilation: List[int], activation: int) -> Tensor:
     """A fused block's eval forward (dwconv.fuse), nothing differentiated: conv2d_activated of the
     input, with the BatchNorm after the convolution (norm_*, running statistics; norm_mean None:
-    none) folded into its weight and bias, and the one before the input's activation (input_*; None:
+    none) applied to its sums (the tile kernels: their scale and shift computed in the kernel, the
+    weight and bias read as they are) or folded into its weight and bias in the input's dtype (the
+    other families: a launch first), and the one before the input's activation (input_*; None:
     none; the layer before's, which then needs no folding) applied to each input value as it loads.
     Computes in the input's dtype (autocast's: the caller casts the input); weight, bias and the
-    BatchNorms' tensors may be of any floating dtype. Both foldings are launches of this op's own
-    program (once the C++ replayer serves it, no Python a call): a compiled graph holds one op a
-    block, not the folding's kernels besides it."""
+    BatchNorms' tensors may be of any floating dtype. Every launch is of this op's own program (once
+    the C++ replayer serves it, no Python a call): a compiled graph holds one op a block, not the
+    folding's kernels besides it."""
     _served_from_cpp(input)
-    weight, bias = _block_parameters(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
-    geom = _geometry(input, weight, bias, stride, padding, dilation)
+    output_norm = _output_norm(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
+    if output_norm is None:
+        weight, bias = _block_parameters(input, weight, bias, None, None, None, None, 0.0)
+    geom = _geometry(input, weight, bias, stride, padding, dilation, any_parameter_dtype=output_norm is not None)
     input_norm = None
     _checked_norm_given("input", input_weight, input_bias, input_mean, input_var)
     if input_mean is not None:
         _checked_norm("input", input, geom.in_channels, input_weight, input_bias, input_mean, input_var)
         input_norm = _batch_norm_kernels.EvalNorm(input_weight, input_bias, input_mean, input_var, input_eps)
     return conv_forward(plain(input), plain(weight), plain(bias), geom, activation=_checked_code(activation),
-                        input_norm=input_norm)
+                        input_norm=input_norm, output_norm=output_norm)
+
+
+def _output_norm(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
+                 norm_bias: Optional[Tensor], norm_mean: Optional[Tensor], norm_var: Optional[Tensor],
+                 eps: float) -> Optional[_batch_norm_kernels.EvalNorm]:
+    """conv2d_block's BatchNorm after the convolution (checked), or None."""
+    if not (isinstance(weight, Tensor) and weight.is_floating_point()):
+        raise TypeError(f"weight must be a floating tensor, got {weight!r:.60}")
+    _checked_norm_given("norm", norm_weight, norm_bias, norm_mean, norm_var)
+    if norm_mean is None:
+        return None
+    _checked_norm("norm", input, weight.shape[0], norm_weight, norm_bias, norm_mean, norm_var)
+    if bias is not None and not (isinstance(bias, Tensor) and bias.is_floating_point()):
+        raise TypeError(f"bias must be a floating tensor or None, got {bias!r:.60}")
+    return _batch_norm_kernels.EvalNorm(norm_weight, norm_bias, norm_mean, norm_var, eps)
 
 
 @conv2d_block.register_fake

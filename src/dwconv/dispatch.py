@@ -177,19 +177,24 @@ _FUSED_CONFIGS = plan_cache()
 
 def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                  config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None,
-                 activation: int = 0, input_norm: Optional[EvalNorm] = None) -> torch.Tensor:
+                 activation: int = 0, input_norm: Optional[EvalNorm] = None,
+                 output_norm: Optional[EvalNorm] = None) -> torch.Tensor:
     """The forward convolution of checked arguments (out: written into when given), through an
     activation (a code of _geometry.activation_code, applied before the outputs' rounding; with an
     input activation, that of the input too). input_norm: a BatchNorm in eval mode over the input's
-    channels (kernels.batch_norm.EvalNorm), applied to the input before its activation."""
-    return launch_forward(x, weight, bias, geom, config, out, activation=activation, input_norm=input_norm)[0]
+    channels (kernels.batch_norm.EvalNorm), applied to the input before its activation; output_norm:
+    one over the output's channels, applied before the activation (the tile kernels apply it to
+    their sums; for the other families it is folded into the weight and bias, in x's dtype, by a
+    launch first). Without output_norm the weight and bias are read in their own dtype."""
+    return launch_forward(x, weight, bias, geom, config, out, activation=activation, input_norm=input_norm,
+                          output_norm=output_norm)[0]
 
 
 def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geom: ConvGeometry,
                    config: Optional[ForwardConfig] = None, out: Optional[torch.Tensor] = None,
                    weight_grad_from: Optional[torch.Tensor] = None, flip_weight: bool = False,
-                   runs: Optional[int] = None, activation: int = 0, input_norm: Optional[EvalNorm] = None
-                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   runs: Optional[int] = None, activation: int = 0, input_norm: Optional[EvalNorm] = None,
+                   output_norm: Optional[EvalNorm] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """conv_forward, and the NCHW fused backward: with weight_grad_from (the forward's input; rows or
     "nchw_pixels", stride 1, multiplier 1) this call is grad_input (x = grad_out, weight flipped) and
     also returns partial[program, tap], the weight gradient's partial sums in the weight's tap order.
@@ -197,10 +202,13 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     conv_forward's: the tile family applies an input activation (and input_norm) as it loads the
     input, the others read PyTorch's activation of it."""
     input_activation, activation = divmod(activation, INPUT_ACTIVATION_UNIT)
-    if (input_activation or input_norm is not None) and not _takes_input_activation(geom, x, config, flip_weight):
+    normalized = input_activation or input_norm is not None or output_norm is not None
+    if normalized and not _takes_input_activation(geom, x, config, flip_weight):
         x = _normalized(x, input_norm) if input_norm is not None else x
         x = INPUT_FUNCTIONS[input_activation](x) if input_activation else x
-        input_activation, input_norm = 0, None
+        if output_norm is not None:
+            weight, bias = batch_norm.fold(weight.contiguous(), bias, *output_norm, x.dtype)
+        input_activation, input_norm, output_norm = 0, None, None
     if out is None:
         out = torch.empty(geom.output_shape, device=x.device, dtype=x.dtype, memory_format=output_memory_format(x))
     if out.numel() == 0:
@@ -221,10 +229,10 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                                            activation), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
            layout_key(weight_grad_from) if fused else None, flip_weight, runs, activation, input_activation)
-    norm_key = None if input_norm is None else (input_norm.weight is not None, input_norm.eps)
-    plan = cached_plan(_FORWARD_PLANS, key + (norm_key,),
+    norm_keys = tuple(None if norm is None else (norm.weight is not None, norm.eps) for norm in (input_norm, output_norm))
+    plan = cached_plan(_FORWARD_PLANS, key + norm_keys,
                        lambda: _forward_plan(geom, config, x, out, bias is not None, weight_grad_from, flip_weight,
-                                             runs, activation, input_activation, norm_key))
+                                             runs, activation, input_activation, *norm_keys))
     if plan.kernel == "nchw_pixels":
         return out, nchw_pixels.launch_nchw_pixels(plan, x, weight, bias, out, weight_grad_from)
     if plan.kernel == "rows":
@@ -232,17 +240,18 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     if plan.kernel == "pairs":
         pairs.launch_pairs(plan, x, weight, bias, out)
     else:
-        tile.forward(plan, geom, x, weight, bias, out, input_norm)
+        tile.forward(plan, geom, x, weight, bias, out, input_norm, output_norm)
     return out, None
 
 
 def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.Tensor, out: torch.Tensor,
                   has_bias: bool, features: Optional[torch.Tensor], flip_weight: bool = False,
                   runs: Optional[int] = None, activation: int = 0, input_activation: int = 0,
-                  input_norm: Optional[Tuple[bool, float]] = None):
+                  input_norm: Optional[Tuple[bool, float]] = None, output_norm: Optional[Tuple[bool, float]] = None):
     if config is None:
         config = forward_config(geom, x, out, backward=flip_weight)
-    assert not input_activation or config.kernel in tile.TILE_KERNELS, "only the tile kernels activate their input"
+    assert not (input_activation or input_norm or output_norm) or config.kernel in tile.TILE_KERNELS, \
+        "only the tile kernels normalise and activate their input, or normalise their sums"
     if config.kernel == "nchw_pixels":
         return nchw_pixels.plan(geom, config, x, out, has_bias, features, flip_weight, runs, activation)
     if config.kernel == "rows":
@@ -250,12 +259,14 @@ def _forward_plan(geom: ConvGeometry, config: Optional[ForwardConfig], x: torch.
     assert features is None, "the NCHW fused backward runs on the rows or nchw_pixels kernel"
     if config.kernel == "pairs":
         return pairs.plan(geom, config, x, out, has_bias, flip_weight, activation)
-    return tile.forward_plan(geom, config, x, out, has_bias, flip_weight, activation, input_activation, input_norm)
+    return tile.forward_plan(geom, config, x, out, has_bias, flip_weight, activation, input_activation, input_norm,
+                             output_norm)
 
 
 def _takes_input_activation(geom: ConvGeometry, x: torch.Tensor, config: Optional[ForwardConfig],
                             flip_weight: bool) -> bool:
-    """Whether the forward's family applies an input activation as it loads (the tile kernels)."""
+    """Whether the forward's family applies an input activation as it loads, and BatchNorms to its
+    input and sums (the tile kernels)."""
     if config is None:
         config = cached_plan(_INPUT_ACTIVATED_CONFIGS, (geom, layout_key(x), flip_weight),
                              lambda: forward_config(geom, x, backward=flip_weight))

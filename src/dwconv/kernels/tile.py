@@ -75,11 +75,12 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                STRIDE_H: tl.constexpr, DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                UNROLL: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
                BLOCK_C: tl.constexpr, MASKED: tl.constexpr, INPUT_ACTIVATION: tl.constexpr, in_scale, in_shift,
-               INPUT_NORM: tl.constexpr):
+               INPUT_NORM: tl.constexpr, out_scale, out_shift, OUTPUT_NORM: tl.constexpr):
     """Computes and stores output rows first_row .. first_row + BLOCK_H - 1 of a [cols, channels]
     strip (of INPUT_ACTIVATION's values of the input: _activate's code, one that maps 0 to 0, so that
     the zeros of masked loads stay the padding's; INPUT_NORM: of the input times in_scale plus
-    in_shift first, the padding zeroed after). UNROLL: the loops are unrolled over the band's
+    in_shift first, the padding zeroed after; OUTPUT_NORM: each sum times out_scale plus out_shift,
+    which holds the bias, before the activation). UNROLL: the loops are unrolled over the band's
     input rows, and each input row's shifted pixels are loaded (and converted) once for all the
     output rows that use them, not once a tap;
     otherwise (large kernels, BLOCK_H 1) a loop over the kernel rows bounds the code size. MASKED=False
@@ -141,11 +142,13 @@ def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols
                 w = _load_weights(w_taps + (kh * KW + kw) * w_stride_tap, c_ok, ACC_DTYPE, MASKED)
                 acc = tl.fma(x, w, acc)
         accs = (acc,)
-    if HAS_BIAS:
+    if HAS_BIAS and not OUTPUT_NORM:
         bias = _load_weights(b_ptrs, c_ok, ACC_DTYPE, MASKED)
     for j in tl.static_range(BLOCK_H):
         value = accs[j]
-        if HAS_BIAS:
+        if OUTPUT_NORM:
+            value = tl.fma(value, out_scale, out_shift)
+        elif HAS_BIAS:
             value += bias
         value = _activate(value, ACTIVATION)
         ptrs = y_base + (first_row + j) * y_stride_h + out_cols * y_stride_w
@@ -294,12 +297,16 @@ def _row_taps(pixels, r: tl.constexpr, weights, accs, weight_grads, inputs_at_ou
 
 @triton.jit
 def _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_stride_h, y_stride_w,
-                  BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, MASKED: tl.constexpr, ACTIVATION: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, MASKED: tl.constexpr, ACTIVATION: tl.constexpr,
+                  out_scale=None, out_shift=None, OUTPUT_NORM: tl.constexpr = False):
     """Stores a tile's outputs (accs, row-major) from y_strip, its first column's pointer, through
-    the activation."""
+    OUTPUT_NORM's out_scale and out_shift (_conv_band's) and the activation."""
     for j in tl.static_range(BLOCK_H):
         for i in tl.static_range(BLOCK_W):
-            value = _activate(accs[j * BLOCK_W + i], ACTIVATION)
+            value = accs[j * BLOCK_W + i]
+            if OUTPUT_NORM:
+                value = tl.fma(value, out_scale, out_shift)
+            value = _activate(value, ACTIVATION)
             ptrs = y_strip + (first_row + j) * y_stride_h + i * y_stride_w
             if MASKED:
                 out_ok = (first_row + j < out_h) & (first_col + i < out_w)
@@ -317,7 +324,8 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                  ACTIVATION: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
                  BLOCK_C: tl.constexpr, BF16_PAIRS: tl.constexpr, MASKED: tl.constexpr, OUTPUTS: tl.constexpr,
                  WEIGHT_GRAD: tl.constexpr, weight_grads, inputs_at_outputs, INPUT_ACTIVATION: tl.constexpr = 0,
-                 in_scale=None, in_shift=None, INPUT_NORM: tl.constexpr = False):
+                 in_scale=None, in_shift=None, INPUT_NORM: tl.constexpr = False, out_scale=None, out_shift=None,
+                 OUTPUT_NORM: tl.constexpr = False):
     """_conv_band for channels_last with the columns unrolled (weights: the taps' [1, BLOCK_C]
     values, _tap_weights; loaded once by the caller): each pixel of a row (a [1, BLOCK_C]
     channel vector; a thread holds the same channels of every pixel) is loaded and converted once
@@ -331,11 +339,11 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
     backward: x is grad_out, w the flipped weight, y grad_input, inputs_at_outputs the forward's
     input. The channels_last weight gradient: OUTPUTS False (no outputs computed or stored), x the
     forward's input, inputs_at_outputs grad_out. Else returns weight_grads as given.
-    INPUT_ACTIVATION, INPUT_NORM: _conv_band's."""
+    INPUT_ACTIVATION, INPUT_NORM, OUTPUT_NORM: _conv_band's."""
     first_in_row = first_row * STRIDE_H - pad_top
     first_in_col = first_col * STRIDE_W - pad_left
     start = tl.zeros([1, BLOCK_C], dtype=ACC_DTYPE)
-    if HAS_BIAS:  # (accumulating onto the bias saves an add an output)
+    if HAS_BIAS and not OUTPUT_NORM:  # (accumulating onto the bias saves an add an output)
         start += _load_weights(b_ptrs, c_ok, ACC_DTYPE, MASKED)
     accs = ()
     for i in tl.static_range(BLOCK_H * BLOCK_W):
@@ -357,7 +365,7 @@ def _conv_pixels(x_base, weights, b_ptrs, y_base, first_row, first_col, c_ok,
                                        DILATION_H, STRIDE_W, DILATION_W, BLOCK_H, BLOCK_W, OUTPUTS, WEIGHT_GRAD)
     if OUTPUTS:
         _store_pixels(y_strip, accs, first_row, first_col, c_ok, out_h, out_w, y_stride_h, y_stride_w, BLOCK_H,
-                      BLOCK_W, MASKED, ACTIVATION)
+                      BLOCK_W, MASKED, ACTIVATION, out_scale, out_shift, OUTPUT_NORM)
     return weight_grads
 
 
@@ -381,14 +389,15 @@ def _tile_pixels(base, first_row, first_col, c_ok, rows, cols, stride_h, stride_
 
 def depthwise_fwd_tile_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, in_weight_ptr, in_bias_ptr, in_mean_ptr, in_var_ptr,
+    out_weight_ptr, out_bias_ptr, out_mean_ptr, out_var_ptr,
     out_channels, in_h, in_w, out_h, out_w,
     x_stride_n, x_stride_c, x_stride_h, x_stride_w,
     y_stride_n, y_stride_c, y_stride_h, y_stride_w,
     w_stride_c, w_stride_tap, w_first_tap,
-    stride_w, pad_top, pad_left, dilation_w, in_eps: tl.float64,
+    stride_w, pad_top, pad_left, dilation_w, in_eps: tl.float64, out_eps: tl.float64,
     MULTIPLIER: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
     DILATION_H: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_ACTIVATION: tl.constexpr,
-    INPUT_NORM: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
+    INPUT_NORM: tl.constexpr, OUTPUT_NORM: tl.constexpr, UNROLL: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
     PIXELS: tl.constexpr, PIXEL_STRIDE_W: tl.constexpr, PIXEL_DILATION_W: tl.constexpr,
     PIXEL_X_STRIDE_W: tl.constexpr, PIXEL_Y_STRIDE_W: tl.constexpr, BF16_PAIRS: tl.constexpr,
@@ -413,6 +422,10 @@ def depthwise_fwd_tile_kernel(
     in_var_ptr, in_eps: its own tensors, as x * scale + shift, computed here as fold_kernel computes
     them: no launch of its own), so that the layer before's convolution needs no folding of its own;
     the padding's values zeroed after both.
+    OUTPUT_NORM (1 with a weight and bias, 2 without): the BatchNorm after the convolution, in eval
+    mode, applied to each sum as x * scale + shift before the activation (out_weight_ptr .. out_var_ptr,
+    out_eps; the bias folded into the shift), scale and shift computed here as fold_kernel computes
+    them: no folding launch, and the weight read as it is (float32 under autocast: not rounded).
     INTERIOR_TILES: whether any tile can be interior (ConvGeometry.has_interior_tile); if not, only
     the masked branch is compiled (Triton's coalescing pass takes time superlinear in the code: a
     7x7 channels_last tile compiled in 29 s with both branches, 10 s with one, on the CPU machine)."""
@@ -441,6 +454,13 @@ def depthwise_fwd_tile_kernel(
                                         in_mean_ptr, INPUT_NORM == 1, False)
         in_scale = in_scale.to(ACC_DTYPE)
         in_shift = in_shift.to(ACC_DTYPE)
+    out_scale = None
+    out_shift = None
+    if OUTPUT_NORM:
+        out_scale, out_shift = _eval_norm(out_c, c_ok, out_weight_ptr, out_bias_ptr, out_mean_ptr, out_var_ptr, out_eps,
+                                          b_ptr, OUTPUT_NORM == 1, HAS_BIAS)
+        out_scale = out_scale.to(ACC_DTYPE)
+        out_shift = out_shift.to(ACC_DTYPE)
     w_taps = w_ptr + w_first_tap + out_c * w_stride_c  # (tap t at + t * w_stride_tap: negative when flipped)
     # Most strips of a large image read only inside it: those skip every bounds test (the masked
     # loads' tests and zero fills were half the instructions of a 3x3 tile).
@@ -464,7 +484,7 @@ def depthwise_fwd_tile_kernel(
                          out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACTIVATION,
                          ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, False, True, False, (), (), INPUT_ACTIVATION,
-                         in_scale, in_shift, INPUT_NORM)
+                         in_scale, in_shift, INPUT_NORM, out_scale, out_shift, OUTPUT_NORM)
         else:
             weights = _branch_weights(program_weights, w_taps, w_stride_tap, c_ok, KH * KW, ACC_DTYPE, True,
                                       BRANCH_WEIGHT_TAPS)
@@ -472,19 +492,21 @@ def depthwise_fwd_tile_kernel(
                          out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, pad_top, pad_left,
                          KH, KW, STRIDE_H, DILATION_H, PIXEL_STRIDE_W, PIXEL_DILATION_W, HAS_BIAS, ACTIVATION,
                          ACC_DTYPE, BLOCK_H, BLOCK_W, BLOCK_C, BF16_PAIRS, True, True, False, (), (), INPUT_ACTIVATION,
-                         in_scale, in_shift, INPUT_NORM)
+                         in_scale, in_shift, INPUT_NORM, out_scale, out_shift, OUTPUT_NORM)
     else:  # (BLOCK_W a power of 2 here; "nhwc_pixels" takes any)
         out_cols = first_col + tl.arange(0, BLOCK_W)[:, None]
         if interior:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
                        pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, ACTIVATION, UNROLL, ACC_DTYPE,
-                       BLOCK_H, BLOCK_W, BLOCK_C, False, INPUT_ACTIVATION, in_scale, in_shift, INPUT_NORM)
+                       BLOCK_H, BLOCK_W, BLOCK_C, False, INPUT_ACTIVATION, in_scale, in_shift, INPUT_NORM, out_scale,
+                       out_shift, OUTPUT_NORM)
         else:
             _conv_band(x_base, w_taps, b_ptr + out_c, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                        in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w, stride_w, pad_top,
                        pad_left, dilation_w, KH, KW, STRIDE_H, DILATION_H, HAS_BIAS, ACTIVATION, UNROLL, ACC_DTYPE,
-                       BLOCK_H, BLOCK_W, BLOCK_C, True, INPUT_ACTIVATION, in_scale, in_shift, INPUT_NORM)
+                       BLOCK_H, BLOCK_W, BLOCK_C, True, INPUT_ACTIVATION, in_scale, in_shift, INPUT_NORM, out_scale,
+                       out_shift, OUTPUT_NORM)
 
 
 
@@ -942,11 +964,13 @@ def input_activation_code(code: int, x: torch.Tensor) -> int:
 
 def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out: torch.Tensor, has_bias: bool,
                  flip_weight: bool = False, activation: int = 0, input_activation: int = 0,
-                 input_norm: Optional[Tuple[bool, float]] = None) -> LaunchPlan:
+                 input_norm: Optional[Tuple[bool, float]] = None,
+                 output_norm: Optional[Tuple[bool, float]] = None) -> LaunchPlan:
     """The tile kernel, one channel a program (NCHW) or a block of channels ("nhwc", "nhwc_pixels":
     unit channel strides). input_activation: the code of one applied to the input's values as they
     load (one that maps 0 to 0: _geometry.INPUT_ACTIVATIONS); input_norm: (affine, eps) of a
-    BatchNorm in eval mode applied to each input channel before it (forward's input_norm)."""
+    BatchNorm in eval mode applied to each input channel before it (forward's input_norm);
+    output_norm: (affine, eps) of one applied to each output channel's sums (forward's output_norm)."""
     nhwc = config.kernel in NHWC_KERNELS
     assert not nhwc or channels_last_kernel_applies(x, out), "the NHWC tiles need unit channel strides"
     taps = geom.kernel_h * geom.kernel_w
@@ -957,7 +981,8 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
     tiles = cdiv(geom.out_h, config.block_h) * cdiv(geom.out_w, config.block_w)
     scalars = (geom.out_channels, geom.in_h, geom.in_w, geom.out_h, geom.out_w, *x.stride(), *out.stride(),
                *_weight_strides(config.kernel, geom, flip_weight, x), geom.stride_w, geom.pad_top, geom.pad_left,
-               geom.dilation_w, 0.0 if input_norm is None else input_norm[1])
+               geom.dilation_w, 0.0 if input_norm is None else input_norm[1],
+               0.0 if output_norm is None else output_norm[1])
     unroll = taps <= tuned().max_band_taps
     assert config.block_h * taps <= _band_limit(x.device) or config.block_h == 1, "band too long to unroll"
     assert unroll or config.block_h == 1, "large kernels take one output row a program"
@@ -965,6 +990,7 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
         forward_constants(geom, config, x, out, has_bias, activation),
         INPUT_ACTIVATION=input_activation_code(input_activation, x),
         INPUT_NORM=0 if input_norm is None else 1 if input_norm[0] else 2,
+        OUTPUT_NORM=0 if output_norm is None else 1 if output_norm[0] else 2,
         # offsets inside one image (not one plane) for the channels_last tiles
         INDEX_64=needs_int64(x, out, first_dim=1 if nhwc else 2), STRIDE_H=geom.stride_h,
         DILATION_H=geom.dilation_h, UNROLL=unroll, BLOCK_H=config.block_h, BLOCK_C=block_c, PIXELS=pixels,
@@ -980,15 +1006,22 @@ def forward_plan(geom: ConvGeometry, config: ForwardConfig, x: torch.Tensor, out
 
 
 def forward(plan: LaunchPlan, geom: ConvGeometry, x: torch.Tensor, weight: torch.Tensor,
-            bias: Optional[torch.Tensor], out: torch.Tensor, input_norm: Optional[EvalNorm] = None) -> None:
-    """input_norm: with a plan of input_norm, the BatchNorm's tensors (batch_norm.EvalNorm)."""
+            bias: Optional[torch.Tensor], out: torch.Tensor, input_norm: Optional[EvalNorm] = None,
+            output_norm: Optional[EvalNorm] = None) -> None:
+    """input_norm, output_norm: with a plan of them, the BatchNorms' tensors (batch_norm.EvalNorm)."""
     if weight_taps_major(plan.kernel, x):
         weight = weight.reshape(geom.out_channels, -1).t()
     weight = weight.contiguous()
     kernel = depthwise_fwd_pixels_kernel if plan.constants["PIXELS"] else depthwise_fwd_tile_kernel
-    norm = (weight,) * 4 if input_norm is None else \
-        tuple(input_norm.mean if t is None else t for t in input_norm[:4])  # (absent ones: any pointer)
-    launch(kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, out, *norm)
+    launch(kernel, plan, x, weight, bias.contiguous() if bias is not None else weight, out,
+           *_norm_pointers(input_norm, weight), *_norm_pointers(output_norm, weight))
+
+
+def _norm_pointers(norm: Optional[EvalNorm], other: torch.Tensor) -> tuple:
+    """An EvalNorm's four tensors as the kernel takes them (absent ones: any pointer)."""
+    if norm is None:
+        return (other,) * 4
+    return tuple(norm.mean if t is None else t for t in norm[:4])
 
 
 # ---- the channels_last backward ---------------------------------------------------------------------
