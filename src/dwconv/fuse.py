@@ -14,7 +14,8 @@ the BatchNorm and the activation into its next kernel), unless a fused depthwise
 it (an inverted residual's expansion): that layer then applies the BatchNorm and the activation to
 its input as it loads it, and the convolution folds nothing
 (`find_input_activations`, `_input_link`). A fused eval call that nothing differentiates is one
-registered op, `dwconv::conv2d_block`, which folds inside its own program; so is a trained block's
+registered op, `dwconv::conv2d_block` (the tile kernels apply the BatchNorm to their sums; the other
+families' folding is a launch of the op's own program); so is a trained block's
 1x1 convolution of a channels_last half-precision input, folding, product and activation (ReLU in
 the product's epilogue: `dwconv::pointwise_folded`), and, eager, the product alone of such an
 expansion whose BatchNorm the depthwise layer applies (the same op without a BatchNorm).
