@@ -32,7 +32,7 @@
 #   hostcall   one eager call's host time piece by piece, stock beside dwconv (benchmarks/host_python.py --cuda)
 #   hostmodel  a whole model's eager eval forward's host time, stock and fused, each fused block op's call and
 #              the fused forward's Python by function (benchmarks/host_model.py --cuda --block-ops; MODELS, MODEL_BATCH;
-#              HOST_TRAIN=1: a training step's instead, without the block ops)
+#              HOST_TRAIN=1: a training step's instead, at MODEL_BATCH 16 unless set, without the block ops)
 #   tuning     AB_ARGS passed to benchmarks/ab_tuning.py (an A/B of tuning-table overrides)
 #   sweep      the forward and backward block sweeps (benchmarks/sweep_forward.py, sweep_backward.py)
 #   sweepblocks a fused model's largest depthwise blocks (eval, input BatchNorm and activations) on other
@@ -114,8 +114,9 @@ for step in "$@"; do
     host) python3 benchmarks/host_time.py .ab_old/src src | tee "$OUT/host_time.txt" ;;
     hostcall) python3 benchmarks/host_python.py --cuda 2>&1 | grep -v -i warn | tee "$OUT/host_python_$(date +%F)_$commit.txt" ;;
     hostmodel) for model in ${MODELS:-mobilenet_v2}; do
-                 train=(--block-ops); mode=eval; [ -n "${HOST_TRAIN:-}" ] && train=(--train) && mode=train
-                 python3 benchmarks/host_model.py --cuda --model "$model" --batch "${MODEL_BATCH:-256}" "${train[@]}" \
+                 train=(--block-ops --batch "${MODEL_BATCH:-256}"); mode=eval
+                 [ -n "${HOST_TRAIN:-}" ] && train=(--train --batch "${MODEL_BATCH:-16}") && mode=train
+                 python3 benchmarks/host_model.py --cuda --model "$model" "${train[@]}" \
                    --rows 40 2>&1 | grep -v -i warn >"$OUT/host_model_${model}_${mode}_$(date +%F)_$commit.txt"
                  grep -E "host time" -A12 "$OUT/host_model_${model}_${mode}_$(date +%F)_$commit.txt" | head -20
                done ;;

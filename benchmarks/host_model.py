@@ -13,8 +13,11 @@ thousand pending launches is full the next launch waits for the GPU, which four 
 MobileNetV2 or of a fused EfficientNet-B0 reached). Without it the input is
 1x3x32x32 on the CPU and dwconv's launches are stubbed (they return preallocated outputs), so the
 fused forward's time is its Python and PyTorch's CPU ops; stock's includes its CPU kernels.
---train times a training step instead (forward, backward of the output's sum; no optimizer), one a
-round, the backward's host time being the autograd engine's until it has queued the last kernel.
+--train times a training step instead (forward, backward of the output's sum; no optimizer). A step
+launches more kernels than the driver's queue holds (EfficientNet-B0: about 1400), so on a GPU it
+is timed without the queued sleep, at a batch small enough (--batch, default 16 with --train) that
+the GPU keeps ahead of the host: the steps' wall time, three a round and the GPU drained after them,
+is the host's (with the GPU's time of one step, from CUDA events, printed beside it to show it is).
 Prints ms a call (best and median of the rounds), then the profile's top functions. --after profile
 compile: times again after torch.profiler has run in the process (CUPTI then stays attached), then
 after both models were compiled and run (does a compiled model slow the eager calls beside it?).
@@ -65,24 +68,43 @@ def stub_launches() -> None:
 WAITED = set()
 
 
-def call_ms(call, forwards: int, rounds: int, name: str = "") -> list:
-    """ms a call in each round (`forwards` calls a round, behind a queued sleep on a GPU)."""
+def call_ms(call, forwards: int, rounds: int, name: str = "", queued_sleep: bool = True) -> list:
+    """ms a call in each round (`forwards` calls a round, behind a queued sleep on a GPU; without
+    queued_sleep, the GPU drained before the round ends: the wall time)."""
     times = []
     for _ in range(rounds):
         if CUDA:
             torch.cuda.synchronize()
-            torch.cuda._sleep(int(4e8))
+            if queued_sleep:
+                torch.cuda._sleep(int(4e8))
             slept = torch.cuda.Event()
             slept.record()
         started = time.perf_counter()
         for _ in range(forwards):
             call()
+        if CUDA and not queued_sleep:
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - started) / forwards * 1e3)
-        if CUDA and slept.query():
+        if CUDA and queued_sleep and slept.query():
             WAITED.add(name)
     if CUDA:
         torch.cuda.synchronize()
     return times
+
+
+def gpu_ms(call, repeats: int = 3) -> float:
+    """The GPU's time of one call (CUDA events around each, after the GPU was drained), the least
+    of repeats: with the host behind, the events' span is at least the GPU's busy time."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times)
 
 
 def print_block_ops(fused, forward) -> None:
@@ -130,7 +152,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cuda", action="store_true")
     parser.add_argument("--model", default="mobilenet_v2")
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=None, help="default 256, 16 with --train")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--train", action="store_true", help="a training step instead of an eval forward")
     parser.add_argument("--after", nargs="*", default=[], choices=("profile", "compile"),
@@ -141,6 +163,7 @@ def main():
                              "(one that waits on the GPU stands out by the queued wait's length)")
     parser.add_argument("--rows", type=int, default=30, help="functions of the profile shown")
     args = parser.parse_args()
+    args.batch = args.batch or (16 if args.train else 256)
     device = "cuda" if CUDA else "cpu"
     torch.backends.cudnn.benchmark = True  # (as conv nets run, and as bench_models times them)
     if CUDA:
@@ -151,8 +174,10 @@ def main():
     fused = dwconv.convert(copy.deepcopy(stock), fuse=True, verbose=False, precompile=CUDA)
     shape = (args.batch, 3, 224, 224) if CUDA else (2, 3, 32, 32)
     x = torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last)
-    # (a GPU round stays under the driver's queue of about a thousand pending launches)
-    calls = 1 if CUDA else (4 if args.train else 20)
+    # (a GPU round stays under the driver's queue of about a thousand pending launches; a training
+    # step, which does not, is timed without the queued sleep)
+    calls = (3 if args.train else 1) if CUDA else (4 if args.train else 20)
+    queued_sleep = not args.train
     what = "training step" if args.train else "eval forward"
 
     def call_of(model):
@@ -184,16 +209,19 @@ def main():
             times = {"stock": [], "fused": []}
             for _ in range(3):  # (turns: the host drifts)
                 for name, model in (("stock", stock), ("fused", fused)):
-                    times[name] += call_ms(call_of(model), calls, max(1, args.rounds // 3), name)
+                    times[name] += call_ms(call_of(model), calls, max(1, args.rounds // 3), name, queued_sleep)
             for name, ms in times.items():
+                gpu = (f"; the GPU's time of one: {gpu_ms(call_of(dict(stock=stock, fused=fused)[name])):.3f} ms"
+                       if CUDA and not queued_sleep else "")
                 print(f"{args.model} b{shape[0]} {name:<6} {what} host time{when}: best {min(ms):.3f} ms, "
-                      f"median {statistics.median(ms):.3f} ms ({len(ms)} rounds of {calls})"
+                      f"median {statistics.median(ms):.3f} ms ({len(ms)} rounds of {calls}){gpu}"
                       + ("; NOT the host's alone: a round outlasted the queued GPU sleep" if name in WAITED else ""))
             WAITED.clear()
         profile = cProfile.Profile()
         if CUDA:
             torch.cuda.synchronize()
-            torch.cuda._sleep(int(4e8))
+            if queued_sleep:
+                torch.cuda._sleep(int(4e8))
         fused_call = call_of(fused)
         profile.enable()
         for _ in range(calls):
