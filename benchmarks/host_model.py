@@ -17,7 +17,8 @@ fused forward's time is its Python and PyTorch's CPU ops; stock's includes its C
 launches more kernels than the driver's queue holds (EfficientNet-B0: about 1400), so on a GPU it
 is timed without the queued sleep, at a batch small enough (--batch, default 16 with --train) that
 the GPU keeps ahead of the host: the steps' wall time, three a round and the GPU drained after them,
-is the host's (with the GPU's time of one step, from CUDA events, printed beside it to show it is).
+is the host's (with the GPU's kernel time of one step, from torch.profiler after every other
+measurement, printed at the end to show it is).
 Prints ms a call (best and median of the rounds), then the profile's top functions. --after profile
 compile: times again after torch.profiler has run in the process (CUPTI then stays attached), then
 after both models were compiled and run (does a compiled model slow the eager calls beside it?).
@@ -92,19 +93,13 @@ def call_ms(call, forwards: int, rounds: int, name: str = "", queued_sleep: bool
     return times
 
 
-def gpu_ms(call, repeats: int = 3) -> float:
-    """The GPU's time of one call (CUDA events around each, after the GPU was drained), the least
-    of repeats: with the host behind, the events' span is at least the GPU's busy time."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+def kernel_ms(call) -> float:
+    """The GPU's kernel time of one call: the sum of its kernels' durations (torch.profiler; CUPTI
+    then stays attached to the process, pytorch/pytorch#144455, so this runs after all timing)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()
-        end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return min(times)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
 def print_block_ops(fused, forward) -> None:
@@ -211,10 +206,8 @@ def main():
                 for name, model in (("stock", stock), ("fused", fused)):
                     times[name] += call_ms(call_of(model), calls, max(1, args.rounds // 3), name, queued_sleep)
             for name, ms in times.items():
-                gpu = (f"; the GPU's time of one: {gpu_ms(call_of(dict(stock=stock, fused=fused)[name])):.3f} ms"
-                       if CUDA and not queued_sleep else "")
                 print(f"{args.model} b{shape[0]} {name:<6} {what} host time{when}: best {min(ms):.3f} ms, "
-                      f"median {statistics.median(ms):.3f} ms ({len(ms)} rounds of {calls}){gpu}"
+                      f"median {statistics.median(ms):.3f} ms ({len(ms)} rounds of {calls})"
                       + ("; NOT the host's alone: a round outlasted the queued GPU sleep" if name in WAITED else ""))
             WAITED.clear()
         profile = cProfile.Profile()
@@ -229,6 +222,10 @@ def main():
         profile.disable()
         if CUDA:
             torch.cuda.synchronize()
+        if CUDA and not queued_sleep:  # (the wall time above is the host's where the GPU's is below it)
+            print(f"{args.model} b{shape[0]} the GPU's kernel time of one {what}: "
+                  + ", ".join(f"{name} {kernel_ms(call_of(model)):.3f} ms" for name, model in
+                              (("stock", stock), ("fused", fused))))
     if args.block_ops and not args.train:
         with torch.no_grad():
             print_block_ops(fused, call_of(fused))
