@@ -46,10 +46,30 @@ FAMILIES = {
 TILE_PATHS = dict(FAMILIES, **{"tile-rolled": (ForwardConfig("tile", 1, 8, 1), "nchw", 17, 2, 8)})
 
 
-def activated_forward(family, activation, dtype, has_bias=True, input_activation=None, input_norm=False):
+def _eval_norm(dtype, affine=True):
+    """A BatchNorm in eval mode over 8 channels (EvalNorm) with scales of both signs and shifts of 1
+    to 3 (activated, never near 0); its statistics float32 (float64 for a float64 model)."""
+    scale = randn(8) + 0.5 * torch.ones(8, device=DEVICE).copysign(randn(8))
+    shift = (1 + 2 * torch.rand(8, device=DEVICE)) * torch.ones(8, device=DEVICE).copysign(randn(8))
+    mean, var, eps = randn(8), 0.5 + 1.5 * torch.rand(8, device=DEVICE), 1e-3
+    weight_bias = (scale * (var + eps).sqrt(), shift + mean * scale) if affine else (None, None)
+    statistics_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return EvalNorm(*(None if t is None else t.to(statistics_dtype) for t in (*weight_bias, mean, var)), eps)
+
+
+def _reference_eval_norm(y, norm):
+    """F.batch_norm in eval mode of float64 y (norm: an EvalNorm)."""
+    view = lambda t: t.double().view(1, -1, 1, 1)  # noqa: E731
+    y = (y - view(norm.mean)) / (view(norm.var) + norm.eps).sqrt()
+    return y if norm.weight is None else y * view(norm.weight) + view(norm.bias)
+
+
+def activated_forward(family, activation, dtype, has_bias=True, input_activation=None, input_norm=False,
+                      output_norm=False):
     """The family's forward through activation (and of input_activation's values of the input, where
     given; input_norm: of each input channel scaled and shifted before, a BatchNorm's, whose shifts
-    would show in any padded output that read them), and its reference."""
+    would show in any padded output that read them; output_norm: of a BatchNorm of each output
+    channel's sums before the activation, "plain": without weight and bias), and its reference."""
     config, layout, kernel, stride, padding = TILE_PATHS[family]
     # values around the activations' corners (relu6's 6, hardswish's -3 and 3): a 3x3 of these
     # spans about -15 .. 15
@@ -63,25 +83,15 @@ def activated_forward(family, activation, dtype, has_bias=True, input_activation
         config = ForwardConfig("large_fma", *large_fma.large_fma_blocks(geom))
     out = poisoned(geom.output_shape, dtype, memory_format=output_memory_format(x))
     code = forward_activation_code(activation if input_activation is None else (input_activation, activation))
-    norm = None
-    if input_norm:  # (scales of both signs; shifts of 1 to 3: activated, never near 0; "plain": no affine)
-        scale = randn(8) + 0.5 * torch.ones(8, device=DEVICE).copysign(randn(8))
-        shift = (1 + 2 * torch.rand(8, device=DEVICE)) * torch.ones(8, device=DEVICE).copysign(randn(8))
-        mean, var, eps = randn(8), 0.5 + 1.5 * torch.rand(8, device=DEVICE), 1e-3
-        affine = (scale * (var + eps).sqrt(), shift + mean * scale) if input_norm != "plain" else (None, None)
-        # (a float64 model's BatchNorm is float64: its scale and shift then computed in float64)
-        statistics_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        norm = EvalNorm(*(None if t is None else t.to(statistics_dtype) for t in (*affine, mean, var)), eps)
-    out = conv_forward(x, weight, bias, geom, config=config, out=out, activation=code, input_norm=norm)
-    activated_input = x.double()
-    if input_norm:  # (F.batch_norm in eval mode in float64, per input channel)
-        view = lambda t: t.double().view(1, -1, 1, 1)  # noqa: E731
-        activated_input = (activated_input - view(norm.mean)) / (view(norm.var) + norm.eps).sqrt()
-        if norm.weight is not None:
-            activated_input = activated_input * view(norm.weight) + view(norm.bias)
+    norm = _eval_norm(dtype, input_norm != "plain") if input_norm else None
+    after = _eval_norm(dtype, output_norm != "plain") if output_norm else None
+    out = conv_forward(x, weight, bias, geom, config=config, out=out, activation=code, input_norm=norm,
+                       output_norm=after)
+    activated_input = x.double() if norm is None else _reference_eval_norm(x.double(), norm)
     if input_activation is not None:
         activated_input = FUNCTIONS[input_activation](activated_input)
-    return out, FUNCTIONS[activation](reference_conv(activated_input, weight, bias, stride, padding, 1))
+    ref = reference_conv(activated_input, weight, bias, stride, padding, 1)
+    return out, FUNCTIONS[activation](ref if after is None else _reference_eval_norm(ref, after))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -149,6 +159,22 @@ def test_input_norm_with_each_tile_path(family, input_activation):
     out, ref = activated_forward(family, "identity", torch.float32, input_activation=input_activation,
                                  input_norm="plain" if input_activation == "relu" else True)
     assert_close(out, ref, torch.float32, f"{family} {input_activation}")
+
+
+@pytest.mark.parametrize("family", sorted(TILE_PATHS))
+def test_every_family_applies_a_batch_norm_after(family):
+    """The BatchNorm after the convolution (eval mode, conv_forward's output_norm), before the
+    activation: each tile path applies it to its sums (the band's unrolled and rolled loops, the
+    pixel rows, masked and interior; the bias in its shift), with a BatchNorm and activation of the
+    input too; the other families convolve with it folded by a launch first. Without weight and
+    bias, and without the convolution's bias, on the pixel rows."""
+    tiled = family in ("tile", "tile-rolled", "nhwc", "nhwc_pixels")
+    out, ref = activated_forward(family, "silu", torch.float32, input_activation="relu" if tiled else None,
+                                 input_norm=tiled, output_norm=True)
+    assert_close(out, ref, torch.float32, family)
+    if family == "nhwc_pixels":
+        out, ref = activated_forward(family, "identity", torch.float32, has_bias=False, output_norm="plain")
+        assert_close(out, ref, torch.float32, f"{family} plain")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
