@@ -69,6 +69,16 @@ def _activate_input(v, INPUT_ACTIVATION: tl.constexpr, in_scale, in_shift, INPUT
 
 
 @triton.jit
+def _channel_norm(c, c_ok, weight_ptr, bias_ptr, mean_ptr, var_ptr, eps, conv_bias_ptr, NORM: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """A BatchNorm's (eval mode) scale and shift per channel c, in ACC_DTYPE: _eval_norm's (NORM 1 with
+    a weight and bias, 2 without; HAS_BIAS: the convolution's bias at conv_bias_ptr in the shift)."""
+    scale, shift = _eval_norm(c, c_ok, weight_ptr, bias_ptr, mean_ptr, var_ptr, eps, conv_bias_ptr, NORM == 1,
+                              HAS_BIAS)
+    return scale.to(ACC_DTYPE), shift.to(ACC_DTYPE)
+
+
+@triton.jit
 def _conv_band(x_base, w_taps, b_ptrs, y_base, w_stride_tap, first_row, out_cols, out_c, c_ok,
                in_h, in_w, out_h, out_w, x_stride_h, x_stride_w, y_stride_h, y_stride_w,
                stride_w, pad_top, pad_left, dilation_w, KH: tl.constexpr, KW: tl.constexpr,
@@ -450,17 +460,13 @@ def depthwise_fwd_tile_kernel(
     in_scale = None
     in_shift = None
     if INPUT_NORM:
-        in_scale, in_shift = _eval_norm(in_c, c_ok, in_weight_ptr, in_bias_ptr, in_mean_ptr, in_var_ptr, in_eps,
-                                        in_mean_ptr, INPUT_NORM == 1, False)
-        in_scale = in_scale.to(ACC_DTYPE)
-        in_shift = in_shift.to(ACC_DTYPE)
+        in_scale, in_shift = _channel_norm(in_c, c_ok, in_weight_ptr, in_bias_ptr, in_mean_ptr, in_var_ptr, in_eps,
+                                           in_mean_ptr, INPUT_NORM, False, ACC_DTYPE)
     out_scale = None
     out_shift = None
     if OUTPUT_NORM:
-        out_scale, out_shift = _eval_norm(out_c, c_ok, out_weight_ptr, out_bias_ptr, out_mean_ptr, out_var_ptr, out_eps,
-                                          b_ptr, OUTPUT_NORM == 1, HAS_BIAS)
-        out_scale = out_scale.to(ACC_DTYPE)
-        out_shift = out_shift.to(ACC_DTYPE)
+        out_scale, out_shift = _channel_norm(out_c, c_ok, out_weight_ptr, out_bias_ptr, out_mean_ptr, out_var_ptr,
+                                             out_eps, b_ptr, OUTPUT_NORM, HAS_BIAS, ACC_DTYPE)
     w_taps = w_ptr + w_first_tap + out_c * w_stride_c  # (tap t at + t * w_stride_tap: negative when flipped)
     # Most strips of a large image read only inside it: those skip every bounds test (the masked
     # loads' tests and zero fills were half the instructions of a 3x3 tile).
