@@ -389,8 +389,10 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                 unfused: bool = True) -> List[Dict]:
     """Steady state of every path (model_paths) for each precision, training step and inference.
     The paths are timed in turn, `rounds` times over (iters / rounds steps a path each round, after
-    one untimed), and each path's median taken over all its steps: the GPU machine's host speed
-    drifts between and within runs (a stock MobileNetV2 step measured 13.8-30.8 ms in different
+    one untimed and one timed but dropped: time_ms synchronises after its warm-up, so that step
+    starts from an idle GPU, where a loop that never waits on the GPU overlaps each step's host
+    time with the last step's kernels), and each path's median taken over all its steps: the GPU
+    machine's host speed drifts between and within runs (a stock MobileNetV2 step measured 13.8-30.8 ms in different
     processes), and a path timed only after another would take the drift for its own. Each round's
     ratio to stock is printed too (its range: how far the drift moves a ratio). The CUDA-graph
     paths (the GPU's time alone: no drift) come last, one graph alive at a time: each is captured,
@@ -452,7 +454,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
             for path, step, native, fn, run in timed:
                 run.train(step == "train step")
                 with native_setting(native):
-                    ms = time_ms(fn, 1, max(1, iters // rounds))
+                    ms = time_ms(fn, 1, max(1, iters // rounds) + 1)[1:]
                 samples[(path, step)] += ms
                 round_ms[(path, step)].append(statistics.median(ms))
         for path, step, native, fn, run in captured:
