@@ -62,7 +62,8 @@ random weights and inputs, batch 64, 224 x 224, cuDNN's benchmark mode on. "mode
 (forward, cross-entropy, backward, SGD step) and an inference forward, median of 20 after warm-up,
 stock and converted timed in the same run; "vs stock" is stock's time over this row's. From commit
 ad18606 every path's steps are timed in turns with the others' (5 rounds, median over all; 10
-rounds of 2 steps from commit 2331893), and
+rounds of 2 steps from commit 2331893; from commit 2aa83fc each round's steps follow one timed
+from an idle GPU and dropped, so that they overlap as a loop's do), and
 "CUDA graph" rows replay the eager step captured whole (the GPU's time alone); before, each path
 was timed after the other, and the host's drift counted in the ratios. "model profile": the
 GPU time of a step's kernels, and of the depthwise layers' (the kernels launched in their
