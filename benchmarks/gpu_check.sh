@@ -16,6 +16,8 @@
 #              the fused model's paths alone; INDUCTOR_PACK=1: Inductor's caches packed for a later call to carry)
 #   profile    where whole models' steps go, stock against converted (benchmarks/model_profile.py; MODELS,
 #              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference, MODEL_FUSE=1: also the model converted with fuse=True)
+#   overlap    a training step from an idle GPU against overlapping steps, stock and fused (benchmarks/
+#              step_overlap.py; MODELS, MODEL_BATCH default 256)
 #   compiled   where compiled models' steps go, stock against converted (benchmarks/compiled_profile.py,
 #              torch.compile default; MODELS, PROFILE_MODE train|inference, MODEL_BATCH, MODEL_FUSE=1: converted
 #              with fuse=True), and Inductor's generated code for both (output_code_MODEL_MODE.txt.xz)
@@ -101,6 +103,10 @@ for step in "$@"; do
     profile) for model in ${MODELS:-mobilenet_v2}; do
                python3 benchmarks/model_profile.py --model "$model" --precision "${PRECISION:-bf16}" \
                  --batch "${MODEL_BATCH:-64}" --mode "${PROFILE_MODE:-train}" ${MODEL_FUSE:+--fuse} --out "$OUT" 2>&1
+             done ;;
+    overlap) for model in ${MODELS:-mobilenet_v2}; do
+               python3 benchmarks/step_overlap.py --model "$model" --batch "${MODEL_BATCH:-256}" 2>&1 | grep -v -i warn \
+                 | tee "$OUT/step_overlap_${model}_$(date +%F)_$commit.txt"
              done ;;
     compiled) for model in ${MODELS:-mobilenet_v2}; do
                 mode=${PROFILE_MODE:-inference}; train=(); [ "$mode" = train ] && train=(--train)
