@@ -154,9 +154,9 @@ def conv2d_block(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_wei
     the C++ replayer serves it, no Python a call): a compiled graph holds one op a block, not the
     folding's kernels besides it."""
     _served_from_cpp(input)
-    output_norm = _output_norm(input, weight, bias, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
-    if output_norm is None:
-        weight, bias = _block_parameters(input, weight, bias, None, None, None, None, 0.0)
+    output_norm = _output_norm(input, weight, norm_weight, norm_bias, norm_mean, norm_var, norm_eps)
+    if output_norm is None:  # (no BatchNorm after: the kernels read the weight and bias in the input's dtype)
+        weight, bias = weight.to(input.dtype), None if bias is None else bias.to(input.dtype)
     geom = _geometry(input, weight, bias, stride, padding, dilation, any_parameter_dtype=output_norm is not None)
     input_norm = None
     _checked_norm_given("input", input_weight, input_bias, input_mean, input_var)
@@ -167,18 +167,17 @@ def conv2d_block(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_wei
                         input_norm=input_norm, output_norm=output_norm)
 
 
-def _output_norm(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
-                 norm_bias: Optional[Tensor], norm_mean: Optional[Tensor], norm_var: Optional[Tensor],
+def _output_norm(input: Tensor, weight: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
+                 norm_mean: Optional[Tensor], norm_var: Optional[Tensor],
                  eps: float) -> Optional[_batch_norm_kernels.EvalNorm]:
-    """conv2d_block's BatchNorm after the convolution (checked), or None."""
+    """conv2d_block's BatchNorm after the convolution (checked), or None. (The weight's and bias'
+    dtypes, floating, are conv_geometry's to check.)"""
     if not (isinstance(weight, Tensor) and weight.is_floating_point()):
         raise TypeError(f"weight must be a floating tensor, got {weight!r:.60}")
     _checked_norm_given("norm", norm_weight, norm_bias, norm_mean, norm_var)
     if norm_mean is None:
         return None
     _checked_norm("norm", input, weight.shape[0], norm_weight, norm_bias, norm_mean, norm_var)
-    if bias is not None and not (isinstance(bias, Tensor) and bias.is_floating_point()):
-        raise TypeError(f"bias must be a floating tensor or None, got {bias!r:.60}")
     return _batch_norm_kernels.EvalNorm(norm_weight, norm_bias, norm_mean, norm_var, eps)
 
 
@@ -338,7 +337,7 @@ def _(input, reduce_weight, reduce_bias, expand_weight, expand_bias, activation,
 def _block_parameters(input: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
                       norm_bias: Optional[Tensor], norm_mean: Optional[Tensor], norm_var: Optional[Tensor],
                       eps: float) -> Tuple[Tensor, Optional[Tensor]]:
-    """conv2d_block's weight and bias in the input's dtype, the BatchNorm folded in where it has one."""
+    """pointwise_folded's weight and bias in the input's dtype, the BatchNorm folded in where it has one."""
     if not (isinstance(weight, Tensor) and weight.is_floating_point()):
         raise TypeError(f"weight must be a floating tensor, got {weight!r:.60}")
     _checked_norm_given("norm", norm_weight, norm_bias, norm_mean, norm_var)

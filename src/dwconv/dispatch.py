@@ -229,7 +229,8 @@ def launch_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                                            activation), None
     key = (geom, config, layout_key(x), layout_key(out), bias is not None,
            layout_key(weight_grad_from) if fused else None, flip_weight, runs, activation, input_activation)
-    norm_keys = tuple(None if norm is None else (norm.weight is not None, norm.eps) for norm in (input_norm, output_norm))
+    norm_keys = tuple(None if norm is None else (norm.weight is not None, norm.eps)
+                      for norm in (input_norm, output_norm))
     plan = cached_plan(_FORWARD_PLANS, key + norm_keys,
                        lambda: _forward_plan(geom, config, x, out, bias is not None, weight_grad_from, flip_weight,
                                              runs, activation, input_activation, *norm_keys))
