@@ -562,8 +562,11 @@ def batch_norm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, runnin
     the Python Function). arguments: (momentum, eps, activation code), fixed for the layer; passes:
     (forward(y, weight, bias, running_mean, running_var, *arguments), backward(grad, y, weight,
     bias, mean, invstd, eps, code), python_backward(mask, grad, y, weight, bias, mean, invstd))."""
-    key = ("batch_norm", program_key((y, weight, bias, running_mean, running_var)), arguments, passes)
-    number = _layer(key, lambda: _register_norm(y, weight, bias, running_mean, running_var, arguments, passes),
+    layouts = extension().layouts_key([y, weight, bias, running_mean, running_var])
+    if layouts is None:  # (a tensor the replayer must not take: a subclass, one without storage)
+        return None
+    number = _layer(("batch_norm", layouts, arguments, passes),
+                    lambda: _register_norm(y, weight, bias, running_mean, running_var, arguments, passes),
                     "a BatchNorm")[0]
     if number is None:
         return None
@@ -607,10 +610,13 @@ def replayed(fn, inputs: list, *args, writes: tuple = ()):
     cannot be recorded (it then runs in Python) never updates them twice."""
     if not enabled(inputs[0]):
         return fn(*inputs, *args)
-    key = (fn, program_key(inputs, *args))
+    layouts = extension().layouts_key(inputs)
+    if layouts is None:  # (a tensor the replayer must not take)
+        return fn(*inputs, *args)
+    key = (fn, layouts, args)
     try:
         program = _PASSES.get(key, _MISSING)
-    except TypeError:  # (symbolic sizes do not hash)
+    except TypeError:  # (an argument that does not hash)
         return fn(*inputs, *args)
     if program is _MISSING:
         program = _record_pass(fn, inputs, args, writes, "a pass")

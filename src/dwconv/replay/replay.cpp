@@ -572,16 +572,21 @@ void remember_call(const at::Tensor& input, const at::Tensor& weight, const std:
   reg.calls[*key] = number;
 }
 
-// The layouts of these tensors as one key (append_layout and the negative bit each), none where
-// the replayer must not take one (replayable): a replayed block's programs' key (block_replay.py)
-// in one call from Python, where program_key took 0.5 us a tensor.
-std::optional<py::bytes> layouts_key(const std::vector<at::Tensor>& tensors) {
+// The layouts of these tensors as one key (append_layout and the negative bit each; an absent one a
+// marker), none where the replayer must not take one (replayable): the key of a replayed block's
+// programs (block_replay.py), of a fused BatchNorm's layer and of a replayed pass (native.py) in one
+// call from Python, where program_key took 0.5-1.2 us a tensor.
+std::optional<py::bytes> layouts_key(const std::vector<std::optional<at::Tensor>>& tensors) {
   std::vector<int64_t> key;
   key.reserve(tensors.size() * 12);
   for (const auto& t : tensors) {
-    if (!replayable(t)) return std::nullopt;
-    append_layout(key, t);
-    key.push_back(t.is_neg());
+    if (!t) {
+      key.push_back(-1);
+      continue;
+    }
+    if (!replayable(*t)) return std::nullopt;
+    append_layout(key, *t);
+    key.push_back(t->is_neg());
   }
   return py::bytes(reinterpret_cast<const char*>(key.data()), key.size() * sizeof(int64_t));
 }
