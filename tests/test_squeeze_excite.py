@@ -201,18 +201,12 @@ def test_fused_module_is_one_op_with_stock_values(kind):
 
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
 def test_fused_module_runs_as_its_class_where_the_op_cannot(kind):
-    """Gradients wanted, a hook on a member, a member replaced, torch.compile's tracing: the module's
-    own forward, with stock's values and gradients."""
+    """A hook on a member, a member replaced: the module's own forward, with stock's values (with
+    gradients wanted: test_trained_module_as_stock)."""
     stock = model_with(BLOCKS[kind]())
     fused = dwconv.convert(stock, fuse=True, precompile=False)
     x = randn(2, 12, 5, 5).contiguous(memory_format=torch.channels_last)
-    # gradients wanted
-    leaf = x.clone().requires_grad_()
-    fused(leaf).sum().backward()
-    stock_leaf = x.clone().requires_grad_()
-    stock(stock_leaf).sum().backward()
-    assert_close(leaf.grad, stock_leaf.grad, torch.float32, "grad of input")
-    assert op_calls(fused, leaf) == 0
+    assert op_calls(fused, x.clone().requires_grad_()) == 0
     # a hook on the reduce convolution sees its output
     members = list(fused[1].children())
     reduce = next(m for m in members if isinstance(m, nn.Conv2d))
@@ -269,5 +263,154 @@ def test_warmup_compiles_the_op(tmp_path, monkeypatch):
         assert [call.without_batch() for call in calls] == \
             [call.without_batch() for call in layer_calls(fused, torch.cat([x, x, x])) if call.squeeze]
     assert len(calls) == 1 and calls[0].tensors[0][2] == "bfloat16" and calls[0].passes() == ["forward"]
+    report = compile_calls(calls, 90, workers=1, verbose=False)
+    assert report.errors == [] and report.launches == 2
+
+
+# ---- in training: the gate's multiply and its backward on the kernels (dwconv.squeeze_excite) ------
+
+def channel_scale(x, gate):
+    from dwconv.squeeze_excite import ChannelScaleFunction
+
+    return ChannelScaleFunction.apply(x, gate)
+
+
+# (batch, channels, height, width): odd and prime sizes; one element; an image the interpreter's backward
+# splits among programs (more pixels than its block of them); more channels than one program's block
+SCALE_SHAPES = [(3, 13, 5, 7), (1, 1, 1, 1), (2, 13, 19, 23), (2, 70, 3, 5), (1, 3, 40, 41)]
+
+
+@pytest.mark.parametrize("wanted", ["both", "input", "gate"])
+@pytest.mark.parametrize("layout", ["channels_last", "nchw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", SCALE_SHAPES, ids=str)
+def test_channel_scale_against_float64(shape, dtype, layout, wanted):
+    """The Function's output and both gradients (or either alone) against float64 autograd of
+    x * gate, in the input's dtype and memory format (outputs NaN-poisoned first: the tests' tuning)."""
+    batch, channels, height, width = shape
+    x = (2 * randn(batch, channels, height, width)).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    gate = torch.rand(batch, channels, 1, 1, device=DEVICE).to(dtype) + 0.1
+    x.requires_grad_(wanted in ("both", "input"))
+    gate.requires_grad_(wanted in ("both", "gate"))
+    out = channel_scale(x, gate)
+    assert out.grad_fn is not None and type(out.grad_fn).__name__ == "ChannelScaleFunctionBackward"
+    assert out.dtype == dtype and out.stride() == x.stride()
+    x64, gate64 = (t.detach().double().cpu().requires_grad_(t.requires_grad) for t in (x, gate))
+    ref = x64 * gate64
+    assert_close(out, ref, dtype)
+    grad = randn(*shape).to(dtype)
+    grads = torch.autograd.grad(out, [t for t in (x, gate) if t.requires_grad], grad)
+    refs = torch.autograd.grad(ref, [t for t in (x64, gate64) if t.requires_grad], grad.double().cpu())
+    for name, got, expected in zip([n for n, t in (("input", x), ("gate", gate)) if t.requires_grad], grads, refs):
+        assert got.dtype == dtype, name
+        # (the gate's gradient sums H * W products: a half-precision one is rounded once, from float32)
+        assert_close(got, expected, dtype, f"grad of {name}")
+        if name == "input":
+            assert got.stride() == x.stride()
+
+
+def test_channel_scale_gradients_of_any_order():
+    """create_graph=True: PyTorch's ops, so a second derivative is PyTorch's (gradcheck and
+    gradgradcheck in float64)."""
+    x = randn(2, 5, 3, 4, dtype=torch.float64).contiguous(memory_format=torch.channels_last).requires_grad_()
+    gate = randn(2, 5, 1, 1, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(channel_scale, (x, gate))
+    assert torch.autograd.gradgradcheck(channel_scale, (x, gate))
+
+
+def test_channel_scale_saved_tensors_hooks():
+    """The Function saves through saved-tensor hooks (packed and unpacked once each a save), and its
+    gradients are the same as without them."""
+    x = randn(2, 6, 5, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    gate = torch.rand(2, 6, 1, 1, device=DEVICE).requires_grad_()
+    expected = torch.autograd.grad(channel_scale(x, gate).sum(), (x, gate))
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t.clone(), lambda t: t):
+        out = channel_scale(x, gate)
+    assert len(packed) == 2
+    for got, want in zip(torch.autograd.grad(out.sum(), (x, gate)), expected):
+        assert torch.equal(got, want)
+
+
+def _step(model, x, autocast: bool):
+    """(output, input's gradient, the parameters' gradients) of one backward of the output's sum."""
+    leaf = x.clone().requires_grad_()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        out = model(leaf)
+    out.backward(torch.ones_like(out))
+    return out, leaf.grad, [p.grad for p in model.parameters()]
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    # (a gradient that is all zeros, a ReLU's after the block's dead hidden channels: its absolute error)
+    return ((got.double().cpu() - expected.cpu()).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_trained_module_as_stock(kind):
+    """In training (gradients wanted), the module's gate as its own members compute it, then the
+    Function: the output and every gradient (input, the convolutions' weights and biases) as stock's
+    in float32, over three steps of SGD; under bfloat16 autocast, each within 1.5 times stock's own
+    error against float64 (plus a bfloat16 rounding's worth of the largest value)."""
+    stock = model_with(BLOCKS[kind]()).train()
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False).train()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, fused)]
+    for _ in range(3):
+        x = randn(3, 12, 9, 7).contiguous(memory_format=torch.channels_last)
+        (out, grad, grads), (fused_out, fused_grad, fused_grads) = (_step(m, x, False) for m in (stock, fused))
+        assert type(fused_out.grad_fn).__name__ == "ChannelScaleFunctionBackward"
+        assert fused_out.stride() == out.stride()
+        assert_close(fused_out, out, torch.float32)
+        assert_close(fused_grad, grad, torch.float32, "grad of input")
+        for (name, _), a, b in zip(stock.named_parameters(), grads, fused_grads):
+            assert_close(b, a, torch.float32, f"grad of {name}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    x = randn(3, 12, 9, 7).contiguous(memory_format=torch.channels_last)
+    reference = _step(copy.deepcopy(stock).double(), x.double(), False)
+    half = [_step(m, x, True) for m in (stock, fused)]
+    assert half[1][0].dtype == half[0][0].dtype == torch.bfloat16
+    names = ["output", "grad of input"] + [f"grad of {name}" for name, _ in stock.named_parameters()]
+    for name, expected, got_stock, got in zip(names, [reference[0], reference[1], *reference[2]],
+                                              [half[0][0], half[0][1], *half[0][2]], [half[1][0], half[1][1], *half[1][2]]):
+        stock_error, error = _relative_error(got_stock, expected), _relative_error(got, expected)
+        assert error <= 1.5 * stock_error + 2 ** -8, f"{name}: {error:.3g} against stock's {stock_error:.3g}"
+
+
+def test_trained_module_runs_as_its_class_where_the_kernels_cannot():
+    """Under forward-mode AD or torch.func, the module's own forward: stock's values and gradients."""
+    stock = model_with(BLOCKS["timm"]()).train()
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False).train()
+    x = randn(2, 12, 5, 6).contiguous(memory_format=torch.channels_last)
+    tangent = randn(2, 12, 5, 6)
+    import torch.autograd.forward_ad as fwAD
+
+    results = []
+    for model in (stock, fused):
+        with fwAD.dual_level():
+            out = model(fwAD.make_dual(x, tangent))
+            results.append(fwAD.unpack_dual(out))
+    assert_close(results[1].primal, results[0].primal, torch.float32)
+    assert_close(results[1].tangent, results[0].tangent, torch.float32, "tangent")
+    grads = [torch.func.grad(lambda t, m=m: m(t).sum())(x) for m in (stock, fused)]
+    assert_close(grads[1], grads[0], torch.float32, "torch.func.grad")
+
+
+def test_warmup_compiles_the_trained_multiply(tmp_path, monkeypatch):
+    """A fused model's warmup in training records the gate's multiply, one call for any batch size,
+    with its backward, and its pool compiles both kernels for sm_90 into an empty cache."""
+    from dwconv.precompile import compile_calls, layer_calls
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fused = dwconv.convert(model_with(BLOCKS["timm"]()), fuse=True, precompile=False, verbose=False).train()
+    x = randn(2, 12, 9, 11).contiguous(memory_format=torch.channels_last)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        calls = [call for call in layer_calls(fused, x) if call.channel_scale]
+        assert [call.without_batch() for call in calls] == \
+            [call.without_batch() for call in layer_calls(fused, torch.cat([x, x, x])) if call.channel_scale]
+    assert len(calls) == 1 and calls[0].tensors[0][2] == "bfloat16" and calls[0].passes() == ["backward", "forward"]
     report = compile_calls(calls, 90, workers=1, verbose=False)
     assert report.errors == [] and report.launches == 2

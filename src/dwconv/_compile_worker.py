@@ -56,6 +56,9 @@ def compile_call(call: dict) -> None:
     if arguments[0] == "squeeze_excite":  # (precompile.SQUEEZE: a squeeze-and-excitation block's eval call)
         compile_squeeze(x, weight, bias, *arguments[1:])
         return
+    if arguments[0] == "channel_scale":  # (precompile.CHANNEL_SCALE: a squeeze-and-excitation's gate in training)
+        compile_channel_scale(call["pass"], x, call["grads"][0])
+        return
     geom = conv_geometry(x, weight, bias, *arguments[:3])  # (an activation may follow: eager_conv's)
     with torch.no_grad():
         if call["pass"] == "forward":
@@ -118,6 +121,19 @@ def compile_squeeze(x, reduce_weight, expand_weight, reduce_bias, expand_bias, a
     with torch.no_grad():
         torch.ops.dwconv.squeeze_excite(x, reduce_weight, tensor(reduce_bias), expand_weight, tensor(expand_bias),
                                         activation, gate)
+
+
+def compile_channel_scale(pass_: str, x, input_grad: bool) -> None:
+    """kernels.squeeze_excite's gate multiply for x (forward), or its backward."""
+    import torch
+
+    from .kernels.squeeze_excite import channel_scale, channel_scale_backward
+
+    gate = torch.empty(x.shape[:2], dtype=x.dtype)
+    if pass_ == "forward":
+        channel_scale(x, gate)
+    else:
+        channel_scale_backward(torch.empty_like(x), x, gate, input_grad)
 
 
 class LaunchSelector:

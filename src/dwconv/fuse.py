@@ -39,7 +39,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import functional, precompile
+from . import functional, precompile, squeeze_excite
 from ._library import pointwise_product
 from ._geometry import ACTIVATION_CODES, INPUT_ACTIVATIONS, forward_activation_code, op_arguments
 from .batch_norm import batch_norm_activation, compiled_batch_norm_activation
@@ -404,10 +404,11 @@ _SQUEEZE_EXCITE_CLASSES = {
 
 
 class _SqueezeExcite:
-    """A squeeze-and-excitation module (_SQUEEZE_EXCITE_CLASSES) that computes as one registered op,
-    dwconv::squeeze_excite, in eager where nothing is differentiated and its members are as they were
-    found, without hooks (_squeeze_now); otherwise (and under torch.compile, whose kernels fuse the
-    block already) it runs as its own class does."""
+    """A squeeze-and-excitation module (_SQUEEZE_EXCITE_CLASSES) whose members are as they were found,
+    without hooks (_squeeze_now): in eager where nothing is differentiated, one registered op,
+    dwconv::squeeze_excite; where a gradient is wanted, its gate as it computes it, then the gate's
+    multiply and its backward on dwconv's kernels (dwconv.squeeze_excite.trained). Otherwise (and
+    under torch.compile, whose kernels fuse the block already) it runs as its own class does."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.fx.Proxy):
@@ -416,7 +417,11 @@ class _SqueezeExcite:
         if arguments is not None and not torch.compiler.is_compiling():
             if _op_computes(input, arguments[:4]):
                 return torch.ops.dwconv.squeeze_excite.default(input, *arguments)
-            if precompile._TRACING.__dict__.get("active") and not _gradient_wanted(input, *arguments[:4]):
+            if _gradient_wanted(input, *arguments[:4]):
+                out = squeeze_excite.trained(squeeze_excite.gate_members(self.__dict__["dwconv_squeeze"][0]), input)
+                if out is not None:
+                    return out
+            elif precompile._TRACING.__dict__.get("active"):
                 precompile.record_squeeze(input, *arguments)  # (a warmup's fake run: the op's kernels compile)
         return super().forward(input)
 

@@ -80,6 +80,13 @@ class LayerCall:
         bias's spec or None, the activation's and the gate's codes), not a convolution."""
         return self.arguments[0] == SQUEEZE
 
+    @property
+    def channel_scale(self) -> bool:
+        """Whether this is a squeeze-and-excitation block's gate applied in training
+        (squeeze_excite.ChannelScaleFunction: tensors the input alone, the gate [N, C] of its dtype;
+        arguments CHANNEL_SCALE; grads the input's and the gate's), not a convolution."""
+        return self.arguments[0] == CHANNEL_SCALE
+
     def without_batch(self) -> "LayerCall":
         """The call as the batch sizes that share its kernel binaries see it: the input's batch size
         (and its stride) replaced by what the launch plans choose by it (dispatch.batch_choices;
@@ -90,7 +97,7 @@ class LayerCall:
             return self
         (shape, strides, dtype), weight = self.tensors[:2]
         # (BatchNorm's kernels and the squeeze-and-excitation's choose nothing by it)
-        batch = ("any batch", *(() if self.batch_norm or self.squeeze
+        batch = ("any batch", *(() if self.batch_norm or self.squeeze or self.channel_scale
                                 else batch_choices(shape, getattr(torch, dtype), weight[0])))
         return LayerCall((((batch, *shape[1:]), (0, *strides[1:]), dtype), *self.tensors[1:]), self.grads,
                          self.arguments)
@@ -107,7 +114,7 @@ class LayerCall:
     def cost(self, pass_: str) -> tuple:
         """Larger first: a pool's wall time is bounded by the task that starts last. Backward passes,
         channels_last, strides, then kernel size (the unrolled channels_last tiles compile longest)."""
-        if self.batch_norm or self.fold or self.squeeze:
+        if self.batch_norm or self.fold or self.squeeze or self.channel_scale:
             return (pass_ == "backward", not self.fold and self.tensors[0][1][1] == 1, 0, 0)
         (_, _, k_h, k_w) = self.tensors[1][0]
         stride = self.arguments[1 if self.block else 0]
@@ -119,6 +126,7 @@ BATCH_NORM = "batch_norm"  # (a LayerCall's first argument: a fused block's Batc
 FOLD = "fold"  # (a LayerCall's first argument: a BatchNorm folded into its convolution in eval mode)
 BLOCK = "block"  # (a LayerCall's first argument: a fused block's eval call, the op conv2d_block)
 SQUEEZE = "squeeze_excite"  # (a LayerCall's first argument: a squeeze-and-excitation block's eval call)
+CHANNEL_SCALE = "channel_scale"  # (a LayerCall's first argument: a squeeze-and-excitation's gate in training)
 
 
 def record_batch_norm(y: torch.Tensor, norm: nn.Module, activation: str) -> None:
@@ -169,6 +177,17 @@ def record_squeeze(input: torch.Tensor, reduce_weight: torch.Tensor, reduce_bias
         return
     arguments = (SQUEEZE, _spec(reduce_bias), _spec(expand_bias), activation, gate)
     calls.setdefault(LayerCall.of(input, reduce_weight, expand_weight, arguments), None)
+
+
+def record_channel_scale(input: torch.Tensor, gate: torch.Tensor) -> None:
+    """Under layer_calls' fake run, a squeeze-and-excitation block's gate applied in training
+    (squeeze_excite.trained calls it where its Function would run): a call of its own, whose forward
+    and backward compile the gate's multiply and its backward."""
+    calls, train = getattr(_TRACING, "calls", None), getattr(_TRACING, "train", False)
+    if calls is None:
+        return
+    grads = (train and input.requires_grad, train and gate.requires_grad, False)
+    calls.setdefault(LayerCall.of(input, None, None, (CHANNEL_SCALE,), grads), None)
 
 
 def _spec(t: Optional[torch.Tensor]):

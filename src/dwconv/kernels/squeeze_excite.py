@@ -5,18 +5,21 @@
   (float64 for a float64 input): one launch where stock runs two convolutions, the activation and
   the gate, and under autocast casts all four parameters (ops inside a registered op would be cast
   by autocast too; a launch is not).
+- `channel_scale_backward_kernel`: the gate's multiply differentiated (training): grad_x = grad *
+  gate[n, c] and the sums over H and W of grad * x (the gate's gradient) in one pass over grad and
+  x, where PyTorch's backward of the broadcast multiply takes two multiplies and a reduction.
 - `channel_scale_kernel`: out = x * gate[n, c], one pass, a program one contiguous run of one
   image and the gate's row of it. PyTorch's broadcast multiply, which the block runs as
   `scale * input` (its generic kernel computes each element's broadcast index), took 1.655 ms for
   EfficientNet-B0's 16 blocks of a bfloat16 eval forward at batch 256, this kernel 0.716 ms, in the
   same process on the H100 (docs/decisions.md, "A squeeze-and-excitation block as one op in eager
-  eval"). x is channels_last or contiguous (NCHW); the product is computed in the gate's dtype and
-  rounded once into out, x's dtype and memory format.
+  eval"). x is channels_last or contiguous (NCHW); the product is computed in float32 (float64 for
+  a float64 gate) and rounded once into out, x's dtype and memory format.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -85,7 +88,46 @@ def channel_scale_kernel(x_ptr, gate_ptr, out_ptr, image_elements, channels, pla
     base = image.to(tl.int64) * image_elements
     gate = tl.load(gate_ptr + image * channels + c, mask=inside)
     x = tl.load(x_ptr + base + offsets, mask=inside)
-    tl.store(out_ptr + base + offsets, (x.to(gate.dtype) * gate).to(out_ptr.dtype.element_ty), mask=inside)
+    # (in float32, float64 for a float64 gate: a half gate's product is then exact before its one rounding,
+    # as PyTorch's; Triton's interpreter multiplied bfloat16 values into NaNs)
+    if gate.dtype == tl.float64:
+        product = x.to(tl.float64) * gate
+    else:
+        product = x.to(tl.float32) * gate.to(tl.float32)
+    tl.store(out_ptr + base + offsets, product.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+# (one binary for every layer of a dtype and layout: nothing of the shape specialised)
+@triton.jit(do_not_specialize=["channels", "plane", "pixels_per_split"])
+def channel_scale_backward_kernel(grad_ptr, x_ptr, gate_ptr, grad_x_ptr, partial_ptr, channels, plane,
+                                  pixels_per_split, CHANNELS_LAST: tl.constexpr, INPUT_GRAD: tl.constexpr,
+                                  BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (image n, channel block, split s), over the pixels s * pixels_per_split .. (a multiple of
+    BLOCK_P) of image n: grad_x = grad * gate[n, c] (INPUT_GRAD), and the sum of grad * x over those
+    pixels in partial's dtype (float32, float64 for float64), stored to partial[n, s, c]: one value a
+    program, so the gate's gradient (partial summed over s) is the same at every run."""
+    n = tl.program_id(0)
+    split = tl.program_id(2)
+    acc: tl.constexpr = partial_ptr.dtype.element_ty
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    gate = tl.load(gate_ptr + n * channels + c, mask=c_ok, other=0.0).to(acc)
+    base = n.to(tl.int64) * channels * plane
+    total = tl.zeros([BLOCK_P, BLOCK_C], dtype=acc)
+    first = split * pixels_per_split
+    for start in range(first, first + pixels_per_split, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        inside = (p < plane)[:, None] & c_ok[None, :]
+        if CHANNELS_LAST:
+            offsets = p[:, None] * channels + c[None, :]
+        else:
+            offsets = c[None, :] * plane + p[:, None]
+        grad = tl.load(grad_ptr + base + offsets, mask=inside, other=0.0).to(acc)
+        x = tl.load(x_ptr + base + offsets, mask=inside, other=0.0).to(acc)
+        if INPUT_GRAD:
+            tl.store(grad_x_ptr + base + offsets, (grad * gate[None, :]).to(grad_x_ptr.dtype.element_ty), mask=inside)
+        total += grad * x
+    tl.store(partial_ptr + (n * tl.num_programs(2) + split) * channels + c, tl.sum(total, axis=0), mask=c_ok)
 
 
 _EXCITE_PLANS = plan_cache()
@@ -159,3 +201,55 @@ def channel_scale(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         out.fill_(float("nan"))
     launch(channel_scale_kernel, plan, x, gate, out)
     return out
+
+
+_BACKWARD_PLANS = plan_cache()
+
+# programs the backward aims for: a few waves of the GPU's SMs (an image's pixels split among programs
+# where images and channel blocks alone are fewer); the interpreter's few, but more than one a block,
+# so that the tests' images take several splits
+_BACKWARD_PROGRAMS = {True: 1024, False: 8}
+
+
+def _backward_plan(batch: int, channels: int, plane: int, channels_last: bool, input_grad: bool,
+                   gpu: bool) -> LaunchPlan:
+    # (a tile of at most 4096 values, contiguous along its channels (channels_last) or its pixels)
+    if channels_last:
+        block_c = min(64, triton.next_power_of_2(channels))
+        block_p = min(4096 // block_c, triton.next_power_of_2(plane))
+    else:
+        block_p = min(512, triton.next_power_of_2(plane))
+        block_c = min(4096 // block_p, triton.next_power_of_2(channels))
+    channel_blocks = triton.cdiv(channels, block_c)
+    splits = min(triton.cdiv(plane, block_p),
+                 max(1, triton.cdiv(_BACKWARD_PROGRAMS[gpu], batch * channel_blocks)))
+    pixels_per_split = triton.cdiv(triton.cdiv(plane, splits), block_p) * block_p
+    splits = triton.cdiv(plane, pixels_per_split)  # (none empty)
+    return LaunchPlan("channel_scale_backward", (batch, channel_blocks, splits), (channels, plane, pixels_per_split),
+                      dict(CHANNELS_LAST=channels_last, INPUT_GRAD=input_grad, BLOCK_P=block_p, BLOCK_C=block_c,
+                           num_warps=8 if gpu else 1),
+                      partial_shape=(batch, splits, channels))
+
+
+def channel_scale_backward(grad: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, input_grad: bool
+                           ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(grad * gate[:, :, None, None] in x's dtype and memory format, or None without input_grad;
+    the gate's gradient [N, C], the sums over H and W of grad * x, in gate's dtype) of channel_scale's
+    out = x * gate, x `scalable`, grad in x's strides, gate [N, C] contiguous, all of one dtype: one
+    launch, then the sum of its per-split partial sums (float32; float64 for float64) where there are
+    several."""
+    batch, channels, height, width = x.shape
+    channels_last = x.is_contiguous(memory_format=torch.channels_last)
+    key = (batch, channels, height * width, channels_last, input_grad, x.device.type)
+    plan = cached_plan(_BACKWARD_PLANS, key, lambda: _backward_plan(batch, channels, height * width, channels_last,
+                                                                    input_grad, gpu_plan(x.device)))
+    grad_x = torch.empty_like(x) if input_grad else None
+    partial = torch.empty(plan.partial_shape, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32,
+                          device=x.device)
+    if tuned().poison_partials:  # (the tests: a value no program wrote then shows)
+        partial.fill_(float("nan"))
+        if grad_x is not None:
+            grad_x.fill_(float("nan"))
+    launch(channel_scale_backward_kernel, plan, grad, x, gate, x if grad_x is None else grad_x, partial)
+    # (summed in the partials' dtype, then rounded once: sum(dtype=) would round each partial first)
+    return grad_x, (partial.sum(1) if plan.grid[2] > 1 else partial[:, 0]).to(gate.dtype)
