@@ -334,12 +334,12 @@ def test_channel_scale_saved_tensors_hooks():
         assert torch.equal(got, want)
 
 
-def _step(model, x, autocast: bool):
-    """(output, input's gradient, the parameters' gradients) of one backward of the output's sum."""
+def _step(model, x, grad, autocast: bool):
+    """(output, input's gradient, the parameters' gradients) of one backward of grad."""
     leaf = x.clone().requires_grad_()
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
         out = model(leaf)
-    out.backward(torch.ones_like(out))
+    out.backward(grad.to(out.dtype))
     return out, leaf.grad, [p.grad for p in model.parameters()]
 
 
@@ -351,33 +351,46 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
 def test_trained_module_as_stock(kind):
     """In training (gradients wanted), the module's gate as its own members compute it, then the
-    Function: the output and every gradient (input, the convolutions' weights and biases) as stock's
-    in float32, over three steps of SGD; under bfloat16 autocast, each within 1.5 times stock's own
-    error against float64 (plus a bfloat16 rounding's worth of the largest value)."""
-    stock = model_with(BLOCKS[kind]()).train()
-    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False).train()
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, fused)]
+    Function: the output and every gradient (input, the convolutions' weights and biases) as
+    stock's in float32, each within 1e-5 of its largest value, over three steps of SGD; under
+    bfloat16 autocast, each within 1.5 times stock's own error against float64 on a GPU (3 times
+    under the interpreter), plus a bfloat16 rounding's worth of the largest value."""
+    # (the blocks alone: the same input to both, so that a depthwise layer's rounding before them
+    # cannot move a value across the activation's or the gate's kink)
+    converted = dwconv.convert(model_with(BLOCKS[kind]()).train(), fuse=True, precompile=False, verbose=False)
+    fused = converted[1]
+    stock = copy.deepcopy(fused)
+    stock.__class__ = type(fused).__mro__[2]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (stock, fused)]
+    names = ["output", "grad of input"] + [f"grad of {name}" for name, _ in stock.named_parameters()]
+
+    def flat(result):
+        return [result[0], result[1], *result[2]]
+
     for _ in range(3):
         x = randn(3, 12, 9, 7).contiguous(memory_format=torch.channels_last)
-        (out, grad, grads), (fused_out, fused_grad, fused_grads) = (_step(m, x, False) for m in (stock, fused))
-        assert type(fused_out.grad_fn).__name__ == "ChannelScaleFunctionBackward"
-        assert fused_out.stride() == out.stride()
-        assert_close(fused_out, out, torch.float32)
-        assert_close(fused_grad, grad, torch.float32, "grad of input")
-        for (name, _), a, b in zip(stock.named_parameters(), grads, fused_grads):
-            assert_close(b, a, torch.float32, f"grad of {name}")
+        grad = randn(3, 12, 9, 7)
+        stock_result, result = (_step(m, x, grad, False) for m in (stock, fused))
+        assert type(result[0].grad_fn).__name__ == "ChannelScaleFunctionBackward"
+        assert result[0].stride() == stock_result[0].stride()
+        for name, expected, got in zip(names, flat(stock_result), flat(result)):
+            assert _relative_error(got, expected.double()) <= 1e-5, name
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
     x = randn(3, 12, 9, 7).contiguous(memory_format=torch.channels_last)
-    reference = _step(copy.deepcopy(stock).double(), x.double(), False)
-    half = [_step(m, x, True) for m in (stock, fused)]
+    grad = randn(3, 12, 9, 7)
+    x = x.bfloat16()  # (as the layer before gives it under autocast)
+    reference = _step(copy.deepcopy(stock).double(), x.double(), grad.double(), False)
+    half = [_step(m, x, grad, True) for m in (stock, fused)]
     assert half[1][0].dtype == half[0][0].dtype == torch.bfloat16
-    names = ["output", "grad of input"] + [f"grad of {name}" for name, _ in stock.named_parameters()]
-    for name, expected, got_stock, got in zip(names, [reference[0], reference[1], *reference[2]],
-                                              [half[0][0], half[0][1], *half[0][2]], [half[1][0], half[1][1], *half[1][2]]):
+    assert type(half[1][0].grad_fn).__name__ == "ChannelScaleFunctionBackward"
+    # (Triton's interpreter truncates float32 to bfloat16 where the GPU rounds to nearest: twice the
+    # error a rounding, all of one sign, which the weights' gradients sum)
+    bound = 3.0 if DEVICE == "cpu" else 1.5
+    for name, expected, got_stock, got in zip(names, flat(reference), flat(half[0]), flat(half[1])):
         stock_error, error = _relative_error(got_stock, expected), _relative_error(got, expected)
-        assert error <= 1.5 * stock_error + 2 ** -8, f"{name}: {error:.3g} against stock's {stock_error:.3g}"
+        assert error <= bound * stock_error + 2 ** -8, f"{name}: {error:.3g} against stock's {stock_error:.3g}"
 
 
 def test_trained_module_runs_as_its_class_where_the_kernels_cannot():
