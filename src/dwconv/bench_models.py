@@ -123,6 +123,11 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     return replay
 
 
+def _allocator_retries() -> int:
+    """The CUDA caching allocator's retries so far (cudaMalloc failed, cached blocks freed), 0 off a GPU."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+
+
 def time_ms(fn: Callable[[], None], warmup: int, iters: int) -> List[float]:
     for _ in range(warmup):
         fn()
@@ -450,11 +455,16 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                 print(f"  {precision:<17} {path}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
         samples = {(path, step): [] for path, step, *_ in timed}
         round_ms = {(path, step): [] for path, step, *_ in timed}  # (each round's median)
+        # (the caching allocator's retries during a path's samples: a retry frees cached blocks and
+        # waits for the GPU, a candidate for a round far slower than the others)
+        retries = {(path, step): 0 for path, step, *_ in timed}
         for _ in range(rounds):
             for path, step, native, fn, run in timed:
                 run.train(step == "train step")
+                before = _allocator_retries()
                 with native_setting(native):
                     ms = time_ms(fn, 1, max(1, iters // rounds) + 1)[1:]
+                retries[(path, step)] += _allocator_retries() - before
                 samples[(path, step)] += ms
                 round_ms[(path, step)].append(statistics.median(ms))
         for path, step, native, fn, run in captured:
@@ -479,7 +489,8 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
             print(f"  {precision:<17} {step:<10} {path:<26} {rows[-1]['ms']:8.3f} ms "
                   f"(spread {min(ms):.3f}-{max(ms):.3f})"
                   + (f"; vs stock by round {min(ratios):.2f}-{max(ratios):.2f}x, "
-                     f"{sum(r >= 1 for r in ratios)} of {len(ratios)} rounds >= 1" if ratios else ""), flush=True)
+                     f"{sum(r >= 1 for r in ratios)} of {len(ratios)} rounds >= 1" if ratios else "")
+                  + (f"; {retries[(path, step)]} allocator retries" if retries.get((path, step)) else ""), flush=True)
         del timed, captured, samples
         torch.cuda.empty_cache()
     for precision, memory_format, path, step, native, fn, model, variant in profiled:  # (the same steps' GPU time)
