@@ -124,16 +124,20 @@ def compile_squeeze(x, reduce_weight, expand_weight, reduce_bias, expand_bias, a
 
 
 def compile_channel_scale(pass_: str, x, input_grad: bool) -> None:
-    """kernels.squeeze_excite's gate multiply for x (forward), or its backward."""
+    """kernels.squeeze_excite's kernels of a squeeze-and-excitation block in training for x: the gate's
+    multiply (forward), or the gate's gradient and grad_input's multiply with its shift (backward)."""
     import torch
 
-    from .kernels.squeeze_excite import channel_scale, channel_scale_backward
+    from .kernels.squeeze_excite import channel_scale, gate_gradient
 
     gate = torch.empty(x.shape[:2], dtype=x.dtype)
     if pass_ == "forward":
         channel_scale(x, gate)
-    else:
-        channel_scale_backward(torch.empty_like(x), x, gate, input_grad)
+        return
+    gate_gradient(torch.empty_like(x), x, x.dtype)
+    if input_grad:
+        channel_scale(torch.empty_like(x), gate, torch.empty(x.shape[:2], dtype=torch.float64 if x.dtype ==
+                                                             torch.float64 else torch.float32))
 
 
 class LaunchSelector:

@@ -406,8 +406,8 @@ _SQUEEZE_EXCITE_CLASSES = {
 class _SqueezeExcite:
     """A squeeze-and-excitation module (_SQUEEZE_EXCITE_CLASSES) whose members are as they were found,
     without hooks (_squeeze_now): in eager where nothing is differentiated, one registered op,
-    dwconv::squeeze_excite; where a gradient is wanted, its gate as it computes it, then the gate's
-    multiply and its backward on dwconv's kernels (dwconv.squeeze_excite.trained). Otherwise (and
+    dwconv::squeeze_excite; where a gradient is wanted, one autograd Function on dwconv's kernels,
+    its gate computed by its own members (dwconv.squeeze_excite.trained). Otherwise (and
     under torch.compile, whose kernels fuse the block already) it runs as its own class does."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -418,7 +418,8 @@ class _SqueezeExcite:
             if _op_computes(input, arguments[:4]):
                 return torch.ops.dwconv.squeeze_excite.default(input, *arguments)
             if _gradient_wanted(input, *arguments[:4]):
-                out = squeeze_excite.trained(squeeze_excite.gate_members(self.__dict__["dwconv_squeeze"][0]), input)
+                out = squeeze_excite.trained(squeeze_excite.gate_members(self.__dict__["dwconv_squeeze"][0]),
+                                             arguments[:4], input)
                 if out is not None:
                     return out
             elif precompile._TRACING.__dict__.get("active"):

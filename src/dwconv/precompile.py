@@ -83,8 +83,8 @@ class LayerCall:
     @property
     def channel_scale(self) -> bool:
         """Whether this is a squeeze-and-excitation block's gate applied in training
-        (squeeze_excite.ChannelScaleFunction: tensors the input alone, the gate [N, C] of its dtype;
-        arguments CHANNEL_SCALE; grads the input's and the gate's), not a convolution."""
+        (squeeze_excite.SqueezeExciteFunction's kernels: tensors the input alone, the gate [N, C] of
+        its dtype; arguments CHANNEL_SCALE; grads the input's and the gate's), not a convolution."""
         return self.arguments[0] == CHANNEL_SCALE
 
     def without_batch(self) -> "LayerCall":

@@ -1,21 +1,25 @@
 """A squeeze-and-excitation block in training (dwconv.fuse's modules, in eager where a gradient is
-wanted): the gate from the module's own members, then `input * gate` as one autograd Function on
-kernels/squeeze_excite.py. In reading order: the reference (the module's own class), the Function,
-the call that stands for the module's forward.
+wanted): `input * gate(squeeze(input))` as one autograd Function on kernels/squeeze_excite.py, the
+gate computed by the module's own members. In reading order: the Function, the call that stands
+for the module's forward.
 
-Forward: the gate's multiply in one pass (PyTorch's broadcast multiply computes each element's
-broadcast index). Backward: grad_input = grad * gate and the gate's gradient (the sums over H and W
-of grad * input) in one pass over grad and the input, where PyTorch's backward of the multiply
-takes two broadcast multiplies and a reduction; the gate's own small graph (the mean, the two 1x1
-convolutions and activations) stays PyTorch's, which autograd differentiates. Both passes go
-through the C++ replayer (replay.native.replayed) where it is on. Under create_graph=True the
-backward is PyTorch's ops, so gradients of any order are PyTorch's. Eval calls with nothing
-differentiated are the registered op dwconv::squeeze_excite instead (dwconv._library).
+Forward: the squeeze (the module's own mean or pool), the gate from it by the members' calls
+(PyTorch's ops on [N, C, 1, 1], whose small graph the Function keeps), then the gate's multiply in
+one pass (PyTorch's broadcast multiply computes each element's broadcast index). Backward: one
+pass over grad and the input for the gate's gradient (the sums over H and W of grad * input);
+autograd differentiates the members' graph from it (their parameters' gradients and the squeeze's);
+then one pass for grad_input = grad * gate + the squeeze's gradient / (H * W). Stock's backward
+takes two broadcast multiplies, a reduction, the squeeze's backward and an addition of the input's
+two gradients over the whole tensor. The passes go through the C++ replayer
+(replay.native.replayed) where it is on. Under create_graph=True (or for a gate of another dtype
+than the input's) the block is recomputed with PyTorch's ops and autograd differentiates them, so
+gradients of any order are PyTorch's. Eval calls with nothing differentiated are the registered op
+dwconv::squeeze_excite instead (dwconv._library).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -27,26 +31,47 @@ from .kernels import squeeze_excite as kernels
 from .replay.native import replayed
 
 
-class ChannelScaleFunction(torch.autograd.Function):
-    """input * gate, gate [N, C, 1, 1] of the input's dtype, on the kernels."""
+class SqueezeExciteFunction(torch.autograd.Function):
+    """input * gate_of(squeeze(input)), squeeze the pool (None: the mean over H and W), gate_of the
+    members' calls on it, parameters every tensor of theirs that may want a gradient."""
 
     @staticmethod
-    def forward(ctx, input: Tensor, gate: Tensor) -> Tensor:
-        ctx.save_for_backward(input, gate)  # (the inputs themselves: a double backward differentiates them)
-        return replayed(kernels.channel_scale, [input, _rows(gate)])
+    def forward(ctx, input: Tensor, gate_of: Callable, pool: Optional[Callable], *parameters: Tensor) -> Tensor:
+        squeezed = pool(input) if pool is not None else input.mean((2, 3), keepdim=True)
+        with torch.enable_grad():  # (the members' graph, which the backward differentiates)
+            leaf = squeezed.detach().requires_grad_()
+            gate = gate_of(leaf)
+        ctx.save_for_backward(input, *parameters)
+        ctx.gate_of, ctx.pool, ctx.leaf, ctx.gate = gate_of, pool, leaf, gate
+        device = input.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        ctx.on_kernels = gate.dtype == input.dtype and tuple(gate.shape) == (*input.shape[:2], 1, 1)
+        if not ctx.on_kernels:
+            return input * gate.detach()
+        return replayed(kernels.channel_scale, [input, _rows(gate.detach())])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        input, gate = ctx.saved_tensors
-        want_input, want_gate = ctx.needs_input_grad
-        if torch.is_grad_enabled():  # (create_graph=True: PyTorch's ops, which autograd differentiates again)
-            return (grad * gate if want_input else None,
-                    (grad * input).sum((2, 3), keepdim=True).to(gate.dtype) if want_gate else None)
-        # (grad laid out as the kernel reads the input: channels_last wherever the input is so)
+        input, *parameters = ctx.saved_tensors
+        wanted = ctx.needs_input_grad
+        if torch.is_grad_enabled() or not ctx.on_kernels:
+            return _recomputed_backward(ctx, grad, input, parameters)
+        # (grad laid out as the kernels read the input: channels_last wherever the input is so)
         channels_last = input.is_contiguous(memory_format=torch.channels_last)
         grad = grad.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-        grad_input, grad_gate = replayed(kernels.channel_scale_backward, [grad, input, _rows(gate)], want_input)
-        return grad_input, grad_gate.reshape(gate.shape) if want_gate else None
+        gate = ctx.gate
+        gate_grad = replayed(kernels.gate_gradient, [grad, input], gate.dtype)
+        sources = [ctx.leaf] + [p for p, w in zip(parameters, wanted[3:]) if w]
+        # (retain_graph: a caller may run the outer backward again, as stock's allows with retain_graph)
+        grads = torch.autograd.grad(gate, sources, gate_grad.reshape(gate.shape), retain_graph=True,
+                                    allow_unused=True)
+        grad_input = None
+        if wanted[0]:
+            accumulate = torch.float64 if input.dtype == torch.float64 else torch.float32
+            shift = (grads[0].reshape(gate.shape[:2]).to(accumulate) / (input.shape[2] * input.shape[3])).contiguous()
+            grad_input = replayed(kernels.channel_scale, [grad, _rows(gate.detach()), shift])
+        parameter_grads = iter(grads[1:])
+        return (grad_input, None, None, *(next(parameter_grads) if w else None for w in wanted[3:]))
 
 
 def _rows(gate: Tensor) -> Tensor:
@@ -54,30 +79,45 @@ def _rows(gate: Tensor) -> Tensor:
     return gate.reshape(gate.shape[:2]).contiguous()
 
 
-def trained(members: tuple, input: Tensor) -> Optional[Tensor]:
+def _recomputed_backward(ctx, grad: Tensor, input: Tensor, parameters: list) -> tuple:
+    """The Function's gradients by PyTorch's ops: the block recomputed (under the forward's autocast
+    state) and differentiated by autograd, differentiably where create_graph=True."""
+    wanted = ctx.needs_input_grad
+    device, dtype, enabled = ctx.autocast
+    with torch.enable_grad():
+        source = input if wanted[0] else input.detach()
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            squeezed = ctx.pool(source) if ctx.pool is not None else source.mean((2, 3), keepdim=True)
+            out = source * ctx.gate_of(squeezed)
+        sources = ([input] if wanted[0] else []) + [p for p, w in zip(parameters, wanted[3:]) if w]
+        grads = iter(torch.autograd.grad(out, sources, grad, create_graph=torch.is_grad_enabled(), allow_unused=True)
+                     if sources else ())
+    return (next(grads) if wanted[0] else None, None, None, *(next(grads) if w else None for w in wanted[3:]))
+
+
+def trained(members: tuple, parameters: tuple, input: Tensor) -> Optional[Tensor]:
     """The forward of a found squeeze-and-excitation module (fuse._SqueezeExcite) whose members
     (reduce, activation, expand, gate, and torchvision's pool or None) are as they were found and
-    without hooks: the gate as the module computes it, by the members' own calls (timm's module
-    takes the mean itself), then ChannelScaleFunction where the kernels take the call (plain tensors
-    of one dtype on their device, the input channels_last or contiguous, no transform, trace or
-    forward-mode AD; else PyTorch's multiply, as the module's). None where the input is not one the
-    kernels take: the caller runs the module's own forward."""
+    without hooks, parameters their tensors (the convolutions' weights and biases; None for an
+    absent bias): SqueezeExciteFunction where the kernels take the input (a plain tensor on their
+    device, channels_last or contiguous, no transform, trace or forward-mode AD). None where they do
+    not: the caller runs the module's own forward."""
     if not _scale_computes(input):
         return None
     reduce, activation, expand, gate_module, pool = members
-    squeezed = pool(input) if pool is not None else input.mean((2, 3), keepdim=True)
-    gate = gate_module(expand(activation(reduce(squeezed))))
+
+    def gate_of(squeezed: Tensor) -> Tensor:
+        return gate_module(expand(activation(reduce(squeezed))))
+
     if precompile._TRACING.__dict__.get("active"):  # (a warmup's fake run: the kernels compile)
+        gate = gate_of(pool(input) if pool is not None else input.mean((2, 3), keepdim=True))
         precompile.record_channel_scale(input, gate)
         return input * gate
-    if type(gate) is not Tensor or gate.dtype != input.dtype or gate.device != input.device \
-            or tuple(gate.shape) != (*input.shape[:2], 1, 1):
-        return input * gate
-    return ChannelScaleFunction.apply(input, gate)
+    return SqueezeExciteFunction.apply(input, gate_of, pool, *(t for t in parameters if t is not None))
 
 
 def _scale_computes(input: Tensor) -> bool:
-    """Whether the input is one the Function takes (the gate is checked once computed)."""
+    """Whether the input is one the Function's kernels take (the gate is checked in its forward)."""
     if precompile._TRACING.__dict__.get("active"):
         return input.dim() == 4  # (fake tensors: the warmup records the call)
     return (type(input) is Tensor and uses_triton(input) and not torch._C._is_tracing()

@@ -5,11 +5,12 @@
   (float64 for a float64 input): one launch where stock runs two convolutions, the activation and
   the gate, and under autocast casts all four parameters (ops inside a registered op would be cast
   by autocast too; a launch is not).
-- `channel_scale_backward_kernel`: the gate's multiply differentiated (training): grad_x = grad *
-  gate[n, c] and the sums over H and W of grad * x (the gate's gradient) in one pass over grad and
-  x, where PyTorch's backward of the broadcast multiply takes two multiplies and a reduction.
-- `channel_scale_kernel`: out = x * gate[n, c], one pass, a program one contiguous run of one
-  image and the gate's row of it. PyTorch's broadcast multiply, which the block runs as
+- `channel_scale_kernel`: out = x * gate[n, c] (+ shift[n, c]), one pass, a program one contiguous
+  run of one image and the gate's row of it. In training it also computes the block's grad_x =
+  grad * gate[n, c] + (the squeeze's gradient) / (H * W), both of the input's two uses at once.
+- `gate_gradient_kernel` (training): the gate's gradient, the sums over H and W of grad * x, in
+  one pass over grad and x, where PyTorch's backward of the broadcast multiply takes two multiplies
+  and a reduction. PyTorch's broadcast multiply, which the block runs as
   `scale * input` (its generic kernel computes each element's broadcast index), took 1.655 ms for
   EfficientNet-B0's 16 blocks of a bfloat16 eval forward at batch 256, this kernel 0.716 ms, in the
   same process on the H100 (docs/decisions.md, "A squeeze-and-excitation block as one op in eager
@@ -19,7 +20,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import triton
@@ -73,10 +74,11 @@ def excite_kernel(squeezed_ptr, reduce_weight_ptr, reduce_bias_ptr, expand_weigh
 # (one binary for every layer of a dtype and layout, so that a model's first eval call compiles one or
 # two: only the image's element count is specialised, on divisibility by 16, which vectorises the loads)
 @triton.jit(do_not_specialize=["channels", "plane", "blocks_per_image"])
-def channel_scale_kernel(x_ptr, gate_ptr, out_ptr, image_elements, channels, plane, blocks_per_image,
-                         CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr):
+def channel_scale_kernel(x_ptr, gate_ptr, shift_ptr, out_ptr, image_elements, channels, plane, blocks_per_image,
+                         CHANNELS_LAST: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """Program p: elements (p % blocks_per_image) * BLOCK .. of image p // blocks_per_image, whose
-    channel is the element's index mod channels (channels_last) or its index // plane (NCHW)."""
+    channel is the element's index mod channels (channels_last) or its index // plane (NCHW):
+    x * gate[n, c], plus shift[n, c] (SHIFT; float32, float64 for a float64 gate)."""
     program = tl.program_id(0)
     image = program // blocks_per_image
     offsets = (program % blocks_per_image) * BLOCK + tl.arange(0, BLOCK)
@@ -94,24 +96,24 @@ def channel_scale_kernel(x_ptr, gate_ptr, out_ptr, image_elements, channels, pla
         product = x.to(tl.float64) * gate
     else:
         product = x.to(tl.float32) * gate.to(tl.float32)
+    if SHIFT:
+        product += tl.load(shift_ptr + image * channels + c, mask=inside)
     tl.store(out_ptr + base + offsets, product.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 # (one binary for every layer of a dtype and layout: nothing of the shape specialised)
 @triton.jit(do_not_specialize=["channels", "plane", "pixels_per_split"])
-def channel_scale_backward_kernel(grad_ptr, x_ptr, gate_ptr, grad_x_ptr, partial_ptr, channels, plane,
-                                  pixels_per_split, CHANNELS_LAST: tl.constexpr, INPUT_GRAD: tl.constexpr,
-                                  BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (image n, channel block, split s), over the pixels s * pixels_per_split .. (a multiple of
-    BLOCK_P) of image n: grad_x = grad * gate[n, c] (INPUT_GRAD), and the sum of grad * x over those
-    pixels in partial's dtype (float32, float64 for float64), stored to partial[n, s, c]: one value a
-    program, so the gate's gradient (partial summed over s) is the same at every run."""
+def gate_gradient_kernel(grad_ptr, x_ptr, partial_ptr, channels, plane, pixels_per_split,
+                         CHANNELS_LAST: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (image n, channel block, split s): the sum of grad * x over the pixels s *
+    pixels_per_split .. (a multiple of BLOCK_P) of image n, in partial's dtype (float32, float64 for
+    float64), stored to partial[n, s, c]: one value a program, so the gate's gradient (partial summed
+    over s) is the same at every run."""
     n = tl.program_id(0)
     split = tl.program_id(2)
     acc: tl.constexpr = partial_ptr.dtype.element_ty
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < channels
-    gate = tl.load(gate_ptr + n * channels + c, mask=c_ok, other=0.0).to(acc)
     base = n.to(tl.int64) * channels * plane
     total = tl.zeros([BLOCK_P, BLOCK_C], dtype=acc)
     first = split * pixels_per_split
@@ -124,8 +126,6 @@ def channel_scale_backward_kernel(grad_ptr, x_ptr, gate_ptr, grad_x_ptr, partial
             offsets = c[None, :] * plane + p[:, None]
         grad = tl.load(grad_ptr + base + offsets, mask=inside, other=0.0).to(acc)
         x = tl.load(x_ptr + base + offsets, mask=inside, other=0.0).to(acc)
-        if INPUT_GRAD:
-            tl.store(grad_x_ptr + base + offsets, (grad * gate[None, :]).to(grad_x_ptr.dtype.element_ty), mask=inside)
         total += grad * x
     tl.store(partial_ptr + (n * tl.num_programs(2) + split) * channels + c, tl.sum(total, axis=0), mask=c_ok)
 
@@ -169,12 +169,12 @@ def _excite_plan(batch: int, channels: int, hidden: int, reduce_strides: tuple, 
 _PLANS = plan_cache()
 
 
-def _plan(batch: int, channels: int, plane: int, channels_last: bool, gpu: bool) -> LaunchPlan:
+def _plan(batch: int, channels: int, plane: int, channels_last: bool, shift: bool, gpu: bool) -> LaunchPlan:
     image_elements = channels * plane
     block = 2048 if gpu else triton.next_power_of_2(min(image_elements, 4096))
     blocks_per_image = triton.cdiv(image_elements, block)
     return LaunchPlan("channel_scale", (batch * blocks_per_image,), (image_elements, channels, plane, blocks_per_image),
-                      dict(CHANNELS_LAST=channels_last, BLOCK=block, num_warps=8 if gpu else 1))
+                      dict(CHANNELS_LAST=channels_last, SHIFT=shift, BLOCK=block, num_warps=8 if gpu else 1))
 
 
 def scalable(x: torch.Tensor) -> bool:
@@ -188,31 +188,32 @@ def scalable(x: torch.Tensor) -> bool:
             and image_elements < 2**31 - 2**16 and x.numel() // 2048 < 2**30)
 
 
-def channel_scale(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """x * gate[:, :, None, None] (x `scalable`, gate [N, C] contiguous, on x's device), in x's dtype
-    and memory format: one launch."""
+def channel_scale(x: torch.Tensor, gate: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x * gate[:, :, None, None] + shift[:, :, None, None] (x `scalable`, gate [N, C] contiguous, on
+    x's device; shift None, or [N, C] contiguous in float32, float64 for a float64 gate), in x's
+    dtype and memory format: one launch."""
     batch, channels, height, width = x.shape
     # (a tensor both contiguous and channels_last, H = W = 1 or C = 1, reads the same either way)
     channels_last = x.is_contiguous(memory_format=torch.channels_last)
-    key = (batch, channels, height * width, channels_last, x.device.type)
-    plan = cached_plan(_PLANS, key, lambda: _plan(batch, channels, height * width, channels_last, gpu_plan(x.device)))
+    key = (batch, channels, height * width, channels_last, shift is not None, x.device.type)
+    plan = cached_plan(_PLANS, key, lambda: _plan(batch, channels, height * width, channels_last, shift is not None,
+                                                  gpu_plan(x.device)))
     out = torch.empty_like(x)  # (x's memory format)
     if tuned().poison_partials:  # (the tests: an element no program wrote then shows)
         out.fill_(float("nan"))
-    launch(channel_scale_kernel, plan, x, gate, out)
+    launch(channel_scale_kernel, plan, x, gate, gate if shift is None else shift, out)
     return out
 
 
-_BACKWARD_PLANS = plan_cache()
+_GATE_GRADIENT_PLANS = plan_cache()
 
-# programs the backward aims for: a few waves of the GPU's SMs (an image's pixels split among programs
-# where images and channel blocks alone are fewer); the interpreter's few, but more than one a block,
-# so that the tests' images take several splits
-_BACKWARD_PROGRAMS = {True: 1024, False: 8}
+# programs the gate's gradient aims for: a few waves of the GPU's SMs (an image's pixels split among
+# programs where images and channel blocks alone are fewer); the interpreter's few, but more than one
+# a block, so that the tests' images take several splits
+_GATE_GRADIENT_PROGRAMS = {True: 1024, False: 8}
 
 
-def _backward_plan(batch: int, channels: int, plane: int, channels_last: bool, input_grad: bool,
-                   gpu: bool) -> LaunchPlan:
+def _gate_gradient_plan(batch: int, channels: int, plane: int, channels_last: bool, gpu: bool) -> LaunchPlan:
     # (a tile of at most 4096 values, contiguous along its channels (channels_last) or its pixels)
     if channels_last:
         block_c = min(64, triton.next_power_of_2(channels))
@@ -222,34 +223,27 @@ def _backward_plan(batch: int, channels: int, plane: int, channels_last: bool, i
         block_c = min(4096 // block_p, triton.next_power_of_2(channels))
     channel_blocks = triton.cdiv(channels, block_c)
     splits = min(triton.cdiv(plane, block_p),
-                 max(1, triton.cdiv(_BACKWARD_PROGRAMS[gpu], batch * channel_blocks)))
+                 max(1, triton.cdiv(_GATE_GRADIENT_PROGRAMS[gpu], batch * channel_blocks)))
     pixels_per_split = triton.cdiv(triton.cdiv(plane, splits), block_p) * block_p
     splits = triton.cdiv(plane, pixels_per_split)  # (none empty)
-    return LaunchPlan("channel_scale_backward", (batch, channel_blocks, splits), (channels, plane, pixels_per_split),
-                      dict(CHANNELS_LAST=channels_last, INPUT_GRAD=input_grad, BLOCK_P=block_p, BLOCK_C=block_c,
-                           num_warps=8 if gpu else 1),
+    return LaunchPlan("gate_gradient", (batch, channel_blocks, splits), (channels, plane, pixels_per_split),
+                      dict(CHANNELS_LAST=channels_last, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=8 if gpu else 1),
                       partial_shape=(batch, splits, channels))
 
 
-def channel_scale_backward(grad: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, input_grad: bool
-                           ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-    """(grad * gate[:, :, None, None] in x's dtype and memory format, or None without input_grad;
-    the gate's gradient [N, C], the sums over H and W of grad * x, in gate's dtype) of channel_scale's
-    out = x * gate, x `scalable`, grad in x's strides, gate [N, C] contiguous, all of one dtype: one
-    launch, then the sum of its per-split partial sums (float32; float64 for float64) where there are
-    several."""
+def gate_gradient(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of channel_scale's out = x * gate by its gate: [N, C] in dtype, the sums over H
+    and W of grad * x (x `scalable`, grad in x's strides and dtype), in float32 (float64 for float64):
+    one launch, then the sum of its per-split partial sums where there are several."""
     batch, channels, height, width = x.shape
     channels_last = x.is_contiguous(memory_format=torch.channels_last)
-    key = (batch, channels, height * width, channels_last, input_grad, x.device.type)
-    plan = cached_plan(_BACKWARD_PLANS, key, lambda: _backward_plan(batch, channels, height * width, channels_last,
-                                                                    input_grad, gpu_plan(x.device)))
-    grad_x = torch.empty_like(x) if input_grad else None
+    key = (batch, channels, height * width, channels_last, x.device.type)
+    plan = cached_plan(_GATE_GRADIENT_PLANS, key, lambda: _gate_gradient_plan(batch, channels, height * width,
+                                                                              channels_last, gpu_plan(x.device)))
     partial = torch.empty(plan.partial_shape, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32,
                           device=x.device)
     if tuned().poison_partials:  # (the tests: a value no program wrote then shows)
         partial.fill_(float("nan"))
-        if grad_x is not None:
-            grad_x.fill_(float("nan"))
-    launch(channel_scale_backward_kernel, plan, grad, x, gate, x if grad_x is None else grad_x, partial)
+    launch(gate_gradient_kernel, plan, grad, x, partial)
     # (summed in the partials' dtype, then rounded once: sum(dtype=) would round each partial first)
-    return grad_x, (partial.sum(1) if plan.grid[2] > 1 else partial[:, 0]).to(gate.dtype)
+    return (partial.sum(1) if plan.grid[2] > 1 else partial[:, 0]).to(dtype)
