@@ -37,7 +37,7 @@ class SqueezeExciteFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: Tensor, gate_of: Callable, pool: Optional[Callable], *parameters: Tensor) -> Tensor:
-        squeezed = pool(input) if pool is not None else input.mean((2, 3), keepdim=True)
+        squeezed = _squeeze(pool, input)
         with torch.enable_grad():  # (the members' graph, which the backward differentiates)
             leaf = squeezed.detach().requires_grad_()
             gate = gate_of(leaf)
@@ -74,6 +74,12 @@ class SqueezeExciteFunction(torch.autograd.Function):
         return (grad_input, None, None, *(next(parameter_grads) if w else None for w in wanted[3:]))
 
 
+def _squeeze(pool: Optional[Callable], input: Tensor) -> Tensor:
+    """The block's squeeze of the input as the module takes it: its pool (torchvision's), else the
+    mean over H and W (timm's)."""
+    return pool(input) if pool is not None else input.mean((2, 3), keepdim=True)
+
+
 def _rows(gate: Tensor) -> Tensor:
     """The gate [N, C, 1, 1] as the kernels read it: [N, C], contiguous."""
     return gate.reshape(gate.shape[:2]).contiguous()
@@ -87,7 +93,7 @@ def _recomputed_backward(ctx, grad: Tensor, input: Tensor, parameters: list) -> 
     with torch.enable_grad():
         source = input if wanted[0] else input.detach()
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            squeezed = ctx.pool(source) if ctx.pool is not None else source.mean((2, 3), keepdim=True)
+            squeezed = _squeeze(ctx.pool, source)
             out = source * ctx.gate_of(squeezed)
         sources = ([input] if wanted[0] else []) + [p for p, w in zip(parameters, wanted[3:]) if w]
         grads = iter(torch.autograd.grad(out, sources, grad, create_graph=torch.is_grad_enabled(), allow_unused=True)
@@ -110,7 +116,7 @@ def trained(members: tuple, parameters: tuple, input: Tensor) -> Optional[Tensor
         return gate_module(expand(activation(reduce(squeezed))))
 
     if precompile._TRACING.__dict__.get("active"):  # (a warmup's fake run: the kernels compile)
-        gate = gate_of(pool(input) if pool is not None else input.mean((2, 3), keepdim=True))
+        gate = gate_of(_squeeze(pool, input))
         precompile.record_channel_scale(input, gate)
         return input * gate
     return SqueezeExciteFunction.apply(input, gate_of, pool, *(t for t in parameters if t is not None))
