@@ -61,8 +61,9 @@ def retune():
 
 @pytest.fixture(autouse=True)
 def default_kernels_on_small_images(request, retune):
-    """The forward and backward grids test the default kernels: on their small images the dispatcher
-    would take large_fma for every 3x3 kernel (it does on planes up to 28 wide), which
-    test_large_kernels.py tests at those sizes."""
-    if request.module.__name__ in ("test_forward", "test_backward"):
+    """The forward and backward grids and the block replays test the default kernels: on their small
+    images the dispatcher would take large_fma for every 3x3 kernel (it does on planes up to 28 wide),
+    which test_large_kernels.py tests at those sizes (and which the interpreter runs slowest: the
+    block replays took 304 s of CI's time with it, 78 s without it and at half the channels)."""
+    if request.module.__name__ in ("test_forward", "test_backward", "test_block_replay"):
         retune(large_fma_small_kernel_max_width=0, large_fma_half_forward_max_width=0)

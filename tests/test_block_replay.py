@@ -150,9 +150,9 @@ def _model():
     """A stem into a block without expansion (the stem's activation linked into its depthwise layer:
     not replayed), then five blocks that are: two of torchvision's, three of timm's (the last
     without a depthwise layer)."""
-    return nn.Sequential(_conv_norm_act(3, 8, 3, 2), InvertedResidual(8, 10, 1, 1), InvertedResidual(10, 12, 2, 3),
-                         InvertedResidual(12, 12, 1, 2), UniversalInvertedResidual(12, 12, 3, 5),
-                         UniversalInvertedResidual(12, 16, 0, 3, stride=2), EdgeResidual(16)).to(DEVICE).eval()
+    return nn.Sequential(_conv_norm_act(3, 4, 3, 2), InvertedResidual(4, 5, 1, 1), InvertedResidual(5, 6, 2, 3),
+                         InvertedResidual(6, 6, 1, 2), UniversalInvertedResidual(6, 6, 3, 5),
+                         UniversalInvertedResidual(6, 8, 0, 3, stride=2), EdgeResidual(8)).to(DEVICE).eval()
 
 
 @pytest.fixture
@@ -169,7 +169,7 @@ def replays(monkeypatch):
 
 
 def _input(layout, channels=3):
-    x = randn(2, channels, 19, 23)
+    x = randn(1, channels, 19, 23)
     return x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
 
 
