@@ -294,7 +294,7 @@ def test_models_bench_checks_replays_bitwise(replays):
     python = module_by_module(fused)
     x = _input("nchw")
     assert replays_bitwise(fused, python, x) and replays[0] == 5
-    python[3].conv[1][1].eps = 0.5
+    python[6].bn2.eps = 0.5  # (the last block's: a change upstream can vanish behind ReLUs that all read negative)
     assert not replays_bitwise(fused, python, x)
 
 
