@@ -135,9 +135,8 @@ def compile_channel_scale(pass_: str, x, input_grad: bool) -> None:
         channel_scale(x, gate)
         return
     gate_gradient(torch.empty_like(x), x, x.dtype)
-    if input_grad:
-        channel_scale(torch.empty_like(x), gate, torch.empty(x.shape[:2], dtype=torch.float64 if x.dtype ==
-                                                             torch.float64 else torch.float32))
+    if input_grad:  # (the squeeze's gradient in the input's dtype, as autograd gives it)
+        channel_scale(torch.empty_like(x), gate, torch.empty(x.shape[:2], dtype=x.dtype))
 
 
 class LaunchSelector:

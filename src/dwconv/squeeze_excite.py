@@ -66,10 +66,8 @@ class SqueezeExciteFunction(torch.autograd.Function):
         grads = torch.autograd.grad(gate, sources, gate_grad.reshape(gate.shape), retain_graph=True,
                                     allow_unused=True)
         grad_input = None
-        if wanted[0]:
-            accumulate = torch.float64 if input.dtype == torch.float64 else torch.float32
-            shift = (grads[0].reshape(gate.shape[:2]).to(accumulate) / (input.shape[2] * input.shape[3])).contiguous()
-            grad_input = replayed(kernels.channel_scale, [grad, _rows(gate.detach()), shift])
+        if wanted[0]:  # (the squeeze's gradient spread over the pixels by the multiply's launch itself)
+            grad_input = replayed(kernels.channel_scale, [grad, _rows(gate.detach()), _rows(grads[0])])
         parameter_grads = iter(grads[1:])
         return (grad_input, None, None, *(next(parameter_grads) if w else None for w in wanted[3:]))
 

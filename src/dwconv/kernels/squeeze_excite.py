@@ -78,7 +78,8 @@ def channel_scale_kernel(x_ptr, gate_ptr, shift_ptr, out_ptr, image_elements, ch
                          CHANNELS_LAST: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """Program p: elements (p % blocks_per_image) * BLOCK .. of image p // blocks_per_image, whose
     channel is the element's index mod channels (channels_last) or its index // plane (NCHW):
-    x * gate[n, c], plus shift[n, c] (SHIFT; float32, float64 for a float64 gate)."""
+    x * gate[n, c], plus shift[n, c] / plane (SHIFT: the squeeze's gradient, spread over the image's
+    pixels here rather than by launches of a cast and a division before)."""
     program = tl.program_id(0)
     image = program // blocks_per_image
     offsets = (program % blocks_per_image) * BLOCK + tl.arange(0, BLOCK)
@@ -97,7 +98,11 @@ def channel_scale_kernel(x_ptr, gate_ptr, shift_ptr, out_ptr, image_elements, ch
     else:
         product = x.to(tl.float32) * gate.to(tl.float32)
     if SHIFT:
-        product += tl.load(shift_ptr + image * channels + c, mask=inside)
+        shift = tl.load(shift_ptr + image * channels + c, mask=inside)
+        if gate.dtype == tl.float64:
+            product += shift.to(tl.float64) / plane
+        else:  # (IEEE's division, as PyTorch's: Triton's float32 `/` is an approximation)
+            product += tl.math.div_rn(shift.to(tl.float32), plane.to(tl.float32))
     tl.store(out_ptr + base + offsets, product.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -189,9 +194,10 @@ def scalable(x: torch.Tensor) -> bool:
 
 
 def channel_scale(x: torch.Tensor, gate: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x * gate[:, :, None, None] + shift[:, :, None, None] (x `scalable`, gate [N, C] contiguous, on
-    x's device; shift None, or [N, C] contiguous in float32, float64 for a float64 gate), in x's
-    dtype and memory format: one launch."""
+    """x * gate[:, :, None, None] + shift[:, :, None, None] / (H * W) (x `scalable`, gate [N, C]
+    contiguous, on x's device; shift None, or [N, C] contiguous in any floating dtype: a squeeze's
+    gradient), computed in float32 (float64 for a float64 gate), in x's dtype and memory format: one
+    launch."""
     batch, channels, height, width = x.shape
     # (a tensor both contiguous and channels_last, H = W = 1 or C = 1, reads the same either way)
     channels_last = x.is_contiguous(memory_format=torch.channels_last)
