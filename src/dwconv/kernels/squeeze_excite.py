@@ -108,12 +108,14 @@ def channel_scale_kernel(x_ptr, gate_ptr, shift_ptr, out_ptr, image_elements, ch
 
 # (one binary for every layer of a dtype and layout: nothing of the shape specialised)
 @triton.jit(do_not_specialize=["channels", "plane", "pixels_per_split"])
-def gate_gradient_kernel(grad_ptr, x_ptr, partial_ptr, channels, plane, pixels_per_split,
+def gate_gradient_kernel(grad_ptr, x_ptr, partial_ptr, out_ptr, channels, plane, pixels_per_split,
                          CHANNELS_LAST: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (image n, channel block, split s): the sum of grad * x over the pixels s *
     pixels_per_split .. (a multiple of BLOCK_P) of image n, in partial's dtype (float32, float64 for
     float64), stored to partial[n, s, c]: one value a program, so the gate's gradient (partial summed
-    over s) is the same at every run."""
+    over s) is the same at every run. With one split (a large batch) the sum is the gradient: stored
+    to out[n, c] in out's dtype instead, rounded once (no launches after; a runtime test, so that
+    every batch size takes one binary)."""
     n = tl.program_id(0)
     split = tl.program_id(2)
     acc: tl.constexpr = partial_ptr.dtype.element_ty
@@ -132,7 +134,11 @@ def gate_gradient_kernel(grad_ptr, x_ptr, partial_ptr, channels, plane, pixels_p
         grad = tl.load(grad_ptr + base + offsets, mask=inside, other=0.0).to(acc)
         x = tl.load(x_ptr + base + offsets, mask=inside, other=0.0).to(acc)
         total += grad * x
-    tl.store(partial_ptr + (n * tl.num_programs(2) + split) * channels + c, tl.sum(total, axis=0), mask=c_ok)
+    sums = tl.sum(total, axis=0)
+    if tl.num_programs(2) == 1:
+        tl.store(out_ptr + n * channels + c, sums.to(out_ptr.dtype.element_ty), mask=c_ok)
+    else:
+        tl.store(partial_ptr + (n * tl.num_programs(2) + split) * channels + c, sums, mask=c_ok)
 
 
 _EXCITE_PLANS = plan_cache()
@@ -240,16 +246,21 @@ def _gate_gradient_plan(batch: int, channels: int, plane: int, channels_last: bo
 def gate_gradient(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The gradient of channel_scale's out = x * gate by its gate: [N, C] in dtype, the sums over H
     and W of grad * x (x `scalable`, grad in x's strides and dtype), in float32 (float64 for float64):
-    one launch, then the sum of its per-split partial sums where there are several."""
+    one launch, then the sum of its per-split partial sums where there are several (one split: the
+    launch's output alone)."""
     batch, channels, height, width = x.shape
     channels_last = x.is_contiguous(memory_format=torch.channels_last)
     key = (batch, channels, height * width, channels_last, x.device.type)
     plan = cached_plan(_GATE_GRADIENT_PLANS, key, lambda: _gate_gradient_plan(batch, channels, height * width,
                                                                               channels_last, gpu_plan(x.device)))
-    partial = torch.empty(plan.partial_shape, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32,
-                          device=x.device)
+    splits = plan.grid[2]
+    # (one split writes out alone: its partial is a placeholder of the partials' dtype, which the binary keys)
+    partial = torch.empty(plan.partial_shape if splits > 1 else (1,),
+                          dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
+    out = torch.empty((batch, channels), dtype=dtype, device=x.device)
     if tuned().poison_partials:  # (the tests: a value no program wrote then shows)
         partial.fill_(float("nan"))
-    launch(gate_gradient_kernel, plan, grad, x, partial)
+        out.fill_(float("nan"))
+    launch(gate_gradient_kernel, plan, grad, x, partial, out)
     # (summed in the partials' dtype, then rounded once: sum(dtype=) would round each partial first)
-    return (partial.sum(1) if plan.grid[2] > 1 else partial[:, 0]).to(dtype)
+    return partial.sum(1).to(dtype) if splits > 1 else out
