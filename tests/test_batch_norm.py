@@ -192,7 +192,7 @@ def test_gradient_of_another_layout_and_expanded():
 
 # ---- the Function under autograd's features ----------------------------------------------------------
 
-def _leaves(shape=(2, 3, 3, 4), dtype=torch.float64):
+def _leaves(shape=(2, 2, 3, 3), dtype=torch.float64):
     y, weight, bias = _inputs(shape, dtype, "channels_last")
     return [t.detach().clone().requires_grad_() for t in (y, weight, bias)]
 
