@@ -5,17 +5,18 @@
   (float64 for a float64 input): one launch where stock runs two convolutions, the activation and
   the gate, and under autocast casts all four parameters (ops inside a registered op would be cast
   by autocast too; a launch is not).
-- `channel_scale_kernel`: out = x * gate[n, c] (+ shift[n, c]), one pass, a program one contiguous
-  run of one image and the gate's row of it. In training it also computes the block's grad_x =
-  grad * gate[n, c] + (the squeeze's gradient) / (H * W), both of the input's two uses at once.
+- `channel_scale_kernel`: out = x * gate[n, c] (+ shift[n, c] / (H * W)), one pass, a program one
+  contiguous run of one image and the gate's row of it. PyTorch's broadcast multiply, which the
+  block runs as `scale * input` (its generic kernel computes each element's broadcast index), took
+  1.655 ms for EfficientNet-B0's 16 blocks of a bfloat16 eval forward at batch 256, this kernel
+  0.716 ms, in the same process on the H100 (docs/decisions.md, "A squeeze-and-excitation block as
+  one op in eager eval"). x is channels_last or contiguous (NCHW); the product is computed in
+  float32 (float64 for a float64 gate) and rounded once into out, x's dtype and memory format. In
+  training it also computes the block's grad_x = grad * gate[n, c] + (the squeeze's gradient) /
+  (H * W), both of the input's two uses at once.
 - `gate_gradient_kernel` (training): the gate's gradient, the sums over H and W of grad * x, in
   one pass over grad and x, where PyTorch's backward of the broadcast multiply takes two multiplies
-  and a reduction. PyTorch's broadcast multiply, which the block runs as
-  `scale * input` (its generic kernel computes each element's broadcast index), took 1.655 ms for
-  EfficientNet-B0's 16 blocks of a bfloat16 eval forward at batch 256, this kernel 0.716 ms, in the
-  same process on the H100 (docs/decisions.md, "A squeeze-and-excitation block as one op in eager
-  eval"). x is channels_last or contiguous (NCHW); the product is computed in float32 (float64 for
-  a float64 gate) and rounded once into out, x's dtype and memory format.
+  and a reduction.
 """
 
 from __future__ import annotations
