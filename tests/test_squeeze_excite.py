@@ -434,6 +434,32 @@ def test_trained_module_as_stock(kind):
         assert error <= bound * stock_error + 2 ** -8, f"{name}: {error:.3g} against stock's {stock_error:.3g}"
 
 
+class _Marked(torch.Tensor):
+    """A tensor subclass (as a wrapped parameter's ops may return): not what the launches read."""
+
+
+def test_function_leaves_a_gate_the_kernels_cannot_read_to_pytorch(monkeypatch):
+    """A gate that is a tensor subclass: the multiply and the backward are PyTorch's ops, no launch;
+    the output and every gradient as the block's own."""
+    from dwconv.kernels import squeeze_excite as kernels
+    from dwconv.squeeze_excite import SqueezeExciteFunction
+
+    def refused(*args):
+        raise AssertionError("a launch for a gate the kernels cannot read")
+    monkeypatch.setattr(kernels, "channel_scale", refused)
+    monkeypatch.setattr(kernels, "gate_gradient", refused)
+    x, weight, bias = randn(2, 5, 3, 4).requires_grad_(), randn(5, 5, 1, 1).requires_grad_(), randn(5)
+    out = SqueezeExciteFunction.apply(x, lambda s: torch.sigmoid(F.conv2d(s, weight, bias)).as_subclass(_Marked),
+                                      None, weight, bias)
+    grad = randn(*out.shape)
+    got = torch.autograd.grad(out, (x, weight), grad)
+    x64, weight64 = (t.detach().double().requires_grad_() for t in (x, weight))
+    ref = excited_reference(x64, weight64, bias.double())
+    assert_close(out.as_subclass(torch.Tensor), ref, torch.float32)
+    for name, g, r in zip(("input", "weight"), got, torch.autograd.grad(ref, (x64, weight64), grad.double())):
+        assert_close(g.as_subclass(torch.Tensor), r, torch.float32, f"grad of {name}")
+
+
 def test_trained_module_runs_as_its_class_where_the_kernels_cannot():
     """Under forward-mode AD or torch.func, the module's own forward: stock's values and gradients."""
     stock = model_with(BLOCKS["timm"]()).train()

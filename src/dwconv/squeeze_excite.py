@@ -45,7 +45,10 @@ class SqueezeExciteFunction(torch.autograd.Function):
         ctx.gate_of, ctx.pool, ctx.leaf, ctx.gate = gate_of, pool, leaf, gate
         device = input.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        ctx.on_kernels = gate.dtype == input.dtype and tuple(gate.shape) == (*input.shape[:2], 1, 1)
+        # (a plain tensor of the input's dtype and device, [N, C, 1, 1]: what the launches read; else
+        # PyTorch's ops, forward and backward)
+        ctx.on_kernels = (type(gate) is Tensor and gate.dtype == input.dtype and gate.device == input.device
+                          and tuple(gate.shape) == (*input.shape[:2], 1, 1))
         if not ctx.on_kernels:
             return input * gate.detach()
         return replayed(kernels.channel_scale, [input, _rows(gate.detach())])
