@@ -254,14 +254,19 @@ def gate_gradient(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> to
     key = (batch, channels, height * width, channels_last, x.device.type)
     plan = cached_plan(_GATE_GRADIENT_PLANS, key, lambda: _gate_gradient_plan(batch, channels, height * width,
                                                                               channels_last, gpu_plan(x.device)))
-    splits = plan.grid[2]
+    splits, gpu = plan.grid[2], gpu_plan(x.device)
     # (one split writes out alone: its partial is a placeholder of the partials' dtype, which the binary keys)
     partial = torch.empty(plan.partial_shape if splits > 1 else (1,),
                           dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
-    out = torch.empty((batch, channels), dtype=dtype, device=x.device)
+    # (Triton's interpreter truncates float32 to half precision where the GPU rounds to nearest: off the
+    # GPU's plans the kernel writes float32 and PyTorch rounds, as the GPU does; batch_norm.fold's way)
+    written = dtype if gpu or dtype.itemsize >= 4 else torch.float32
+    out = torch.empty((batch, channels), dtype=written, device=x.device)
     if tuned().poison_partials:  # (the tests: a value no program wrote then shows)
         partial.fill_(float("nan"))
         out.fill_(float("nan"))
     launch(gate_gradient_kernel, plan, grad, x, partial, out)
     # (summed in the partials' dtype, then rounded once: sum(dtype=) would round each partial first)
-    return partial.sum(1).to(dtype) if splits > 1 else out
+    if splits > 1:
+        return partial.sum(1).to(dtype)
+    return out if written == dtype else out.to(dtype)  # (no `.to` at all: a recorded program would replay it)
