@@ -3,6 +3,7 @@ PyTorch's ops in float64, and dwconv.fuse's use of it: where it computes, and wh
 forward must run instead."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -278,11 +279,26 @@ def test_warmup_compiles_the_op(tmp_path, monkeypatch):
 
 # ---- in training: the gate's multiply and its backward on the kernels (dwconv.squeeze_excite) ------
 
-def excited(x, weight, bias):
-    """The Function with a small gate of its own: sigmoid(1x1 convolution of the input's mean)."""
-    from dwconv.squeeze_excite import SqueezeExciteFunction
+@pytest.fixture(params=["python-function", "cpp-nodes"])
+def path(request, monkeypatch):
+    """The block in training through SqueezeExciteFunction (DWCONV_NATIVE=0) or through the C++
+    replayer's nodes around the gate's ops (=1; under the interpreter, its launches called back)."""
+    monkeypatch.setenv("DWCONV_NATIVE", "0" if request.param == "python-function" else "1")
+    return request.param
 
-    return SqueezeExciteFunction.apply(x, lambda s: torch.sigmoid(F.conv2d(s, weight, bias)), None, weight, bias)
+
+def on_the_path(out, path) -> bool:
+    """Whether out is the block's multiply on the path asked for."""
+    if path == "python-function":
+        return type(out.grad_fn).__name__ == "SqueezeExciteFunctionBackward"
+    return out.grad_fn is not None and "ScaleFunction" in out.grad_fn.name()
+
+
+def excited(x, weight, bias):
+    """The block with a small gate of its own: sigmoid(1x1 convolution of the input's mean)."""
+    from dwconv.squeeze_excite import block
+
+    return block(x, lambda s: torch.sigmoid(F.conv2d(s, weight, bias)), None, [weight, bias])
 
 
 def excited_reference(x, weight, bias):
@@ -298,22 +314,22 @@ SCALE_SHAPES = [(3, 13, 5, 7), (1, 1, 1, 1), (2, 13, 19, 23), (2, 70, 3, 5), (1,
 @pytest.mark.parametrize("layout", ["channels_last", "nchw"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", SCALE_SHAPES, ids=str)
-def test_function_against_float64(shape, dtype, layout):
-    """The Function's output and its gradients (the input's and the gate's parameters') against
+def test_function_against_float64(shape, dtype, layout, path):
+    """The block's output and its gradients (the input's and the gate's parameters') against
     float64 autograd of the block, in the input's dtype and memory format (outputs NaN-poisoned
     first: the tests' tuning)."""
-    check_function(shape, dtype, layout, "both")
+    check_function(shape, dtype, layout, "both", path)
 
 
 @pytest.mark.parametrize("wanted", ["input", "parameters"])
 @pytest.mark.parametrize("layout", ["channels_last", "nchw"])
 @pytest.mark.parametrize("shape", SCALE_SHAPES[2:4], ids=str)
-def test_function_computes_the_gradients_wanted(shape, layout, wanted):
+def test_function_computes_the_gradients_wanted(shape, layout, wanted, path):
     """Either gradient alone (the other side's tensors not requiring one)."""
-    check_function(shape, torch.float32, layout, wanted)
+    check_function(shape, torch.float32, layout, wanted, path)
 
 
-def check_function(shape, dtype, layout, wanted):
+def check_function(shape, dtype, layout, wanted, path):
     batch, channels, height, width = shape
     x = (2 * randn(batch, channels, height, width)).to(dtype)
     if layout == "channels_last":
@@ -323,7 +339,7 @@ def check_function(shape, dtype, layout, wanted):
     for t in (weight, bias):
         t.requires_grad_(wanted in ("both", "parameters"))
     out = excited(x, weight, bias)
-    assert type(out.grad_fn).__name__ == "SqueezeExciteFunctionBackward"
+    assert on_the_path(out, path)
     assert out.dtype == dtype and out.stride() == x.stride()
     tensors = [t.detach().double().cpu().requires_grad_(t.requires_grad) for t in (x, weight, bias)]
     ref = excited_reference(*tensors)
@@ -348,11 +364,13 @@ def check_function(shape, dtype, layout, wanted):
             assert error <= bound * stock_error + 2 ** -8, f"grad of {name}: {error:.3g} against stock's {stock_error:.3g}"
 
 
-def test_function_gradients_of_any_order():
-    """create_graph=True: the block recomputed by PyTorch's ops, so a second derivative is PyTorch's
-    (gradcheck and gradgradcheck in float64); a second backward through a retained graph."""
+def test_function_gradients_of_any_order(path):
+    """create_graph=True: PyTorch's differentiable ops (the Function's block recomputed; the nodes'
+    own formulas, which autograd adds), so a second derivative is PyTorch's (gradcheck and
+    gradgradcheck in float64); a second backward through a retained graph."""
     x = randn(2, 5, 3, 4, dtype=torch.float64).contiguous(memory_format=torch.channels_last).requires_grad_()
     weight, bias = randn(5, 5, 1, 1, dtype=torch.float64).requires_grad_(), randn(5, dtype=torch.float64).requires_grad_()
+    assert on_the_path(excited(x, weight, bias), path)
     assert torch.autograd.gradcheck(excited, (x, weight, bias))
     assert torch.autograd.gradgradcheck(excited, (x, weight, bias))
     out = excited(x, weight, bias).sum()
@@ -361,15 +379,16 @@ def test_function_gradients_of_any_order():
         assert torch.equal(a, b)
 
 
-def test_function_saved_tensors_hooks():
-    """The Function saves through saved-tensor hooks (the input and the gate's parameters), and its
-    gradients are the same as without them."""
+def test_function_saved_tensors_hooks(path):
+    """The block saves through saved-tensor hooks (the input, and the gate's parameters or the gate),
+    and its gradients are the same as without them."""
     x = randn(2, 6, 5, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
     weight, bias = randn(6, 6, 1, 1).requires_grad_(), randn(6).requires_grad_()
     expected = torch.autograd.grad(excited(x, weight, bias).sum(), (x, weight, bias))
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t.clone(), lambda t: t):
         out = excited(x, weight, bias)
+    assert on_the_path(out, path)
     assert x.shape in packed and weight.shape in packed
     for got, want in zip(torch.autograd.grad(out.sum(), (x, weight, bias)), expected):
         assert torch.equal(got, want)
@@ -390,7 +409,7 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
-def test_trained_module_as_stock(kind):
+def test_trained_module_as_stock(kind, path):
     """In training (gradients wanted), the module's gate as its own members compute it, then the
     Function: the output and every gradient (input, the convolutions' weights and biases) as
     stock's in float32, each within 1e-5 of its largest value, over three steps of SGD; under
@@ -412,7 +431,7 @@ def test_trained_module_as_stock(kind):
         x = randn(3, 12, 9, 7).contiguous(memory_format=torch.channels_last)
         grad = randn(3, 12, 9, 7)
         stock_result, result = (_step(m, x, grad, False) for m in (stock, fused))
-        assert type(result[0].grad_fn).__name__ == "SqueezeExciteFunctionBackward"
+        assert on_the_path(result[0], path)
         assert result[0].stride() == stock_result[0].stride()
         for name, expected, got in zip(names, flat(stock_result), flat(result)):
             assert _relative_error(got, expected.double()) <= 1e-5, name
@@ -425,7 +444,7 @@ def test_trained_module_as_stock(kind):
     reference = _step(copy.deepcopy(stock).double(), x.double(), grad.double(), False)
     half = [_step(m, x, grad, True) for m in (stock, fused)]
     assert half[1][0].dtype == half[0][0].dtype == torch.bfloat16
-    assert type(half[1][0].grad_fn).__name__ == "SqueezeExciteFunctionBackward"
+    assert on_the_path(half[1][0], path)
     # (Triton's interpreter truncates float32 to bfloat16 where the GPU rounds to nearest: twice the
     # error a rounding, all of one sign, which the weights' gradients sum)
     bound = 3.0 if DEVICE == "cpu" else 1.5
@@ -438,19 +457,21 @@ class _Marked(torch.Tensor):
     """A tensor subclass (as a wrapped parameter's ops may return): not what the launches read."""
 
 
-def test_function_leaves_a_gate_the_kernels_cannot_read_to_pytorch(monkeypatch):
-    """A gate that is a tensor subclass: the multiply and the backward are PyTorch's ops, no launch;
-    the output and every gradient as the block's own."""
+def test_function_leaves_a_gate_the_kernels_cannot_read_to_pytorch(monkeypatch, path):
+    """A gate that is a tensor subclass: the multiply and the backward are PyTorch's ops (the
+    Function: no launch; the C++ nodes: Python's multiply, the squeeze's node differentiated as the
+    mean); the output and every gradient as the block's own."""
     from dwconv.kernels import squeeze_excite as kernels
-    from dwconv.squeeze_excite import SqueezeExciteFunction
+    from dwconv.squeeze_excite import block
 
     def refused(*args):
         raise AssertionError("a launch for a gate the kernels cannot read")
-    monkeypatch.setattr(kernels, "channel_scale", refused)
-    monkeypatch.setattr(kernels, "gate_gradient", refused)
+    if path == "python-function":
+        monkeypatch.setattr(kernels, "channel_scale", refused)
+        monkeypatch.setattr(kernels, "gate_gradient", refused)
     x, weight, bias = randn(2, 5, 3, 4).requires_grad_(), randn(5, 5, 1, 1).requires_grad_(), randn(5)
-    out = SqueezeExciteFunction.apply(x, lambda s: torch.sigmoid(F.conv2d(s, weight, bias)).as_subclass(_Marked),
-                                      None, weight, bias)
+    out = block(x, lambda s: torch.sigmoid(F.conv2d(s, weight, bias)).as_subclass(_Marked), None, [weight, bias])
+    assert not on_the_path(out, "cpp-nodes")
     grad = randn(*out.shape)
     got = torch.autograd.grad(out, (x, weight), grad)
     x64, weight64 = (t.detach().double().requires_grad_() for t in (x, weight))
@@ -458,6 +479,58 @@ def test_function_leaves_a_gate_the_kernels_cannot_read_to_pytorch(monkeypatch):
     assert_close(out.as_subclass(torch.Tensor), ref, torch.float32)
     for name, g, r in zip(("input", "weight"), got, torch.autograd.grad(ref, (x64, weight64), grad.double())):
         assert_close(g.as_subclass(torch.Tensor), r, torch.float32, f"grad of {name}")
+
+
+def test_cpp_nodes_give_the_functions_values(monkeypatch):
+    """The C++ nodes launch the Function's kernels on the same tensors: output and every gradient
+    bitwise equal, both layouts, float32 and bfloat16, with the input's gradient alone and with all."""
+    for layout, dtype, sources in [("channels_last", torch.float32, "all"), ("nchw", torch.bfloat16, "all"),
+                                   ("channels_last", torch.bfloat16, "input")]:
+        x = randn(3, 7, 5, 6).to(dtype)
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        weight, bias = (randn(7, 7, 1, 1) / 7 ** 0.5).to(dtype), randn(7).to(dtype)
+        leaves = [t.requires_grad_() for t in ([x, weight, bias] if sources == "all" else [x])]
+        grad = randn(3, 7, 5, 6).to(dtype)
+        results = []
+        for native in ("0", "1"):
+            monkeypatch.setenv("DWCONV_NATIVE", native)
+            out = excited(x, weight, bias)
+            results.append([out, *torch.autograd.grad(out, leaves, grad)])
+        for name, a, b in zip(["output", "grad of input", "grad of weight", "grad of bias"], *results):
+            assert torch.equal(a, b) and a.stride() == b.stride(), f"{layout} {dtype} {sources}: {name}"
+
+
+def test_cpp_nodes_hand_over_by_graph_task(monkeypatch):
+    """One retained graph differentiated by four threads at once, each with its own grad: each
+    gets its own input gradient (the multiply's node hands grad to the squeeze's node by graph
+    task; handed by node alone, a thread could read another's)."""
+    monkeypatch.setenv("DWCONV_NATIVE", "1")
+    x = randn(2, 6, 9, 8).contiguous(memory_format=torch.channels_last).requires_grad_()
+    weight, bias = randn(6, 6, 1, 1) / 6 ** 0.5, randn(6)
+    out = excited(x, weight, bias)
+    assert on_the_path(out, "cpp-nodes")
+    grads = [randn(2, 6, 9, 8) for _ in range(4)]
+    expected = [torch.autograd.grad(out, x, g, retain_graph=True)[0] for g in grads]
+    got, errors = {}, []
+    start = threading.Barrier(len(grads))
+
+    def work(i):
+        try:
+            start.wait()
+            for _ in range(8):
+                got.setdefault(i, []).append(torch.autograd.grad(out, x, grads[i], retain_graph=True)[0])
+        except Exception as error:  # (reported below, with its thread)
+            errors.append((i, repr(error)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(grads))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, results in got.items():
+        assert all(torch.equal(r, expected[i]) for r in results), f"thread {i}"
 
 
 def test_trained_module_runs_as_its_class_where_the_kernels_cannot():

@@ -1,24 +1,29 @@
 """A squeeze-and-excitation block in training (dwconv.fuse's modules, in eager where a gradient is
-wanted): `input * gate(squeeze(input))` as one autograd Function on kernels/squeeze_excite.py, the
-gate computed by the module's own members. In reading order: the Function, the call that stands
-for the module's forward.
+wanted): `input * gate(squeeze(input))` on kernels/squeeze_excite.py, the gate computed by the
+module's own members. In reading order: the autograd Function (the path without the C++ replayer),
+the call that stands for the module's forward, and `block`, which picks the path.
 
 Forward: the squeeze (the module's own mean or pool), the gate from it by the members' calls
-(PyTorch's ops on [N, C, 1, 1], whose small graph the Function keeps), then the gate's multiply in
-one pass (PyTorch's broadcast multiply computes each element's broadcast index). Backward: one
-pass over grad and the input for the gate's gradient (the sums over H and W of grad * input);
-autograd differentiates the members' graph from it (their parameters' gradients and the squeeze's);
-then one pass for grad_input = grad * gate + the squeeze's gradient / (H * W). Stock's backward
-takes two broadcast multiplies, a reduction, the squeeze's backward and an addition of the input's
-two gradients over the whole tensor. The passes go through the C++ replayer
-(replay.native.replayed) where it is on. Under create_graph=True (or for a gate of another dtype
-than the input's) the block is recomputed with PyTorch's ops and autograd differentiates them, so
-gradients of any order are PyTorch's. Eval calls with nothing differentiated are the registered op
+(PyTorch's ops on [N, C, 1, 1]), then the gate's multiply in one pass (PyTorch's broadcast multiply
+computes each element's broadcast index). Backward: one pass over grad and the input for the gate's
+gradient (the sums over H and W of grad * input); autograd differentiates the members' graph from it
+(their parameters' gradients and the squeeze's); then one pass for grad_input = grad * gate + the
+squeeze's gradient / (H * W). Stock's backward takes two broadcast multiplies, a reduction, the
+squeeze's backward and an addition of the input's two gradients over the whole tensor.
+
+Where the C++ replayer is on (replay.native.enabled: CUDA tensors once it is built), the block is two
+autograd nodes written in C++ around the members' ops, which stay in the caller's graph
+(replay.cpp's SqueezeFunction and ScaleFunction): no Python Function and no nested backward, whose
+host cost made the block slower than stock on a slow host (docs/decisions.md). Elsewhere (and
+where the nodes' multiply cannot be recorded) the Function keeps the members' small graph and
+differentiates it in its backward. Under create_graph=True (or for a gate of another
+dtype than the input's) either path's gradients are PyTorch's differentiable ops, so gradients of
+any order are PyTorch's. Eval calls with nothing differentiated are the registered op
 dwconv::squeeze_excite instead (dwconv._library).
 """
-
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -28,6 +33,7 @@ from torch.autograd import forward_ad
 from . import precompile
 from .functional import uses_triton
 from .kernels import squeeze_excite as kernels
+from .replay import native
 from .replay.native import replayed
 
 
@@ -120,7 +126,30 @@ def trained(members: tuple, parameters: tuple, input: Tensor) -> Optional[Tensor
         gate = gate_of(_squeeze(pool, input))
         precompile.record_channel_scale(input, gate)
         return input * gate
-    return SqueezeExciteFunction.apply(input, gate_of, pool, *(t for t in parameters if t is not None))
+    return block(input, gate_of, pool, [t for t in parameters if t is not None])
+
+
+def block(input: Tensor, gate_of: Callable, pool: Optional[Callable], parameters: list) -> Tensor:
+    """input * gate_of(squeeze(input)) for an input the kernels take: the C++ replayer's nodes
+    around the gate's own ops where the replayer is on (replay.native.enabled), else
+    SqueezeExciteFunction (parameters: every tensor of the gate's that may want a gradient)."""
+    if native.enabled(input):
+        out = native.squeeze_excite(input, gate_of, pool is not None, _passes())
+        if out is not None:
+            return out
+    return SqueezeExciteFunction.apply(input, gate_of, pool, *parameters)
+
+
+@functools.lru_cache(maxsize=None)
+def _passes() -> tuple:
+    """The C++ nodes' passes (replay.native.squeeze_excite), one tuple, part of their layers' keys:
+    the multiply (input, gate rows), and by mask 1 the input's gradient (grad, gate rows, the
+    squeeze's gradient rows), 2 the gate's (grad, input)."""
+    def backward(mask: int, *tensors: Tensor) -> Tensor:
+        if mask == 1:
+            return kernels.channel_scale(*tensors)
+        return kernels.gate_gradient(*tensors, tensors[1].dtype)
+    return kernels.channel_scale, backward
 
 
 def _scale_computes(input: Tensor) -> bool:

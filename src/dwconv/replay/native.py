@@ -589,6 +589,40 @@ def _register_norm(y, weight, bias, running_mean, running_var, arguments: tuple,
     return extension().register_layer(program.native, record_backward, python_backward)
 
 
+def squeeze_excite(input: torch.Tensor, gate_of, pool: bool, passes) -> Optional[torch.Tensor]:
+    """The squeeze-and-excitation block in training (dwconv.squeeze_excite) as autograd nodes
+    written in C++ around the gate's own ops (gate_of: the members' calls on the squeeze; pool:
+    torchvision's average pool rather than the mean), its multiply and backward passes recorded
+    programs: a layer of its own for the input's layout, keyed and evicted as the convolutions' are.
+    None where the multiply cannot be recorded (the caller keeps the Python Function). passes:
+    (forward(input, gate rows), backward(mask, *tensors): mask 1 the input's gradient, 2 the gate's)."""
+    layouts = extension().layouts_key([input])
+    if layouts is None:
+        return None
+    number = _layer(("squeeze_excite", layouts, passes), lambda: _register_squeeze_excite(input, passes),
+                    "a squeeze-and-excitation block")[0]
+    if number is None:
+        return None
+    return extension().squeeze_excite(input, gate_of, pool, number)
+
+
+def _register_squeeze_excite(input, passes) -> int:
+    forward, backward = passes
+    # (recorded on a gate of ones: the block's own gate is not computed yet; the program's rows are
+    # [N, C] contiguous and aligned, as the C++ node hands them)
+    gate_rows = torch.ones(input.shape[:2], dtype=input.dtype, device=input.device)
+    program = _record_pass(forward, [input, gate_rows], (), (), "a squeeze-and-excitation block's forward")
+    if program is None:
+        raise NotRecordable("a squeeze-and-excitation block's forward")
+
+    def record_backward(mask: int, *tensors: torch.Tensor):
+        recorded = _record_pass(lambda *t: backward(mask, *t), list(tensors), (), (),
+                                "a squeeze-and-excitation block's backward")
+        return None if recorded is None else recorded.native
+
+    return extension().register_layer(program.native, record_backward, backward)
+
+
 on_change(forget_layers)
 
 
