@@ -406,8 +406,8 @@ _SQUEEZE_EXCITE_CLASSES = {
 class _SqueezeExcite:
     """A squeeze-and-excitation module (_SQUEEZE_EXCITE_CLASSES) whose members are as they were found,
     without hooks (_squeeze_now): in eager where nothing is differentiated, one registered op,
-    dwconv::squeeze_excite; where a gradient is wanted, one autograd Function on dwconv's kernels,
-    its gate computed by its own members (dwconv.squeeze_excite.trained). Otherwise (and
+    dwconv::squeeze_excite; where a gradient is wanted, dwconv's kernels in autograd nodes around
+    the gate its own members compute (dwconv.squeeze_excite.trained). Otherwise (and
     under torch.compile, whose kernels fuse the block already) it runs as its own class does."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
