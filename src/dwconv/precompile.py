@@ -83,7 +83,7 @@ class LayerCall:
     @property
     def channel_scale(self) -> bool:
         """Whether this is a squeeze-and-excitation block's gate applied in training
-        (squeeze_excite.SqueezeExciteFunction's kernels: tensors the input alone, the gate [N, C] of
+        (the kernels of squeeze_excite.block, either path: tensors the input alone, the gate [N, C] of
         its dtype; arguments CHANNEL_SCALE; grads the input's and the gate's), not a convolution."""
         return self.arguments[0] == CHANNEL_SCALE
 
@@ -181,7 +181,7 @@ def record_squeeze(input: torch.Tensor, reduce_weight: torch.Tensor, reduce_bias
 
 def record_channel_scale(input: torch.Tensor, gate: torch.Tensor) -> None:
     """Under layer_calls' fake run, a squeeze-and-excitation block's gate applied in training
-    (squeeze_excite.trained calls it where its Function would run): a call of its own, whose forward
+    (squeeze_excite.trained calls it where its block would run): a call of its own, whose forward
     and backward compile the gate's multiply and its backward."""
     calls, train = getattr(_TRACING, "calls", None), getattr(_TRACING, "train", False)
     if calls is None:

@@ -112,9 +112,9 @@ def trained(members: tuple, parameters: tuple, input: Tensor) -> Optional[Tensor
     """The forward of a found squeeze-and-excitation module (fuse._SqueezeExcite) whose members
     (reduce, activation, expand, gate, and torchvision's pool or None) are as they were found and
     without hooks, parameters their tensors (the convolutions' weights and biases; None for an
-    absent bias): SqueezeExciteFunction where the kernels take the input (a plain tensor on their
-    device, channels_last or contiguous, no transform, trace or forward-mode AD). None where they do
-    not: the caller runs the module's own forward."""
+    absent bias): `block` where the kernels take the input (a plain tensor on their device,
+    channels_last or contiguous, no transform, trace or forward-mode AD). None where they do not:
+    the caller runs the module's own forward."""
     if not _scale_computes(input):
         return None
     reduce, activation, expand, gate_module, pool = members
