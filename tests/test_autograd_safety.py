@@ -6,6 +6,7 @@ layer registry, the replayer's build, the environment switches. Each result agai
 F.conv2d, or a clear error.
 """
 
+import copy
 import os
 import threading
 import time
@@ -88,6 +89,39 @@ def test_saved_tensor_hooks(path, hook):
                             ("grad_input", leaves[0].grad, ref_grads[0]),
                             ("grad_weight", leaves[1].grad, ref_grads[1])]:
         assert_close(got, want, torch.float32, f"{hook}: {name}")
+
+
+def _reversed_strides(t):
+    """t's values in memory ordered neither as contiguous nor as channels_last."""
+    return torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).permute(*range(t.dim() - 1, -1, -1)).copy_(t)
+
+
+@pytest.mark.parametrize("hook", ["contiguous", "misaligned", "reversed-strides"])
+def test_saved_tensor_hooks_on_a_trained_fused_block(path, hook):
+    """A fused block in training (the depthwise layer, its BatchNorm and ReLU6 on dwconv's kernels,
+    then a 1x1 convolution and a BatchNorm of stock's layers trained on dwconv's) under a hook that
+    hands each saved tensor back in another layout or offset: the input's and every parameter's
+    gradient against float64 stock's. (Before: a saved y in neither layout the BatchNorm kernels
+    read gave gradients off by 4 relative, with no error.)"""
+    from torch import nn
+
+    stock = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False), nn.BatchNorm2d(6), nn.ReLU6(),
+                          nn.Conv2d(6, 5, 1, bias=False), nn.BatchNorm2d(5)).to(DEVICE).train()
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    x = randn(2, 6, 7, 5).contiguous(memory_format=torch.channels_last)
+    grad = randn(2, 5, 7, 5)
+    x64 = x.double().requires_grad_()
+    reference = stock.double()
+    expected = torch.autograd.grad(reference(x64), [x64, *reference.parameters()], grad.double())
+    unpack = _reversed_strides if hook == "reversed-strides" else HOOKS[hook][1]
+    pack = HOOKS[hook][0] if hook == "misaligned" else (lambda t: t)
+    leaf = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = fused(leaf)
+    got = torch.autograd.grad(out, [leaf, *fused.parameters()], grad)
+    names = ["input"] + [name for name, _ in fused.named_parameters()]
+    for name, g, e in zip(names, got, expected):
+        assert_close(g, e, torch.float32, f"{hook}: grad of {name}")
 
 
 # ---- activation checkpointing ----------------------------------------------------------------------

@@ -453,7 +453,10 @@ def batch_norm_backward(grad: torch.Tensor, y: torch.Tensor, weight: Optional[to
                         bias: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor, eps: float,
                         activation: int) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(grad_y, grad_weight, grad_bias) of batch_norm_forward's output (the latter two None
-    without weight); grad_y in y's strides."""
+    without weight); grad_y in y's strides (NCHW where y is in neither layout the kernels read: a
+    saved-tensor hook may hand the saved y back in any)."""
+    if not (y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last)):
+        y = y.contiguous()
     grad = _like(grad, y)
     totals, grad_weight, grad_bias = batch_norm_grad_sums(grad, y, weight, bias, mean, invstd, eps, activation)
     return batch_norm_grad_input(grad, y, weight, bias, mean, invstd, totals, eps, activation), grad_weight, grad_bias
