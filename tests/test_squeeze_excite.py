@@ -379,19 +379,28 @@ def test_function_gradients_of_any_order(path):
         assert torch.equal(a, b)
 
 
-def test_function_saved_tensors_hooks(path):
+def _reversed_strides(t):
+    """t's values in memory ordered neither as contiguous nor as channels_last."""
+    return torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).permute(*range(t.dim() - 1, -1, -1)).copy_(t)
+
+
+@pytest.mark.parametrize("unpack", ["as-packed", "reversed-strides"])
+def test_function_saved_tensors_hooks(path, unpack):
     """The block saves through saved-tensor hooks (the input, and the gate's parameters or the gate),
-    and its gradients are the same as without them."""
+    and its gradients are the same as without them, also where the hook hands a tensor back in
+    another layout (the passes read the input as the layout of grad they make)."""
     x = randn(2, 6, 5, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
     weight, bias = randn(6, 6, 1, 1).requires_grad_(), randn(6).requires_grad_()
-    expected = torch.autograd.grad(excited(x, weight, bias).sum(), (x, weight, bias))
+    grad = randn(2, 6, 5, 4)
+    expected = torch.autograd.grad(excited(x, weight, bias), (x, weight, bias), grad)
     packed = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t.clone(), lambda t: t):
+    unpacked = (lambda t: t) if unpack == "as-packed" else _reversed_strides
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t.clone(), unpacked):
         out = excited(x, weight, bias)
     assert on_the_path(out, path)
     assert x.shape in packed and weight.shape in packed
-    for got, want in zip(torch.autograd.grad(out.sum(), (x, weight, bias)), expected):
-        assert torch.equal(got, want)
+    for name, got, want in zip(("input", "weight", "bias"), torch.autograd.grad(out, (x, weight, bias), grad), expected):
+        assert torch.equal(got, want), name
 
 
 def _step(model, x, grad, autocast: bool):

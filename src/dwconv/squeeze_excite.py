@@ -65,9 +65,10 @@ class SqueezeExciteFunction(torch.autograd.Function):
         wanted = ctx.needs_input_grad
         if torch.is_grad_enabled() or not ctx.on_kernels:
             return _recomputed_backward(ctx, grad, input, parameters)
-        # (grad laid out as the kernels read the input: channels_last wherever the input is so)
-        channels_last = input.is_contiguous(memory_format=torch.channels_last)
-        grad = grad.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        # (grad and the input in one layout the kernels read: channels_last wherever the input is so;
+        # a saved-tensor hook may hand the input back in any)
+        layout = torch.channels_last if input.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+        grad, input = grad.contiguous(memory_format=layout), input.contiguous(memory_format=layout)
         gate = ctx.gate
         gate_grad = replayed(kernels.gate_gradient, [grad, input], gate.dtype)
         sources = [ctx.leaf] + [p for p, w in zip(parameters, wanted[3:]) if w]

@@ -647,11 +647,15 @@ class ScaleFunction : public torch::autograd::Function<ScaleFunction> {
       if (ctx->needs_input_grad(1)) grad_gate = (grad * input).sum({2, 3}, true);
       return {grad_input, grad_gate, at::Tensor()};
     }
-    // (grad laid out as the passes read the input: channels_last wherever the input is so)
-    grad = plain(grad).contiguous(input.is_contiguous(at::MemoryFormat::ChannelsLast) ? at::MemoryFormat::ChannelsLast
-                                                                                      : at::MemoryFormat::Contiguous);
+    // (grad and the input in one layout the passes read: channels_last wherever the input is so; a
+    // saved-tensor hook may hand the input back in any)
+    auto layout = input.is_contiguous(at::MemoryFormat::ChannelsLast) ? at::MemoryFormat::ChannelsLast
+                                                                       : at::MemoryFormat::Contiguous;
+    grad = plain(grad).contiguous(layout);
     auto state = excite_state(ctx);
-    if (ctx->needs_input_grad(1)) grad_gate = state->layer->run_pass(2, {grad, input}).reshape(gate.sizes());
+    if (ctx->needs_input_grad(1)) {
+      grad_gate = state->layer->run_pass(2, {grad, plain(input).contiguous(layout)}).reshape(gate.sizes());
+    }
     if (ctx->needs_input_grad(0)) state->hand(grad, channel_rows(gate));  // (the squeeze's node adds its term)
     return {at::Tensor(), grad_gate, at::Tensor()};
   }
