@@ -403,6 +403,30 @@ def test_function_saved_tensors_hooks(path, unpack):
         assert torch.equal(got, want), name
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_function_under_activation_checkpointing(path, reentrant):
+    """The block under torch.utils.checkpoint (its forward recomputed in the backward, the saved
+    tensors the recomputation's): the output and every gradient bitwise as without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = randn(2, 6, 5, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    weight, bias = randn(6, 6, 1, 1).requires_grad_(), randn(6).requires_grad_()
+    grad = randn(2, 6, 5, 4)
+    plain_out = excited(x, weight, bias)
+    assert on_the_path(plain_out, path)
+    expected = torch.autograd.grad(plain_out, (x, weight, bias), grad)
+    out = checkpoint(excited, x, weight, bias, use_reentrant=reentrant)
+    assert torch.equal(out, plain_out)
+    got = torch.autograd.grad(out, (x, weight, bias), grad) if not reentrant else None
+    if reentrant:  # (the reentrant form differentiates by backward() alone)
+        for t in (x, weight, bias):
+            t.grad = None
+        out.backward(grad)
+        got = (x.grad, weight.grad, bias.grad)
+    for name, g, e in zip(("input", "weight", "bias"), got, expected):
+        assert torch.equal(g, e), name
+
+
 def _step(model, x, grad, autocast: bool):
     """(output, input's gradient, the parameters' gradients) of one backward of grad."""
     leaf = x.clone().requires_grad_()
