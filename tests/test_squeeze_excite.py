@@ -400,7 +400,10 @@ def test_function_saved_tensors_hooks(path, unpack):
     assert on_the_path(out, path)
     assert x.shape in packed and weight.shape in packed
     for name, got, want in zip(("input", "weight", "bias"), torch.autograd.grad(out, (x, weight, bias), grad), expected):
-        assert torch.equal(got, want), name
+        if unpack == "as-packed":
+            assert torch.equal(got, want), name
+        else:  # (the passes then read NCHW copies: on the GPU other programs, other summation orders)
+            assert_close(got, want, torch.float32, name)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
