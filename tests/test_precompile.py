@@ -333,6 +333,27 @@ def test_first_call_warmup_runs_the_model_on_fakes_once_and_never_fails_the_call
     assert torch.equal(model(x), expected)
 
 
+def test_first_call_warmup_inside_activation_checkpointing(monkeypatch, tmp_path):
+    """A converted model's first call inside torch.utils.checkpoint (non-reentrant: the saved tensors
+    go through its hooks): its warmup's fake run saves nothing through them (before: the non-reentrant form counted 18
+    tensors saved in the forward against 9 in the recomputation and raised CheckpointError); the
+    output and every gradient as without the checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    found = warmups_without_compiles(monkeypatch, tmp_path)
+    model, x = converted(), randn(1, 6, 5, 4)
+    reference = copy.deepcopy(model)
+    leaf, reference_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = checkpoint(model, leaf, use_reentrant=False)
+    assert len(found) == 1  # (the warmup ran, at this call)
+    out.backward()
+    expected = reference(reference_leaf)
+    expected.backward()
+    assert torch.equal(out, expected) and torch.equal(leaf.grad, reference_leaf.grad)
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(got.grad, want.grad), name
+
+
 def test_first_call_warmup_under_jit_trace(monkeypatch, tmp_path):
     """torch.jit.trace of a converted model not called before: its first-call warmup runs (the fake
     run finds every call) and stays out of the trace, whose graph holds the model's own ops alone."""

@@ -16,6 +16,7 @@ input signature warms up first, under the caller's autocast and grad mode.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -236,12 +237,17 @@ def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict
 
     flags = {module: module.training for module in model.modules()}  # (each its own: put back as found)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # (the fake run's saved tensors never reach the caller's saved-tensor hooks: a warmup at the first
+    # call inside torch.utils.checkpoint made its forward save 18 tensors where its recomputation
+    # saved 9, and the backward raised CheckpointError)
+    own_saved_tensors = (contextlib.nullcontext() if _saved_tensor_hooks_disabled()
+                         else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
     functional._DOORS["pytorch"] = recording_door
     _TRACING.active, _TRACING.calls, _TRACING.train = True, calls, train
     hooks = _keep_torch_hooks_only(model)
     try:
         model.train(train)
-        with mode, torch.set_grad_enabled(train):
+        with own_saved_tensors, mode, torch.set_grad_enabled(train):
             fakes = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
             fake_kwargs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
                            for k, v in (example_kwargs or {}).items()}
@@ -261,6 +267,13 @@ def layer_calls(model: nn.Module, *example_inputs, example_kwargs: Optional[dict
         for module, training in flags.items():
             module.training = training
     return list(calls)
+
+
+def _saved_tensor_hooks_disabled() -> bool:
+    """Whether saved-tensor hooks are disabled here (torch.autograd.graph.disable_saved_tensors_hooks:
+    pushing one would raise; none of the caller's then runs either)."""
+    message = getattr(torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None)()
+    return message is not None
 
 
 def _keep_torch_hooks_only(model: nn.Module) -> dict:
