@@ -1421,7 +1421,7 @@ def _expanding_model(activation):
 
 
 @pytest.mark.parametrize("activation, layout", [(torch.nn.ReLU6, "nchw"), (torch.nn.SiLU, "channels_last"),
-                                                (torch.nn.Hardswish, "nchw"), (torch.nn.GELU, "channels_last")])
+                                                (torch.nn.Hardswish, "channels_last"), (torch.nn.GELU, "channels_last")])
 def test_expansion_activation_applied_by_the_depthwise_layer(activation, layout, capsys):
     """fuse=True: where a trained block's activation feeds a fused depthwise layer alone (through
     nested Sequentials), in eval mode the layer applies it to its input as it loads and the
@@ -1458,7 +1458,8 @@ def test_expansion_activation_applied_by_the_depthwise_layer(activation, layout,
     assert (ops.get("dwconv::pointwise_folded", 0), ops.get("aten::linear", 0)) == \
         ((pointwise, 0) if layout == "channels_last" else (0, 0)), ops
     # (five layers in bfloat16: the error against float64 is stock's own, not one rounding's; the
-    # largest of 100 draws (Hardswish, NCHW) 1.86x stock's, one on CI 2.06x)
+    # largest of 100 draws (Hardswish, NCHW) 1.86x stock's, one on CI 2.06x; Hardswish since runs
+    # channels_last, which the interpreter computes in a third of the time: 8 of 8 draws passed)
     error, stock_error = ((y.double() - exact).abs().max().item() for y in (half, stock_half))
     assert error <= 3 * stock_error, f"bfloat16 autocast: {error:.3g} from float64's (stock's {stock_error:.3g})"
     fused.train(), stock.train()
