@@ -368,8 +368,9 @@ def test_function_gradients_of_any_order(path):
     """create_graph=True: PyTorch's differentiable ops (the Function's block recomputed; the nodes'
     own formulas, which autograd adds), so a second derivative is PyTorch's (gradcheck and
     gradgradcheck in float64); a second backward through a retained graph."""
-    x = randn(2, 5, 3, 4, dtype=torch.float64).contiguous(memory_format=torch.channels_last).requires_grad_()
-    weight, bias = randn(5, 5, 1, 1, dtype=torch.float64).requires_grad_(), randn(5, dtype=torch.float64).requires_grad_()
+    # (two images of three channels: each Jacobian entry a pass under the interpreter)
+    x = randn(2, 3, 3, 2, dtype=torch.float64).contiguous(memory_format=torch.channels_last).requires_grad_()
+    weight, bias = randn(3, 3, 1, 1, dtype=torch.float64).requires_grad_(), randn(3, dtype=torch.float64).requires_grad_()
     assert on_the_path(excited(x, weight, bias), path)
     assert torch.autograd.gradcheck(excited, (x, weight, bias))
     assert torch.autograd.gradgradcheck(excited, (x, weight, bias))
