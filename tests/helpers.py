@@ -47,6 +47,12 @@ def poisoned(shape, dtype, device=DEVICE, memory_format=torch.contiguous_format)
     return torch.full(shape, float("nan"), dtype=dtype, device=device).contiguous(memory_format=memory_format)
 
 
+def reversed_strides(t: torch.Tensor) -> torch.Tensor:
+    """t's values in memory ordered neither as contiguous nor as channels_last (what a saved-tensor
+    hook may hand back)."""
+    return torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).permute(*range(t.dim() - 1, -1, -1)).copy_(t)
+
+
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "output"):
     """Fails with the position and values of the worst element."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import dwconv
 from dwconv import _env, tuning
 from dwconv.replay import native, program
-from helpers import DEVICE, assert_close, randn
+from helpers import DEVICE, assert_close, randn, reversed_strides
 
 PATHS = {"python": "0", "native": "1"}
 GPU = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")
@@ -91,11 +91,6 @@ def test_saved_tensor_hooks(path, hook):
         assert_close(got, want, torch.float32, f"{hook}: {name}")
 
 
-def _reversed_strides(t):
-    """t's values in memory ordered neither as contiguous nor as channels_last."""
-    return torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).permute(*range(t.dim() - 1, -1, -1)).copy_(t)
-
-
 @pytest.mark.parametrize("hook", ["contiguous", "misaligned", "reversed-strides"])
 def test_saved_tensor_hooks_on_a_trained_fused_block(path, hook):
     """A fused block in training (the depthwise layer, its BatchNorm and ReLU6 on dwconv's kernels,
@@ -113,7 +108,7 @@ def test_saved_tensor_hooks_on_a_trained_fused_block(path, hook):
     x64 = x.double().requires_grad_()
     reference = stock.double()
     expected = torch.autograd.grad(reference(x64), [x64, *reference.parameters()], grad.double())
-    unpack = _reversed_strides if hook == "reversed-strides" else HOOKS[hook][1]
+    unpack = reversed_strides if hook == "reversed-strides" else HOOKS[hook][1]
     pack = HOOKS[hook][0] if hook == "misaligned" else (lambda t: t)
     leaf = x.clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

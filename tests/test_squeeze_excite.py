@@ -13,7 +13,7 @@ from torch import nn
 import dwconv
 from dwconv._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS
 from dwconv._library import GATE_NAMES
-from helpers import DEVICE, TOLERANCES, assert_close, randn
+from helpers import DEVICE, TOLERANCES, assert_close, randn, reversed_strides
 
 
 @pytest.fixture(autouse=True)
@@ -380,11 +380,6 @@ def test_function_gradients_of_any_order(path):
         assert torch.equal(a, b)
 
 
-def _reversed_strides(t):
-    """t's values in memory ordered neither as contiguous nor as channels_last."""
-    return torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).permute(*range(t.dim() - 1, -1, -1)).copy_(t)
-
-
 @pytest.mark.parametrize("unpack", ["as-packed", "reversed-strides"])
 def test_function_saved_tensors_hooks(path, unpack):
     """The block saves through saved-tensor hooks (the input, and the gate's parameters or the gate),
@@ -395,7 +390,7 @@ def test_function_saved_tensors_hooks(path, unpack):
     grad = randn(2, 6, 5, 4)
     expected = torch.autograd.grad(excited(x, weight, bias), (x, weight, bias), grad)
     packed = []
-    unpacked = (lambda t: t) if unpack == "as-packed" else _reversed_strides
+    unpacked = (lambda t: t) if unpack == "as-packed" else reversed_strides
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t.clone(), unpacked):
         out = excited(x, weight, bias)
     assert on_the_path(out, path)
