@@ -554,7 +554,6 @@ std::optional<at::Tensor> norm(const at::Tensor& y, const at::Tensor& weight, co
   return NormFunction::apply(y, weight, bias, running_mean, running_var, layer);
 }
 
-
 // A tensor the replayer may take: not a tensor subclass that dispatches in Python (its own
 // __torch_dispatch__ must see the call), and one with storage to read.
 bool replayable(const at::Tensor& t) {
