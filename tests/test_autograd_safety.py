@@ -150,6 +150,46 @@ def test_activation_checkpointing(path, reentrant):
             assert_close(got.grad, reference.grad, torch.float32, f"step {step}: {name} gradient")
 
 
+# ---- compiled autograd -----------------------------------------------------------------------------
+
+def test_compiled_autograd(path):
+    """A fused model's training steps under compiled autograd (torch._dynamo.compiled_autograd, as
+    torch._dynamo.config.compiled_autograd turns it on inside a compiled step), which traces the
+    backward with fake tensors: the forward takes the registered ops, whose backward it can trace
+    (before: "unhashable type: 'Capsule'" from the C++ nodes, a fake-tensor error from the Python
+    Function). Every gradient and the running statistics against float64 stock, two steps (the
+    second: each call known to the C++ path)."""
+    from torch import nn
+    from torch._dynamo import compiled_autograd
+
+    from test_squeeze_excite import SqueezeExcitation
+
+    stock = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False), nn.BatchNorm2d(6), nn.SiLU(),
+                          SqueezeExcitation(6, 4, nn.SiLU), nn.Conv2d(6, 5, 1, bias=False),
+                          nn.BatchNorm2d(5)).to(DEVICE).train()
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    reference = stock.double()
+    names = ["input"] + [name for name, _ in fused.named_parameters()]
+    for step in range(2):
+        x = randn(2, 6, 7, 5).contiguous(memory_format=torch.channels_last)
+        grad = randn(2, 5, 7, 5)
+        x64 = x.double().requires_grad_()
+        expected = torch.autograd.grad(reference(x64), [x64, *reference.parameters()], grad.double())
+        leaf = x.clone().requires_grad_()
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                out = fused(leaf)
+            got = torch.autograd.grad(out, [leaf, *fused.parameters()], grad)
+        assert any(e.key == "dwconv::conv2d" for e in profile.key_averages()), "the registered op"
+        for name, g, e in zip(names, got, expected):
+            assert_close(g, e, torch.float32, f"step {step}: grad of {name}")
+    for (name, buffer), want in zip(fused.named_buffers(), reference.buffers()):
+        if buffer.is_floating_point():
+            assert_close(buffer, want, torch.float32, name)
+        else:
+            assert torch.equal(buffer, want), name
+
+
 # ---- double backward -------------------------------------------------------------------------------
 
 DOUBLE_CASES = [  # (shape, kernel, multiplier, stride, padding, dilation, channels_last)

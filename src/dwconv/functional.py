@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional
 
 import torch
@@ -103,7 +104,8 @@ def _known_layer(input, weight, bias, stride, padding, dilation, *activation) ->
     activation after them: a call that no gradient is wanted of) were recorded before, or None."""
     # (is_compiling first: Dynamo must not trace into the registry; torch 2.11's cannot trace bool(dict))
     if not torch.compiler.is_compiling() and replay.native.has_known_layers() and isinstance(input, torch.Tensor) \
-            and forward_ad._current_level < 0 and not torch._C._is_tracing() and replay.enabled(input):
+            and forward_ad._current_level < 0 and not torch._C._is_tracing() and replay.enabled(input) \
+            and not compiled_autograd_on():
         return replay.conv_known(input, weight, bias, stride, padding, dilation, *activation)
     return None
 
@@ -113,14 +115,23 @@ def _door(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     interpreter, torch.func's wrappers, Python-dispatch subclasses), the registered op under
     torch.compile and torch.jit.trace (one op in the graph, with its registered backward; a trace
     records operators, never the eager path's kernel launches, and would hold only their outputs'
-    allocations), else the eager path."""
+    allocations) and under compiled autograd, else the eager path."""
     if not uses_triton(input):
         return "pytorch"
     if torch.compiler.is_compiling():
         return "op"
     if _pytorch_must_run(input, weight, bias):
         return "pytorch"
-    return "op" if torch._C._is_tracing() else "eager"
+    return "op" if torch._C._is_tracing() or compiled_autograd_on() else "eager"
+
+
+def compiled_autograd_on() -> bool:
+    """Whether compiled autograd is on (torch._dynamo.compiled_autograd._enable; inside a compiled
+    call where torch._dynamo.config.compiled_autograd is set): it traces the backward of what is
+    recorded now with fake tensors, which the registered ops' backward allows and the eager path's
+    autograd nodes, whose kernels read real memory, do not."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and getattr(module, "compiled_autograd_enabled", False)
 
 
 def _pytorch(input, weight, bias, geom, arguments):

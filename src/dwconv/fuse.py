@@ -417,7 +417,7 @@ class _SqueezeExcite:
         if arguments is not None and not torch.compiler.is_compiling():
             if _op_computes(input, arguments[:4]):
                 return torch.ops.dwconv.squeeze_excite.default(input, *arguments)
-            if _gradient_wanted(input, *arguments[:4]):
+            if _gradient_wanted(input, *arguments[:4]) and not functional.compiled_autograd_on():
                 out = squeeze_excite.trained(squeeze_excite.gate_members(self.__dict__["dwconv_squeeze"][0]),
                                              arguments[:4], input)
                 if out is not None:
@@ -502,7 +502,8 @@ def _trained(norm: nn.BatchNorm2d, activation_module: Optional[nn.Module], activ
             and y.is_floating_point() and functional.uses_triton(y) and forward_ad._current_level < 0
             and norm.track_running_stats
             and all(t is None or (type(t) in PLAIN_TENSORS and t.device == y.device) for t in tensors)):
-        if torch.compiler.is_compiling():  # (the registered op; Dynamo answers the transforms' questions itself)
+        # (the registered op, under compiled autograd too; Dynamo answers the transforms' questions itself)
+        if torch.compiler.is_compiling() or functional.compiled_autograd_on():
             if norm.momentum is not None:
                 return compiled_batch_norm_activation(y, norm, activation)
         elif not torch._C._is_tracing() and not functional._pytorch_must_run(y, *tensors):
