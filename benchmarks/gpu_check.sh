@@ -18,6 +18,8 @@
 #              PRECISION, MODEL_BATCH, PROFILE_MODE train|inference, MODEL_FUSE=1: also the model converted with fuse=True)
 #   overlap    a training step from an idle GPU against overlapping steps, stock and fused (benchmarks/
 #              step_overlap.py; MODELS, MODEL_BATCH default 256)
+#   pointwise  a model's trained 1x1 convolutions' forward and backward, cuDNN's against the matrix product
+#              (benchmarks/pointwise_ab.py; MODELS, MODEL_BATCH default 256)
 #   compiled   where compiled models' steps go, stock against converted (benchmarks/compiled_profile.py,
 #              torch.compile default; MODELS, PROFILE_MODE train|inference, MODEL_BATCH, MODEL_FUSE=1: converted
 #              with fuse=True), and Inductor's generated code for both (output_code_MODEL_MODE.txt.xz)
@@ -108,6 +110,10 @@ for step in "$@"; do
                python3 benchmarks/step_overlap.py --model "$model" --batch "${MODEL_BATCH:-256}" 2>&1 | grep -v -i warn \
                  | tee "$OUT/step_overlap_${model}_$(date +%F)_$commit.txt"
              done ;;
+    pointwise) for model in ${MODELS:-mobilenet_v2}; do
+                 python3 benchmarks/pointwise_ab.py --model "$model" --batch "${MODEL_BATCH:-256}" 2>&1 | grep -v -i warn \
+                   | tee "$OUT/pointwise_ab_${model}_$(date +%F)_$commit.txt"
+               done ;;
     compiled) for model in ${MODELS:-mobilenet_v2}; do
                 mode=${PROFILE_MODE:-inference}; train=(); [ "$mode" = train ] && train=(--train)
                 TORCH_LOGS=output_code python3 benchmarks/compiled_profile.py --model "$model" \

@@ -9,7 +9,7 @@ workers=()
 if ! "$python" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   export TRITON_INTERPRET=1
   # the interpreter is CPU-bound: one worker a core (CI's machines have 2), where pytest-xdist is there
-  if "$python" -c 'import xdist' 2>/dev/null; then workers=(-n "$(nproc)"); fi
+  if "$python" -c 'import xdist' 2>/dev/null; then workers=(-n "$(nproc)" --dist worksteal); fi
 fi
 # (--durations: the slowest tests in every CI log, to keep CI well under 20 minutes)
 exec "$python" -m pytest -q -p no:cacheprovider --durations=15 ${workers[@]+"${workers[@]}"} tests "$@"

@@ -1113,6 +1113,46 @@ class InvertedResidual(torch.nn.Module):
         return x + self.bn3(self.project(self.act2(self.bn2(self.dw(y)))))
 
 
+@pytest.mark.parametrize("layout, bias", [("channels_last", True), ("channels_last", False), ("nchw", False)])
+def test_trained_pointwise_convolutions_as_products_in_half_precision(layout, bias, monkeypatch):
+    """In training under bfloat16 autocast, a trained block's 1x1 convolution of a channels_last input
+    is the matrix product (forward, and the input's and weight's gradients: cuBLAS's calls, which cost
+    the host less than cuDNN's); an NCHW input keeps the convolution. Over two steps, the output, every
+    gradient and the running statistics as the same fused model's with the convolutions (the
+    BatchNorms' kernels alike in both), within bfloat16's error of each value's scale."""
+    from dwconv import fuse
+
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    stock = InvertedResidual().train().to(DEVICE).to(memory_format=memory_format)
+    if bias:
+        stock.expand.bias = torch.nn.Parameter(randn(16))
+    models = [dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False) for _ in range(2)]
+    product_dtypes = fuse._PRODUCT_DTYPES
+    for step in range(2):
+        x = randn(3, 8, 5, 7).contiguous(memory_format=memory_format)
+        grad = randn(3, 8, 5, 7)
+        results = []
+        for model, products_on in zip(models, (True, False)):
+            monkeypatch.setattr(fuse, "_PRODUCT_DTYPES", product_dtypes if products_on else ())
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                    out = model(x)
+                out.backward(grad.to(out.dtype))
+            products = sum(e.count for e in profile.key_averages() if e.key in _PRODUCT_OPS)
+            # (the expansion's forward and weight gradient, the projection's forward and both gradients)
+            assert products == (5 if products_on and layout == "channels_last" else 0), (products_on, products)
+            assert out.is_contiguous(memory_format=memory_format)
+            results.append([out] + [p.grad for p in model.parameters()] + list(model.buffers()))
+        names = ["output"] + [f"grad of {name}" for name, _ in stock.named_parameters()] + \
+            [name for name, _ in stock.named_buffers()]
+        for name, got, expected in zip(names, *results):
+            if not got.is_floating_point():
+                assert torch.equal(got, expected), name
+                continue
+            scale = max(1.0, expected.abs().max().item())
+            assert_close(got / scale, expected.double() / scale, torch.bfloat16, f"step {step}: {name} over {scale:.3g}")
+
+
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_other_batch_norms_train_on_the_kernels(layout, monkeypatch, capsys):
     """fuse=True: a BatchNorm2d outside any depthwise block (after a pointwise convolution) computes
