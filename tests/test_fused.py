@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import dwconv
 from dwconv._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS, INPUT_ACTIVATIONS, conv_geometry, forward_activation_code
+from dwconv import tuning
 from dwconv._library import conv_arguments
 from dwconv.activations import FUNCTIONS, activation_code
 from dwconv.dispatch import ForwardConfig, conv_forward
@@ -1114,27 +1115,24 @@ class InvertedResidual(torch.nn.Module):
 
 
 @pytest.mark.parametrize("layout, bias", [("channels_last", True), ("channels_last", False), ("nchw", False)])
-def test_trained_pointwise_convolutions_as_products_in_half_precision(layout, bias, monkeypatch):
-    """In training under bfloat16 autocast, a trained block's 1x1 convolution of a channels_last input
-    is the matrix product (forward, and the input's and weight's gradients: cuBLAS's calls, which cost
-    the host less than cuDNN's); an NCHW input keeps the convolution. Over two steps, the output, every
-    gradient and the running statistics as the same fused model's with the convolutions (the
+def test_trained_pointwise_convolutions_as_products_in_half_precision(layout, bias):
+    """With the tuning table's trained_pointwise_product, in training under bfloat16 autocast, a trained
+    block's 1x1 convolution of a channels_last input is the matrix product (forward, and the input's and
+    weight's gradients); an NCHW input keeps the convolution. Over two steps, the output, every gradient
+    and the running statistics as the same fused model's with the convolutions (the switch off; the
     BatchNorms' kernels alike in both), within bfloat16's error of each value's scale."""
-    from dwconv import fuse
-
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     stock = InvertedResidual().train().to(DEVICE).to(memory_format=memory_format)
     if bias:
         stock.expand.bias = torch.nn.Parameter(randn(16))
     models = [dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False) for _ in range(2)]
-    product_dtypes = fuse._PRODUCT_DTYPES
     for step in range(2):
         x = randn(3, 8, 5, 7).contiguous(memory_format=memory_format)
         grad = randn(3, 8, 5, 7)
         results = []
         for model, products_on in zip(models, (True, False)):
-            monkeypatch.setattr(fuse, "_PRODUCT_DTYPES", product_dtypes if products_on else ())
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            switch = tuning.override(trained_pointwise_product=products_on)
+            with switch, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 with torch.autocast(DEVICE, dtype=torch.bfloat16):
                     out = model(x)
                 out.backward(grad.to(out.dtype))
@@ -1150,7 +1148,8 @@ def test_trained_pointwise_convolutions_as_products_in_half_precision(layout, bi
                 assert torch.equal(got, expected), name
                 continue
             scale = max(1.0, expected.abs().max().item())
-            assert_close(got / scale, expected.double() / scale, torch.bfloat16, f"step {step}: {name} over {scale:.3g}")
+            assert_close(got / scale, expected.double() / scale, torch.bfloat16,
+                         f"step {step}: {name} over {scale:.3g}")
 
 
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
