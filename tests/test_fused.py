@@ -995,6 +995,50 @@ def test_fused_mobilenet_blocks_at_real_sizes(activation, stride):
     assert error <= 2 * stock_error, f"fused block: largest error {error:.3g}, stock's bfloat16 autocast {stock_error:.3g}"
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="real sizes on the GPU")
+@pytest.mark.parametrize("activation", [torch.nn.ReLU6, torch.nn.SiLU, torch.nn.Hardswish])
+@pytest.mark.parametrize("product", [False, True], ids=["cudnn-pointwise", "product-pointwise"])
+def test_fused_inverted_residual_trains_at_real_sizes(activation, product):
+    """A MobileNetV2 block at its 56x56 stage's sizes (24 -> 144 channels, batch 32), bfloat16 autocast,
+    channels_last, two training steps: the output, the input's and every parameter's gradient within
+    twice stock's own error against float64 under the same autocast (relative to each one's largest
+    value), plus a bfloat16 rounding; the running statistics within bfloat16's error. With the
+    tuning table's trained_pointwise_product off and on."""
+    block = InvertedResidual(channels=24, hidden=144)
+    block.act1, block.act2 = activation(), activation()
+    stock = block.train().to(DEVICE).to(memory_format=torch.channels_last)
+    fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
+    exact = copy.deepcopy(stock).double()
+
+    def relative_error(got, expected):
+        return ((got.double() - expected).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
+
+    with tuning.override(trained_pointwise_product=product):
+        for step in range(2):
+            x = randn(32, 24, 56, 56).contiguous(memory_format=torch.channels_last)
+            grad = randn(32, 24, 56, 56).contiguous(memory_format=torch.channels_last)
+            leaves = [x.clone().requires_grad_() for _ in range(2)]
+            outs = []
+            for model, leaf in zip((stock, fused), leaves):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out = model(leaf)
+                out.backward(grad.to(out.dtype))
+                outs.append(out)
+            x64 = x.double().requires_grad_()
+            ref = exact(x64)
+            ref.backward(grad.double())
+            names = ["output", "grad of input"] + [f"grad of {name}" for name, _ in stock.named_parameters()]
+            for name, got_stock, got, expected in zip(
+                    names, [outs[0], leaves[0].grad, *(p.grad for p in stock.parameters())],
+                    [outs[1], leaves[1].grad, *(p.grad for p in fused.parameters())],
+                    [ref, x64.grad, *(p.grad for p in exact.parameters())]):
+                stock_error, error = relative_error(got_stock, expected), relative_error(got, expected)
+                assert error <= 2 * stock_error + 2 ** -8, \
+                    f"step {step}, {name}: {error:.3g} against stock's {stock_error:.3g}"
+    for (name, b), b64 in zip(fused.named_buffers(), exact.buffers()):
+        assert_close(b, b64, torch.bfloat16, name)
+
+
 @pytest.mark.parametrize("options", [dict(affine=False), dict(eps=1e-3, momentum=None), dict(momentum=0.3)],
                          ids=["no-affine", "eps-cumulative", "momentum"])
 def test_batch_norm_options(options):
