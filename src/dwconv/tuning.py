@@ -83,6 +83,9 @@ class Tuning:
     # training too (fuse._FoldingConv; cuBLAS's calls cost the host less than cuDNN's). Under evaluation:
     # not yet timed on a GPU (docs/decisions.md, "A trained 1x1 convolution as the matrix product")
     trained_pointwise_product: bool = False
+    # ... and a trained squeeze-and-excitation block's two 1x1 convolutions of its [N, C, 1, 1] squeeze as
+    # matrix products (squeeze_excite.trained). Under evaluation, as above
+    squeeze_excite_gate_product: bool = False
     # ---- checks and launching
     fast_launch: bool = switch("DWCONV_FAST_LAUNCH") is not False  # repeat launches skip Triton's dispatch
     poison_partials: bool = False  # tests: NaN-fill partial sums and BatchNorm's outputs, so an unwritten one shows
