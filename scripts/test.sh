@@ -10,9 +10,6 @@ if ! "$python" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; 
   export TRITON_INTERPRET=1
   # the interpreter is CPU-bound: one worker a core (CI's machines have 2), where pytest-xdist is there
   if "$python" -c 'import xdist' 2>/dev/null; then workers=(-n "$(nproc)" --dist worksteal); fi
-  # the C++ replayer's CPU build starts beside the collection, not inside the first test that needs it,
-  # which a worker would wait on (its file lock makes the tests wait for this build, never build twice)
-  "$python" -m dwconv build >/dev/null 2>&1 &
 fi
 # (--durations: the slowest tests in every CI log, to keep CI well under 20 minutes)
 exec "$python" -m pytest -q -p no:cacheprovider --durations=15 ${workers[@]+"${workers[@]}"} tests "$@"
