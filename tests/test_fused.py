@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 import dwconv
 from dwconv._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS, INPUT_ACTIVATIONS, conv_geometry, forward_activation_code
-from dwconv import tuning
 from dwconv._library import conv_arguments
 from dwconv.activations import FUNCTIONS, activation_code
 from dwconv.dispatch import ForwardConfig, conv_forward
@@ -997,13 +996,11 @@ def test_fused_mobilenet_blocks_at_real_sizes(activation, stride):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real sizes on the GPU")
 @pytest.mark.parametrize("activation", [torch.nn.ReLU6, torch.nn.SiLU, torch.nn.Hardswish])
-@pytest.mark.parametrize("product", [False, True], ids=["cudnn-pointwise", "product-pointwise"])
-def test_fused_inverted_residual_trains_at_real_sizes(activation, product):
+def test_fused_inverted_residual_trains_at_real_sizes(activation):
     """A MobileNetV2 block at its 56x56 stage's sizes (24 -> 144 channels, batch 32), bfloat16 autocast,
     channels_last, two training steps: the output, the input's and every parameter's gradient within
     twice stock's own error against float64 under the same autocast (relative to each one's largest
-    value), plus a bfloat16 rounding; the running statistics within bfloat16's error. With the
-    tuning table's trained_pointwise_product off and on."""
+    value), plus a bfloat16 rounding; the running statistics within bfloat16's error."""
     block = InvertedResidual(channels=24, hidden=144)
     block.act1, block.act2 = activation(), activation()
     stock = block.train().to(DEVICE).to(memory_format=torch.channels_last)
@@ -1013,28 +1010,27 @@ def test_fused_inverted_residual_trains_at_real_sizes(activation, product):
     def relative_error(got, expected):
         return ((got.double() - expected).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
 
-    with tuning.override(trained_pointwise_product=product):
-        for step in range(2):
-            x = randn(32, 24, 56, 56).contiguous(memory_format=torch.channels_last)
-            grad = randn(32, 24, 56, 56).contiguous(memory_format=torch.channels_last)
-            leaves = [x.clone().requires_grad_() for _ in range(2)]
-            outs = []
-            for model, leaf in zip((stock, fused), leaves):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    out = model(leaf)
-                out.backward(grad.to(out.dtype))
-                outs.append(out)
-            x64 = x.double().requires_grad_()
-            ref = exact(x64)
-            ref.backward(grad.double())
-            names = ["output", "grad of input"] + [f"grad of {name}" for name, _ in stock.named_parameters()]
-            for name, got_stock, got, expected in zip(
-                    names, [outs[0], leaves[0].grad, *(p.grad for p in stock.parameters())],
-                    [outs[1], leaves[1].grad, *(p.grad for p in fused.parameters())],
-                    [ref, x64.grad, *(p.grad for p in exact.parameters())]):
-                stock_error, error = relative_error(got_stock, expected), relative_error(got, expected)
-                assert error <= 2 * stock_error + 2 ** -8, \
-                    f"step {step}, {name}: {error:.3g} against stock's {stock_error:.3g}"
+    for step in range(2):
+        x = randn(32, 24, 56, 56).contiguous(memory_format=torch.channels_last)
+        grad = randn(32, 24, 56, 56).contiguous(memory_format=torch.channels_last)
+        leaves = [x.clone().requires_grad_() for _ in range(2)]
+        outs = []
+        for model, leaf in zip((stock, fused), leaves):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(leaf)
+            out.backward(grad.to(out.dtype))
+            outs.append(out)
+        x64 = x.double().requires_grad_()
+        ref = exact(x64)
+        ref.backward(grad.double())
+        names = ["output", "grad of input"] + [f"grad of {name}" for name, _ in stock.named_parameters()]
+        for name, got_stock, got, expected in zip(
+                names, [outs[0], leaves[0].grad, *(p.grad for p in stock.parameters())],
+                [outs[1], leaves[1].grad, *(p.grad for p in fused.parameters())],
+                [ref, x64.grad, *(p.grad for p in exact.parameters())]):
+            stock_error, error = relative_error(got_stock, expected), relative_error(got, expected)
+            assert error <= 2 * stock_error + 2 ** -8, \
+                f"step {step}, {name}: {error:.3g} against stock's {stock_error:.3g}"
     for (name, b), b64 in zip(fused.named_buffers(), exact.buffers()):
         assert_close(b, b64, torch.bfloat16, name)
 
@@ -1156,44 +1152,6 @@ class InvertedResidual(torch.nn.Module):
     def forward(self, x):
         y = self.act1(self.bn1(self.expand(x)))
         return x + self.bn3(self.project(self.act2(self.bn2(self.dw(y)))))
-
-
-@pytest.mark.parametrize("layout, bias", [("channels_last", True), ("channels_last", False), ("nchw", False)])
-def test_trained_pointwise_convolutions_as_products_in_half_precision(layout, bias):
-    """With the tuning table's trained_pointwise_product, in training under bfloat16 autocast, a trained
-    block's 1x1 convolution of a channels_last input is the matrix product (forward, and the input's and
-    weight's gradients); an NCHW input keeps the convolution. Over two steps, the output, every gradient
-    and the running statistics as the same fused model's with the convolutions (the switch off; the
-    BatchNorms' kernels alike in both), within bfloat16's error of each value's scale."""
-    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    stock = InvertedResidual().train().to(DEVICE).to(memory_format=memory_format)
-    if bias:
-        stock.expand.bias = torch.nn.Parameter(randn(16))
-    models = [dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False) for _ in range(2)]
-    for step in range(2):
-        x = randn(3, 8, 5, 7).contiguous(memory_format=memory_format)
-        grad = randn(3, 8, 5, 7)
-        results = []
-        for model, products_on in zip(models, (True, False)):
-            switch = tuning.override(trained_pointwise_product=products_on)
-            with switch, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-                with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                    out = model(x)
-                out.backward(grad.to(out.dtype))
-            products = sum(e.count for e in profile.key_averages() if e.key in _PRODUCT_OPS)
-            # (the expansion's forward and weight gradient, the projection's forward and both gradients)
-            assert products == (5 if products_on and layout == "channels_last" else 0), (products_on, products)
-            assert out.is_contiguous(memory_format=memory_format)
-            results.append([out] + [p.grad for p in model.parameters()] + list(model.buffers()))
-        names = ["output"] + [f"grad of {name}" for name, _ in stock.named_parameters()] + \
-            [name for name, _ in stock.named_buffers()]
-        for name, got, expected in zip(names, *results):
-            if not got.is_floating_point():
-                assert torch.equal(got, expected), name
-                continue
-            scale = max(1.0, expected.abs().max().item())
-            assert_close(got / scale, expected.double() / scale, torch.bfloat16,
-                         f"step {step}: {name} over {scale:.3g}")
 
 
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])

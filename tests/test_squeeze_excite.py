@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import dwconv
-from dwconv import tuning
 from dwconv._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS
 from dwconv._library import GATE_NAMES
 from helpers import DEVICE, TOLERANCES, assert_close, randn, reversed_strides
@@ -484,34 +483,6 @@ def test_trained_module_as_stock(kind, path):
     for name, expected, got_stock, got in zip(names, flat(reference), flat(half[0]), flat(half[1])):
         stock_error, error = _relative_error(got_stock, expected), _relative_error(got, expected)
         assert error <= bound * stock_error + 2 ** -8, f"{name}: {error:.3g} against stock's {stock_error:.3g}"
-
-
-@pytest.mark.parametrize("kind", sorted(BLOCKS))
-def test_trained_gate_as_products(kind, path):
-    """With the tuning table's squeeze_excite_gate_product, the trained block's two 1x1 convolutions
-    of its squeeze are matrix products (forward, and each one's input and weight gradients): the
-    output and every gradient as with the module's convolutions (the switch off), in float32 within
-    its rounding and under bfloat16 autocast within bfloat16's."""
-    model = dwconv.convert(model_with(BLOCKS[kind]()).train(), fuse=True, precompile=False, verbose=False)
-    fused = model[1]
-    twin = copy.deepcopy(fused)
-    names = ["output", "grad of input"] + [f"grad of {name}" for name, _ in fused.named_parameters()]
-    for autocast, dtype in ((False, torch.float32), (True, torch.bfloat16)):
-        x = randn(3, 12, 9, 7).contiguous(memory_format=torch.channels_last).to(dtype)  # (as autocast's layers give it)
-        grad = randn(3, 12, 9, 7)
-        results = []
-        for module, product in ((fused, True), (twin, False)):
-            module.zero_grad()
-            with tuning.override(squeeze_excite_gate_product=product), \
-                    torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-                result = _step(module, x, grad, autocast)
-            assert on_the_path(result[0], path)
-            products = sum(e.count for e in profile.key_averages() if e.key in ("aten::mm", "aten::addmm"))
-            assert products == (6 if product else 0), (product, products)
-            results.append([result[0], result[1], *result[2]])
-        for name, got, expected in zip(names, *results):
-            scale = max(1.0, expected.abs().max().item())
-            assert_close(got / scale, expected.double() / scale, dtype, f"{dtype}: {name} over {scale:.3g}")
 
 
 class _Marked(torch.Tensor):

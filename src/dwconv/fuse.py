@@ -51,7 +51,6 @@ from .functional import _gradient_wanted, depthwise_conv2d
 from .kernels._launch import PLAIN_TENSORS
 from .modules import DepthwiseConv2d
 from .replay.native import replayed
-from .tuning import tuned
 from .block_replay import BlockPrograms, ReplayedBlock, find_replayed_blocks
 
 # a block: the layer, its BatchNorm2d, its activation module, the activation's name, and where the
@@ -303,21 +302,16 @@ class _TrainedNorm:
 
 
 class _FoldingConv:
-    """The nn.Conv2d of a trained block, where the block holds at the call: with the block's BatchNorm
-    in eval mode, it computes the BatchNorm too (folded into its weight and bias: one pass over its
-    output less); in training, with the tuning table's trained_pointwise_product, a 1x1 one of a
-    channels_last input in half precision is the matrix product (_conv_or_product). Otherwise it runs
-    as its own class does."""
+    """The nn.Conv2d of a trained block: with the block's BatchNorm in eval mode, where the block holds
+    at the call, it computes the BatchNorm too (folded into its weight and bias: one pass over its
+    output less); otherwise (in training too: docs/decisions.md, "A trained 1x1 convolution as the
+    matrix product") it runs as its own class does."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.fx.Proxy):
             return _traced_as_a_call(self, input)
         norm = self.dwconv_block[1]
-        if norm.training:
-            if tuned().trained_pointwise_product and fused_now(self.dwconv_block):
-                return self._conv_or_product(input, self.weight, self.bias)
-            return super().forward(input)
-        if not fused_now(self.dwconv_block):
+        if norm.training or not fused_now(self.dwconv_block):
             return super().forward(input)
         if not _folds_now(self.dwconv_block):
             # (the depthwise layer after applies the BatchNorm, or Inductor fuses it into its next kernel)

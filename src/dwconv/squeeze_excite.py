@@ -35,7 +35,6 @@ from .functional import uses_triton
 from .kernels import squeeze_excite as kernels
 from .replay import native
 from .replay.native import replayed
-from .tuning import tuned
 
 
 class SqueezeExciteFunction(torch.autograd.Function):
@@ -120,28 +119,15 @@ def trained(members: tuple, parameters: tuple, input: Tensor) -> Optional[Tensor
     if not _scale_computes(input):
         return None
     reduce, activation, expand, gate_module, pool = members
-    if tuned().squeeze_excite_gate_product:
-        reduce_weight, reduce_bias, expand_weight, expand_bias = parameters
 
-        def gate_of(squeezed: Tensor) -> Tensor:
-            hidden = activation(_pointwise_product(squeezed, reduce_weight, reduce_bias))
-            return gate_module(_pointwise_product(hidden, expand_weight, expand_bias))
-    else:
-        def gate_of(squeezed: Tensor) -> Tensor:
-            return gate_module(expand(activation(reduce(squeezed))))
+    def gate_of(squeezed: Tensor) -> Tensor:
+        return gate_module(expand(activation(reduce(squeezed))))
 
     if precompile._TRACING.__dict__.get("active"):  # (a warmup's fake run: the kernels compile)
         gate = gate_of(_squeeze(pool, input))
         precompile.record_channel_scale(input, gate)
         return input * gate
     return block(input, gate_of, pool, [t for t in parameters if t is not None])
-
-
-def _pointwise_product(squeezed: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """A plain 1x1 convolution (stride 1, no padding, one group) of a [N, C, 1, 1] tensor as the
-    matrix product it is: [N, C] @ [C, C_out] plus the bias, [N, C_out, 1, 1]."""
-    out = torch.nn.functional.linear(squeezed.flatten(1), weight.flatten(1), bias)
-    return out.view(*out.shape, 1, 1)
 
 
 def block(input: Tensor, gate_of: Callable, pool: Optional[Callable], parameters: list) -> Tensor:

@@ -79,13 +79,6 @@ class Tuning:
     batch_norm_channels: Tuple[int, ...] = (128, 256, 512)
     batch_norm_reduce_rows: int = 256
     batch_norm_reduce_channels: int = 16
-    # a trained block's 1x1 convolution of a channels_last half-precision input as the matrix product in
-    # training too (fuse._FoldingConv; cuBLAS's calls cost the host less than cuDNN's). Under evaluation:
-    # not yet timed on a GPU (docs/decisions.md, "A trained 1x1 convolution as the matrix product")
-    trained_pointwise_product: bool = False
-    # ... and a trained squeeze-and-excitation block's two 1x1 convolutions of its [N, C, 1, 1] squeeze as
-    # matrix products (squeeze_excite.trained). Under evaluation, as above
-    squeeze_excite_gate_product: bool = False
     # ---- checks and launching
     fast_launch: bool = switch("DWCONV_FAST_LAUNCH") is not False  # repeat launches skip Triton's dispatch
     poison_partials: bool = False  # tests: NaN-fill partial sums and BatchNorm's outputs, so an unwritten one shows
