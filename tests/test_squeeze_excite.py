@@ -482,7 +482,11 @@ def test_trained_module_as_stock(kind, path):
     bound = 3.0 if DEVICE == "cpu" else 1.5
     for name, expected, got_stock, got in zip(names, flat(reference), flat(half[0]), flat(half[1])):
         stock_error, error = _relative_error(got_stock, expected), _relative_error(got, expected)
-        assert error <= bound * stock_error + 2 ** -8, f"{name}: {error:.3g} against stock's {stock_error:.3g}"
+        # (the gate's biases' gradients are sums over the batch that cancel: against their own largest
+        # value a few bfloat16 roundings either way, and stock's error may be small by chance; a floor
+        # of 4 roundings: at 1, a clean CI run failed on conv_reduce.bias, 0.0157 against stock's 0.0026)
+        floor = 2 ** -6 if name.endswith(".bias") else 2 ** -8
+        assert error <= bound * stock_error + floor, f"{name}: {error:.3g} against stock's {stock_error:.3g}"
 
 
 class _Marked(torch.Tensor):
