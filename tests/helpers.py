@@ -53,6 +53,12 @@ def reversed_strides(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).permute(*range(t.dim() - 1, -1, -1)).copy_(t)
 
 
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest error against the largest value of the reference (a gradient that is all zeros, a
+    ReLU's after dead channels: its absolute error)."""
+    return ((got.double().cpu() - expected.cpu()).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
+
+
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "output"):
     """Fails with the position and values of the worst element."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"

@@ -16,7 +16,7 @@ from dwconv.kernels import batch_norm as batch_norm_kernels
 from dwconv.kernels import large_fma, tile
 from dwconv.kernels.batch_norm import EvalNorm
 from dwconv.kernels._shared import output_memory_format
-from helpers import DEVICE, TOLERANCES, assert_close, poisoned, randn, reference_conv
+from helpers import DEVICE, TOLERANCES, assert_close, poisoned, randn, reference_conv, relative_error
 
 ACTIVATIONS = sorted(FUNCTIONS)
 
@@ -1006,10 +1006,6 @@ def test_fused_inverted_residual_trains_at_real_sizes(activation):
     stock = block.train().to(DEVICE).to(memory_format=torch.channels_last)
     fused = dwconv.convert(copy.deepcopy(stock), fuse=True, precompile=False, verbose=False)
     exact = copy.deepcopy(stock).double()
-
-    def relative_error(got, expected):
-        return ((got.double() - expected).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
-
     for step in range(2):
         x = randn(32, 24, 56, 56).contiguous(memory_format=torch.channels_last)
         grad = randn(32, 24, 56, 56).contiguous(memory_format=torch.channels_last)

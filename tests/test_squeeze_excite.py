@@ -13,7 +13,7 @@ from torch import nn
 import dwconv
 from dwconv._geometry import ACTIVATION_CODES, ACTIVATION_FUNCTIONS
 from dwconv._library import GATE_NAMES
-from helpers import DEVICE, TOLERANCES, assert_close, randn, reversed_strides
+from helpers import DEVICE, TOLERANCES, assert_close, randn, relative_error, reversed_strides
 
 
 @pytest.fixture(autouse=True)
@@ -360,7 +360,7 @@ def check_function(shape, dtype, layout, wanted, path):
         if name == "input" or dtype in (torch.float32, torch.float64):
             assert_close(got, expected, dtype, f"grad of {name}")
         else:
-            error, stock_error = _relative_error(got, expected), _relative_error(stock, expected)
+            error, stock_error = relative_error(got, expected), relative_error(stock, expected)
             assert error <= bound * stock_error + 2 ** -8, f"grad of {name}: {error:.3g} against stock's {stock_error:.3g}"
 
 
@@ -435,11 +435,6 @@ def _step(model, x, grad, autocast: bool):
     return out, leaf.grad, [p.grad for p in model.parameters()]
 
 
-def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    # (a gradient that is all zeros, a ReLU's after the block's dead hidden channels: its absolute error)
-    return ((got.double().cpu() - expected.cpu()).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
-
-
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
 def test_trained_module_as_stock(kind, path):
     """In training (gradients wanted), the module's gate as its own members compute it, then the
@@ -466,7 +461,7 @@ def test_trained_module_as_stock(kind, path):
         assert on_the_path(result[0], path)
         assert result[0].stride() == stock_result[0].stride()
         for name, expected, got in zip(names, flat(stock_result), flat(result)):
-            assert _relative_error(got, expected.double()) <= 1e-5, name
+            assert relative_error(got, expected.double()) <= 1e-5, name
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
@@ -481,7 +476,7 @@ def test_trained_module_as_stock(kind, path):
     # error a rounding, all of one sign, which the weights' gradients sum)
     bound = 3.0 if DEVICE == "cpu" else 1.5
     for name, expected, got_stock, got in zip(names, flat(reference), flat(half[0]), flat(half[1])):
-        stock_error, error = _relative_error(got_stock, expected), _relative_error(got, expected)
+        stock_error, error = relative_error(got_stock, expected), relative_error(got, expected)
         # (the gate's biases' gradients are sums over the batch that cancel: against their own largest
         # value a few bfloat16 roundings either way, and stock's error may be small by chance; a floor
         # of 4 roundings: at 1, a clean CI run failed on conv_reduce.bias, 0.0157 against stock's 0.0026)
