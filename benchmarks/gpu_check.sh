@@ -107,8 +107,9 @@ for step in "$@"; do
                  --batch "${MODEL_BATCH:-64}" --mode "${PROFILE_MODE:-train}" ${MODEL_FUSE:+--fuse} --out "$OUT" 2>&1
              done ;;
     overlap) for model in ${MODELS:-mobilenet_v2}; do
-               python3 benchmarks/step_overlap.py --model "$model" --batch "${MODEL_BATCH:-256}" 2>&1 | grep -v -i warn \
-                 | tee "$OUT/step_overlap_${model}_$(date +%F)_$commit.txt"
+               python3 benchmarks/step_overlap.py --model "$model" --batch "${MODEL_BATCH:-256}" \
+                 --csv "$OUT/model_overlap_bf16_$(date +%F)_${commit}_${model}_b${MODEL_BATCH:-256}.csv" 2>&1 \
+                 | grep -v -i warn | tee "$OUT/step_overlap_${model}_$(date +%F)_$commit.txt"
              done ;;
     pointwise) for model in ${MODELS:-mobilenet_v2}; do
                  python3 benchmarks/pointwise_ab.py --model "$model" --batch "${MODEL_BATCH:-256}" 2>&1 | grep -v -i warn \

@@ -4,9 +4,11 @@ models bench's samples were before commit 2aa83fc) and steps that overlap (three
 waiting on the GPU: a loop's steady state, each step's host time over the last one's kernels).
 Where a step's forward is bound by the host and its backward by the GPU, the two differ.
 
-    python benchmarks/step_overlap.py --model efficientnet_b0 [--batch 256] [--rounds 5]
+    python benchmarks/step_overlap.py --model efficientnet_b0 [--batch 256] [--rounds 5] [--csv FILE]
 
-bfloat16 autocast, channels_last, SGD with momentum; the variants timed in turns, medians printed.
+bfloat16 autocast, channels_last, SGD with momentum; the variants timed in turns, medians printed and
+(--csv) written as the models bench's rows (bench.CSV_FIELDS; passes "train step, from an idle GPU"
+and "train step, overlapping"), which benchmarks/tables.py draws.
 """
 
 import argparse
@@ -21,6 +23,7 @@ import torch  # noqa: E402
 
 import dwconv  # noqa: E402
 from dwconv import replay  # noqa: E402
+from dwconv.bench import write_csv  # noqa: E402
 from dwconv.bench_models import build_model, time_ms, training_step  # noqa: E402
 
 
@@ -29,6 +32,7 @@ def main():
     parser.add_argument("--model", default="efficientnet_b0")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--csv", help="write the medians to this results CSV")
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     replay.prepare()
@@ -50,6 +54,14 @@ def main():
             idle[name] += time_ms(step, 1, 1)
             overlapping[name] += time_ms(step, 1, 4)[1:]
     ms = {name: (statistics.median(idle[name]), statistics.median(overlapping[name])) for name in steps}
+    rows = []
+    for name, path in (("stock", "stock eager"), ("fused", "dwconv fused eager")):
+        for column, (step, samples) in enumerate((("train step, from an idle GPU", idle[name]),
+                                                  ("train step, overlapping", overlapping[name]))):
+            rows.append(dict(suite="model", layer=args.model, dtype="bf16 autocast CL",
+                             layout="channels_last", path=path, ms=ms[name][column], std=statistics.pstdev(samples),
+                             dwconv_speedup=ms["stock"][column] / ms[name][column], **{"pass": step}))
+    write_csv(args.csv, rows)
     for name, (alone, overlapped) in ms.items():
         print(f"{args.model} b{args.batch} train step {name}: {alone:.2f} ms from an idle GPU, "
               f"{overlapped:.2f} ms overlapping")

@@ -160,8 +160,9 @@ def test_channels_last_summary_counts_and_geometric_mean(tmp_path):
 
 
 def test_performance_doc_is_generated_from_the_csvs():
-    """docs/performance.md is what benchmarks/tables.py makes of docs/data/*.csv (regenerate it with
-    the command it names after adding or replacing a results CSV)."""
+    """docs/performance.md, and the README's table of the fused models, are what benchmarks/tables.py
+    makes of docs/data/*.csv (regenerate them with the command they name after adding or replacing a
+    results CSV)."""
     import glob
     import importlib.util
     import os
@@ -174,9 +175,12 @@ def test_performance_doc_is_generated_from_the_csvs():
     try:
         os.chdir(root)
         expected = tables.document(glob.glob("docs/data/*.csv"))
+        readme = open("README.md").read()
+        expected_readme = tables.with_readme_table(readme, tables.fused_models_table(glob.glob("docs/data/*.csv")))
     finally:
         os.chdir(cwd)
     assert open(os.path.join(root, "docs", "performance.md")).read() == expected
+    assert readme == expected_readme
 
 
 def test_host_python_tool_runs():
