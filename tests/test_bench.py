@@ -160,7 +160,7 @@ def test_channels_last_summary_counts_and_geometric_mean(tmp_path):
 
 
 def test_performance_doc_is_generated_from_the_csvs():
-    """docs/performance.md, and the README's table of the fused models, are what benchmarks/tables.py
+    """docs/performance.md, and the README's tables of layers and fused models, are what benchmarks/tables.py
     makes of docs/data/*.csv (regenerate them with the command they name after adding or replacing a
     results CSV)."""
     import glob
@@ -176,7 +176,7 @@ def test_performance_doc_is_generated_from_the_csvs():
         os.chdir(root)
         expected = tables.document(glob.glob("docs/data/*.csv"))
         readme = open("README.md").read()
-        expected_readme = tables.with_readme_table(readme, tables.fused_models_table(glob.glob("docs/data/*.csv")))
+        expected_readme = tables.readme(readme, glob.glob("docs/data/*.csv"))
     finally:
         os.chdir(cwd)
     assert open(os.path.join(root, "docs", "performance.md")).read() == expected
