@@ -174,10 +174,12 @@ README_RUNS = (
     "model_steady_bf16_2026-12-07_3f7f2fc_efficientnet_b0_fused_compiled_b256_h100.csv",
     "model_steady_bf16_2026-12-07_03d6b7f_efficientnet_b0_fused_compiled_b256_h100.csv",
     "model_overlap_bf16_2026-12-07_bf54805_efficientnet_b0_b256_h100.csv",
+    "model_overlap_bf16_2026-12-07_96cc4f2_efficientnet_b0_b256_h100.csv",
     "model_steady_bf16_2026-12-06_282776e_mobilenetv4_conv_medium_fused_compiled_b256_h100.csv",
     "model_steady_bf16_2026-12-07_03d6b7f_mobilenetv4_conv_medium_fused_compiled_b256_h100.csv",
     "model_steady_bf16_2026-12-07_5decc8d_mobilenetv4_conv_medium_fused_compiled_b256_h100.csv",
     "model_overlap_bf16_2026-12-07_bf54805_mobilenetv4_conv_medium_b256_h100.csv",
+    "model_overlap_bf16_2026-12-07_96cc4f2_mobilenetv4_conv_medium_b256_h100.csv",
 )
 README_COLUMNS = (  # (heading, pass, fused path, target)
     ("eager inference", "inference", "dwconv fused eager", 1.5),
