@@ -216,46 +216,36 @@ README_LAYERS = (
     ("large_bfloat16_2026-12-03_a4ad9a2.csv", "SLaK-style 32x128x56x56 k51 s1 p25 d1 bfloat16", "fwd+bwd",
      "SLaK 32x128x56x56 k51"),
 )
-# The README's table of whole models converted without fuse=True: (model shown, measure shown, run,
-# the model's name in it, pass, stock's path, dwconv's path); a cold start's in seconds.
-_STEADY_MNV2, _STEADY_EFFNET = ("model_steady_bf16_2026-12-04_6a82f92_mobilenet_v2.csv",
-                                "model_steady_bf16_2026-12-04_6a82f92_efficientnet_b0.csv")
-_STEADY_CONVNEXT = "model_steady_bf16_2026-12-04_533082a_convnext_tiny.csv"
-_STEADY_MEASURES = (("training step, eager", "train step", "stock eager", "dwconv eager"),
-                    ("training step, CUDA graph", "train step", "stock eager, CUDA graph", "dwconv eager, CUDA graph"),
-                    ("inference, eager", "inference", "stock eager", "dwconv eager"),
-                    ("inference, CUDA graph", "inference", "stock eager, CUDA graph", "dwconv eager, CUDA graph"),
-                    ("training step, depthwise layers' GPU time", "train step depthwise GPU", "stock eager",
-                     "dwconv eager"))
+# The README's table of whole models converted without fuse=True: per model, the name shown, its
+# name in the runs, and the run of each group of measures; a group's measures are (measure shown,
+# pass, stock's path, dwconv's path), a cold start's in seconds.
+WHOLE_MODEL_MEASURES = {
+    "eager": (("training step, eager", "train step", "stock eager", "dwconv eager"),
+              ("inference, eager", "inference", "stock eager", "dwconv eager")),
+    "steady": (("training step, eager", "train step", "stock eager", "dwconv eager"),
+               ("training step, CUDA graph", "train step", "stock eager, CUDA graph", "dwconv eager, CUDA graph"),
+               ("inference, eager", "inference", "stock eager", "dwconv eager"),
+               ("inference, CUDA graph", "inference", "stock eager, CUDA graph", "dwconv eager, CUDA graph"),
+               ("training step, depthwise layers' GPU time", "train step depthwise GPU", "stock eager",
+                "dwconv eager")),
+    "compiled": (("training step, compiled", "train step", "stock compiled", "dwconv compiled"),
+                 ("inference, compiled", "inference", "stock compiled", "dwconv compiled")),
+    "cold start": (("first training step, empty caches", "first train step", "stock", "dwconv"),
+                   ("first training step, a second process", "first train step", "stock", "dwconv warm"),
+                   ("first training step, a container image's kernels", "first train step", "stock",
+                    "dwconv from image")),
+}
 README_WHOLE_MODELS = (
-    ("ConvNeXt-T with RepLKNet-31's kernels", "training step, eager", "model_steady_bf16_2026-12-04_5d887c9.csv",
-     "convnext_tiny_lk31", "train step", "stock eager", "dwconv eager"),
-    ("ConvNeXt-T with RepLKNet-31's kernels", "inference, eager", "model_steady_bf16_2026-12-04_5d887c9.csv",
-     "convnext_tiny_lk31", "inference", "stock eager", "dwconv eager"),
-    *(("MobileNetV2", shown, _STEADY_MNV2, "mobilenet_v2", *measure) for shown, *measure in _STEADY_MEASURES),
-    ("MobileNetV2", "training step, compiled", "model_compiled_bf16_2026-12-05_633eaa4_mobilenet_v2.csv",
-     "mobilenet_v2", "train step", "stock compiled", "dwconv compiled"),
-    ("MobileNetV2", "inference, compiled", "model_compiled_bf16_2026-12-05_633eaa4_mobilenet_v2.csv",
-     "mobilenet_v2", "inference", "stock compiled", "dwconv compiled"),
-    ("MobileNetV2", "first training step, empty caches", "model_coldstart_bf16_2026-12-04_a103c3c_rows2.csv",
-     "mobilenet_v2", "first train step", "stock", "dwconv"),
-    ("MobileNetV2", "first training step, a second process", "model_coldstart_bf16_2026-12-04_a103c3c_rows2.csv",
-     "mobilenet_v2", "first train step", "stock", "dwconv warm"),
-    *(("EfficientNet-B0", shown, _STEADY_EFFNET, "efficientnet_b0", *measure) for shown, *measure in _STEADY_MEASURES),
-    ("EfficientNet-B0", "first training step, empty caches", "model_coldstart_bf16_2026-12-04_6a82f92_5x5_masked.csv",
-     "efficientnet_b0", "first train step", "stock", "dwconv"),
-    ("EfficientNet-B0", "first training step, a second process",
-     "model_coldstart_bf16_2026-12-04_6a82f92_5x5_masked.csv", "efficientnet_b0", "first train step", "stock",
-     "dwconv warm"),
-    *(("ConvNeXt-T", shown, _STEADY_CONVNEXT, "convnext_tiny", *measure) for shown, *measure in _STEADY_MEASURES),
-    ("ConvNeXt-T", "first training step, empty caches", "model_coldstart_bf16_2026-12-05_81e3712_convnext_tiny.csv",
-     "convnext_tiny", "first train step", "stock", "dwconv"),
-    ("ConvNeXt-T", "first training step, a second process",
-     "model_coldstart_bf16_2026-12-05_81e3712_convnext_tiny.csv", "convnext_tiny", "first train step", "stock",
-     "dwconv warm"),
-    ("ConvNeXt-T", "first training step, a container image's kernels",
-     "model_coldstart_bf16_2026-12-05_81e3712_convnext_tiny.csv", "convnext_tiny", "first train step", "stock",
-     "dwconv from image"),
+    ("ConvNeXt-T with RepLKNet-31's kernels", "convnext_tiny_lk31",
+     {"eager": "model_steady_bf16_2026-12-04_5d887c9.csv"}),
+    ("MobileNetV2", "mobilenet_v2", {"steady": "model_steady_bf16_2026-12-04_6a82f92_mobilenet_v2.csv",
+                                     "compiled": "model_compiled_bf16_2026-12-05_633eaa4_mobilenet_v2.csv",
+                                     "cold start": "model_coldstart_bf16_2026-12-04_a103c3c_rows2.csv"}),
+    ("EfficientNet-B0", "efficientnet_b0",
+     {"steady": "model_steady_bf16_2026-12-04_6a82f92_efficientnet_b0.csv",
+      "cold start": "model_coldstart_bf16_2026-12-04_6a82f92_5x5_masked.csv"}),
+    ("ConvNeXt-T", "convnext_tiny", {"steady": "model_steady_bf16_2026-12-04_533082a_convnext_tiny.csv",
+                                     "cold start": "model_coldstart_bf16_2026-12-05_81e3712_convnext_tiny.csv"}),
 )
 README_BEGIN = ("<!-- {}: generated by `python benchmarks/tables.py docs/data/*.csv --write docs/performance.md "
                 "--readme README.md` from docs/data; do not edit -->")
@@ -323,21 +313,25 @@ def layers_table(paths):
 
 
 def whole_models_table(paths):
-    """A row an entry of README_WHOLE_MODELS: stock's time and dwconv's in the same run, and stock's
-    over dwconv's."""
+    """A row a measure of README_WHOLE_MODELS that its run holds (a cold start's runs hold some of
+    the paths): stock's time and dwconv's in the same run, and stock's over dwconv's."""
     by_name = {os.path.basename(p): p for p in paths}
-    runs = {name: list(csv.DictReader(open(by_name[name]))) for name in dict.fromkeys(e[2] for e in README_WHOLE_MODELS)}
     lines = ["| model | measure | commit | stock | dwconv | dwconv vs stock |", "|---|---|---|---|---|---|"]
-    for model, shown, run, name, pass_, stock_path, path in README_WHOLE_MODELS:
-        ms = {r["path"]: _float(r["ms"]) for r in runs[run] if (r["layer"], r["pass"]) == (name, pass_)}
-        commit = runs[run][0]["commit"].split()[0]
-        if "first" in pass_:  # (a cold start: seconds)
-            cells = [f"{ms[stock_path] / 1e3:.1f} s", f"{ms[path] / 1e3:.1f} s"]
-        else:
-            cells = [f"{ms[stock_path]:.2f} ms", f"{ms[path]:.2f} ms"]
-        ratio = f"{ms[stock_path] / ms[path]:.2f}"
-        lines.append(f"| {model} | {shown} | {commit} | " + " | ".join(cells) + " | "
-                     + (f"**{ratio}x** |" if ratio > "1.00" else f"{ratio}x (slower) |" if ratio < "1.00" else "1.00x |"))
+    for model, name, runs in README_WHOLE_MODELS:
+        for group, run in runs.items():
+            rows = list(csv.DictReader(open(by_name[run])))
+            commit = rows[0]["commit"].split()[0]
+            for shown, pass_, stock_path, path in WHOLE_MODEL_MEASURES[group]:
+                ms = {r["path"]: _float(r["ms"]) for r in rows if (r["layer"], r["pass"]) == (name, pass_)}
+                if path not in ms:
+                    continue
+                unit, scale = ("s", 1e3) if group == "cold start" else ("ms", 1)
+                cells = [f"{ms[stock_path] / scale:.{1 if unit == 's' else 2}f} {unit}",
+                         f"{ms[path] / scale:.{1 if unit == 's' else 2}f} {unit}"]
+                ratio = round(ms[stock_path] / ms[path], 2)  # (as shown: 1.00x is neither)
+                lines.append(f"| {model} | {shown} | {commit} | " + " | ".join(cells) + " | "
+                             + (f"**{ratio:.2f}x** |" if ratio > 1 else f"{ratio:.2f}x (slower) |" if ratio < 1
+                                else "1.00x |"))
     return "\n".join(lines)
 
 
