@@ -689,13 +689,16 @@ def test_model_cold_start_harness(monkeypatch):
 @GPU
 def test_bench_model_times_every_path():
     """bench --model's steady state on the small network: a row for every path and step (the CUDA
-    graph paths captured one at a time after the others), each with a time and a ratio to stock."""
-    from dwconv.bench_models import COMPILE_MODES, bench_model, model_paths
+    graph paths captured one at a time after the others), and each step from an idle GPU for the
+    paths not replayed from a graph, each with a time and a ratio to stock."""
+    from dwconv.bench_models import COMPILE_MODES, CUDA_GRAPH, bench_model, model_paths
 
     rows = bench_model("tiny", 2, 32, warmup=1, iters=2, compile_modes="no", precisions="bf16", rounds=2, fuse=True)
     timed = {(r["path"], r["mode"]): r for r in rows if r["suite"] == "model"}
-    assert set(timed) == {(label, step) for label, *_ in model_paths(COMPILE_MODES["no"], fuse=True)
-                          for step in ("train step", "inference")}
+    paths = model_paths(COMPILE_MODES["no"], fuse=True)
+    assert set(timed) == ({(label, step) for label, *_ in paths for step in ("train step", "inference")}
+                          | {(label, f"{step}, from an idle GPU") for label, _, mode, _ in paths if mode != CUDA_GRAPH
+                             for step in ("train step", "inference")})
     assert all(r["ms"] > 0 and r["vs_stock"] > 0 for r in timed.values())
 
 

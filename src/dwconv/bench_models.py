@@ -394,9 +394,10 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                 unfused: bool = True) -> List[Dict]:
     """Steady state of every path (model_paths) for each precision, training step and inference.
     The paths are timed in turn, `rounds` times over (iters / rounds steps a path each round, after
-    one untimed and one timed but dropped: time_ms synchronises after its warm-up, so that step
-    starts from an idle GPU, where a loop that never waits on the GPU overlaps each step's host
-    time with the last step's kernels), and each path's median taken over all its steps: the GPU
+    one untimed and one timed apart: time_ms synchronises after its warm-up, so that step starts
+    from an idle GPU, as in a loop that waits on the GPU every step (reading its loss, say), where a
+    loop that never waits overlaps each step's host time with the last step's kernels; those steps
+    are rows of their own, "STEP, from an idle GPU"), and each path's median taken over all its steps: the GPU
     machine's host speed drifts between and within runs (a stock MobileNetV2 step measured 13.8-30.8 ms in different
     processes), and a path timed only after another would take the drift for its own. Each round's
     ratio to stock is printed too (its range: how far the drift moves a ratio). The CUDA-graph
@@ -454,6 +455,7 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
             except Exception as error:
                 print(f"  {precision:<17} {path}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
         samples = {(path, step): [] for path, step, *_ in timed}
+        from_idle = {(path, f"{step}, from an idle GPU"): [] for path, step, *_ in timed}
         round_ms = {(path, step): [] for path, step, *_ in timed}  # (each round's median)
         # (the caching allocator's retries during a path's samples: a retry frees cached blocks and
         # waits for the GPU, a candidate for a round far slower than the others)
@@ -463,8 +465,9 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                 run.train(step == "train step")
                 before = _allocator_retries()
                 with native_setting(native):
-                    ms = time_ms(fn, 1, max(1, iters // rounds) + 1)[1:]
+                    idle_ms, *ms = time_ms(fn, 1, max(1, iters // rounds) + 1)
                 retries[(path, step)] += _allocator_retries() - before
+                from_idle[(path, f"{step}, from an idle GPU")].append(idle_ms)
                 samples[(path, step)] += ms
                 round_ms[(path, step)].append(statistics.median(ms))
         for path, step, native, fn, run in captured:
@@ -477,21 +480,21 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
             except Exception as error:
                 print(f"  {precision:<17} {path} {step}: failed: {type(error).__name__}: {str(error)[:300]}",
                       flush=True)
-        for (path, step), ms in samples.items():
+        for (path, step), ms in {**samples, **from_idle}.items():
             rows.append(dict(model=name, precision=precision, mode=step, path=path, stock_path=stock_path(path),
                              ms=statistics.median(ms), std=statistics.pstdev(ms),
                              # (the results CSVs' schema: bench.CSV_FIELDS)
                              suite="model", layer=name, dtype=precision, **{"pass": step},
                              layout=rows_layout(memory_format)))
-            base = round_ms.get((stock_path(path), step))
-            ratios = ([a / b for a, b in zip(base, round_ms[(path, step)])]
+            base = round_ms.get((stock_path(path), step)) or from_idle.get((stock_path(path), step))
+            ratios = ([a / b for a, b in zip(base, round_ms.get((path, step)) or from_idle[(path, step)])]
                       if base and path != stock_path(path) else [])
-            print(f"  {precision:<17} {step:<10} {path:<26} {rows[-1]['ms']:8.3f} ms "
+            print(f"  {precision:<17} {step:<28} {path:<26} {rows[-1]['ms']:8.3f} ms "
                   f"(spread {min(ms):.3f}-{max(ms):.3f})"
                   + (f"; vs stock by round {min(ratios):.2f}-{max(ratios):.2f}x, "
                      f"{sum(r >= 1 for r in ratios)} of {len(ratios)} rounds >= 1" if ratios else "")
                   + (f"; {retries[(path, step)]} allocator retries" if retries.get((path, step)) else ""), flush=True)
-        del timed, captured, samples
+        del timed, captured, samples, from_idle
         torch.cuda.empty_cache()
     for precision, memory_format, path, step, native, fn, model, variant in profiled:  # (the same steps' GPU time)
         model.train(step == "train step")
@@ -626,10 +629,10 @@ def cold_start(name: str, batch: int, image: int, precisions: str = "all", timeo
 
 
 def print_model_table(rows: List[Dict]) -> None:
-    print(f"\n{'model':<16} {'precision':<17} {'mode':<10} {'path':<44} {'ms':>9} {'std':>7} {'vs stock':>8}")
-    print("-" * 116)
+    print(f"\n{'model':<16} {'precision':<17} {'mode':<28} {'path':<44} {'ms':>9} {'std':>7} {'vs stock':>8}")
+    print("-" * 134)
     for r in (r for r in rows if "model" in r):  # (the profile rows are printed as they are measured)
-        print(f"{r['model']:<16} {r['precision']:<17} {r['mode']:<10} {r['path']:<44} {r['ms']:9.3f} "
+        print(f"{r['model']:<16} {r['precision']:<17} {r['mode']:<28} {r['path']:<44} {r['ms']:9.3f} "
               f"{r['std']:7.3f} {r['vs_stock']:7.2f}x")
 
 
