@@ -28,6 +28,12 @@ schemas are defined here first, `_torchvision_without_its_operators`):
     PYTHONPATH=.triton36:src python benchmarks/device_triton_cache.py --model mobilenet_v2 efficientnet_b0 \
         mobilenetv4_conv_medium --batch 256 --out /tmp/kbuild256
 
+The blocks' cache (`gpu_check.sh blocks` with BLOCK_ACTIVATIONS=relu6 DTYPES=bfloat16: the fused eval
+call and the trained block's kernels of each layer, both layouts; about 7 minutes):
+
+    PYTHONPATH=.triton36:src python benchmarks/device_triton_cache.py --suite models --dtype bfloat16 \
+        --block relu6 --out /tmp/kblocks
+
 The layers' cache for the whole-model runs (about 8 minutes on 2 cores): the models suite in bfloat16 channels_last
 and float32 nchw, ConvNeXt-T's 7x7 layers at batch 64, and the large-kernel net's (ConvNeXt-T with
 kernels 31, 29, 27, 13) in bfloat16 channels_last and float32 nchw:
@@ -66,6 +72,9 @@ def parse_args():
                    "fuse=True, training and eval, bfloat16 autocast channels_last")
     p.add_argument("--sweep-blocks", nargs="+", metavar="MODEL",
                    help="instead of suites: benchmarks/sweep_blocks.py's variants of these models' blocks (--batch)")
+    p.add_argument("--block", metavar="ACTIVATION", help="the layers' kernels as `bench --block ACTIVATION` runs "
+                   "them (gpu_check.sh blocks): the fused eval call and the trained block's convolution, BatchNorm "
+                   "and activation, instead of the plain forward and backward")
     p.add_argument("--batch", type=int, default=256, help="--model, --sweep-blocks: the batch (224 x 224 images)")
     p.add_argument("--out", required=True, help="the cache directory to fill (created)")
     p.add_argument("--libtriton", help="the device's libtriton.so, to hash instead of the constant")
@@ -100,18 +109,23 @@ def main():
 
     functional.uses_triton = lambda x: True  # CPU tensors take the Triton path (kernels compile only)
     started = time.time()
+    def compile_one(case):
+        if args.block:
+            compile_block(case, args.layouts, args.block, torch, dwconv, bench)
+        else:
+            compile_case(case, args.layouts, torch, dwconv, bench)
+
     if args.layer:
         for dtype_name in args.dtype:
             for n, c, h, w, k, pad in args.layer:
-                compile_case(bench.Case(n, c, h, w, k, padding=pad, bias=True, dtype=dtype_name), args.layouts, torch,
-                             dwconv, bench)
+                compile_one(bench.Case(n, c, h, w, k, padding=pad, bias=True, dtype=dtype_name))
         args.suite = []
     for suite in args.suite:
         for dtype_name in args.dtype:
             rows = [c for c in bench.SUITES[suite] if c.dtype == dtype_name]
             for index in args.cases or range(len(rows)):
                 if index < len(rows):
-                    compile_case(rows[index], args.layouts, torch, dwconv, bench)
+                    compile_one(rows[index])
     print(f"{len(os.listdir(args.out))} cache entries in {args.out} ({time.time() - started:.0f} s)")
 
 
@@ -224,6 +238,40 @@ def compile_case(case, layouts, torch, dwconv, bench):
                 torch.autograd.grad(out, leaves, torch.empty_like(out))
                 del out, leaves
     print(f"{case.label}: {time.time() - started:.1f} s", flush=True)
+
+
+def compile_block(case, layouts, activation, torch, dwconv, bench):
+    """The kernels of `bench --block ACTIVATION`'s dwconv calls on this layer (bench.measure_block):
+    in each layout the fused eval call (the folded weight and bias, the activation in the epilogue),
+    the convolution without a gradient, then BatchNorm and the activation in training with the
+    gradient of their input (the values check), and the timed training step: the convolution and
+    BatchNorm with the gradients of the input, the weight and BatchNorm's weight and bias.
+    Tensors are never written: torch.empty."""
+    from dwconv.batch_norm import batch_norm_activation
+
+    dtype = bench.DTYPES[case.dtype]
+    conv = dict(stride=case.stride, padding=case.padding, dilation=case.dilation)
+    channels = case.c * case.multiplier
+    started = time.time()
+    weight = torch.empty(channels, 1, case.kernel, case.kernel, dtype=dtype)
+    bias = torch.empty(channels, dtype=dtype) if case.bias else None
+    folded = (torch.empty_like(weight), torch.empty(channels, dtype=dtype))
+    norm = torch.nn.BatchNorm2d(channels).train()
+    trained_weight = weight.detach().clone().requires_grad_()
+    for layout in layouts:
+        fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+        x = torch.empty(case.n, case.c, case.h, case.w, dtype=dtype, memory_format=fmt)
+        with torch.no_grad():
+            dwconv.depthwise_conv2d(x, *folded, activation=activation, **conv)
+            y = dwconv.depthwise_conv2d(x, trained_weight, bias, **conv).requires_grad_()
+        out = batch_norm_activation(y, norm, activation)
+        torch.autograd.grad(out, [y], torch.empty_like(out))
+        leaf = x.detach().requires_grad_()
+        out = batch_norm_activation(dwconv.depthwise_conv2d(leaf, trained_weight, bias, **conv), norm, activation)
+        torch.autograd.grad(out, [leaf, trained_weight, norm.weight, norm.bias],
+                            torch.empty_like(out).contiguous(memory_format=fmt))
+        del out, y, leaf
+    print(f"{case.label} +bn+{activation}: {time.time() - started:.1f} s", flush=True)
 
 
 def pack(directory, archive):
