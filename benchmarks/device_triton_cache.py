@@ -29,7 +29,7 @@ schemas are defined here first, `_torchvision_without_its_operators`):
         mobilenetv4_conv_medium --batch 256 --out /tmp/kbuild256
 
 The blocks' cache (`gpu_check.sh blocks` with BLOCK_ACTIVATIONS=relu6 DTYPES=bfloat16: the fused eval
-call and the trained block's kernels of each layer, both layouts; about 7 minutes):
+call and the trained block's kernels of each layer, both layouts; about 10 minutes, 199 entries):
 
     PYTHONPATH=.triton36:src python benchmarks/device_triton_cache.py --suite models --dtype bfloat16 \
         --block relu6 --out /tmp/kblocks
