@@ -1,5 +1,5 @@
-"""docs/performance.md, and the README's table of the fused models, from results CSVs (`python -m dwconv
-bench --csv`, dwconv.bench.CSV_FIELDS):
+"""docs/performance.md, and the README's tables (layers, fused models, whole models), from results CSVs
+(`python -m dwconv bench --csv`, dwconv.bench.CSV_FIELDS):
 
     python benchmarks/tables.py docs/data/*.csv --write docs/performance.md --readme README.md
 
