@@ -289,7 +289,8 @@ def layers_table(paths):
              "cuDNN channels_last |", "|---|---|---|---|---|---|---|"]
     for run, label, pass_, shown in README_LAYERS:
         ms = {r["path"]: _float(r["ms"]) for r in runs[run] if (r["layer"], r["pass"]) == (label, pass_)}
-        pct = next(_float(r["pct_copy"]) for r in runs[run] if (r["layer"], r["pass"], r["path"]) == (label, pass_, "dwconv"))
+        pct = next(_float(r["pct_copy"]) for r in runs[run]
+                   if (r["layer"], r["pass"], r["path"]) == (label, pass_, "dwconv"))
         # (a large kernel's floor is its arithmetic, not its bytes: no % of copy)
         large = int(re.search(r" k(\d+) ", label).group(1)) >= 13
         lines.append(f"| {shown} | {label.rsplit(' ', 1)[1]} | {pass_} | **{ms['dwconv']:.3f}**"

@@ -160,9 +160,9 @@ def test_channels_last_summary_counts_and_geometric_mean(tmp_path):
 
 
 def test_performance_doc_is_generated_from_the_csvs():
-    """docs/performance.md, and the README's tables (layers, fused models, whole models), are what benchmarks/tables.py
-    makes of docs/data/*.csv (regenerate them with the command they name after adding or replacing a
-    results CSV)."""
+    """docs/performance.md, and the README's tables (layers, fused models, whole models), are what
+    benchmarks/tables.py makes of docs/data/*.csv (regenerate them with the command they name after
+    adding or replacing a results CSV)."""
     import glob
     import importlib.util
     import os
