@@ -454,9 +454,10 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                         timed.append((path, step, native, fn, run))
             except Exception as error:
                 print(f"  {precision:<17} {path}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-        samples = {(path, step): [] for path, step, *_ in timed}
-        from_idle = {(path, f"{step}, from an idle GPU"): [] for path, step, *_ in timed}
-        round_ms = {(path, step): [] for path, step, *_ in timed}  # (each round's median)
+        # (each step from an idle GPU under a mode of its own: one sample a round)
+        modes = [(path, mode) for path, step, *_ in timed for mode in (step, f"{step}, from an idle GPU")]
+        samples = {key: [] for key in modes}
+        round_ms = {key: [] for key in modes}  # (each round's median)
         # (the caching allocator's retries during a path's samples: a retry frees cached blocks and
         # waits for the GPU, a candidate for a round far slower than the others)
         retries = {(path, step): 0 for path, step, *_ in timed}
@@ -467,9 +468,9 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
                 with native_setting(native):
                     idle_ms, *ms = time_ms(fn, 1, max(1, iters // rounds) + 1)
                 retries[(path, step)] += _allocator_retries() - before
-                from_idle[(path, f"{step}, from an idle GPU")].append(idle_ms)
-                samples[(path, step)] += ms
-                round_ms[(path, step)].append(statistics.median(ms))
+                for mode, mode_ms in ((step, ms), (f"{step}, from an idle GPU", [idle_ms])):
+                    samples[(path, mode)] += mode_ms
+                    round_ms[(path, mode)].append(statistics.median(mode_ms))
         for path, step, native, fn, run in captured:
             run.train(step == "train step")
             try:
@@ -480,21 +481,21 @@ def bench_model(name: str, batch: int, image: int, warmup: int, iters: int, comp
             except Exception as error:
                 print(f"  {precision:<17} {path} {step}: failed: {type(error).__name__}: {str(error)[:300]}",
                       flush=True)
-        for (path, step), ms in {**samples, **from_idle}.items():
+        for (path, step), ms in samples.items():
             rows.append(dict(model=name, precision=precision, mode=step, path=path, stock_path=stock_path(path),
                              ms=statistics.median(ms), std=statistics.pstdev(ms),
                              # (the results CSVs' schema: bench.CSV_FIELDS)
                              suite="model", layer=name, dtype=precision, **{"pass": step},
                              layout=rows_layout(memory_format)))
-            base = round_ms.get((stock_path(path), step)) or from_idle.get((stock_path(path), step))
-            ratios = ([a / b for a, b in zip(base, round_ms.get((path, step)) or from_idle[(path, step)])]
+            base = round_ms.get((stock_path(path), step))
+            ratios = ([a / b for a, b in zip(base, round_ms[(path, step)])]
                       if base and path != stock_path(path) else [])
             print(f"  {precision:<17} {step:<28} {path:<26} {rows[-1]['ms']:8.3f} ms "
                   f"(spread {min(ms):.3f}-{max(ms):.3f})"
                   + (f"; vs stock by round {min(ratios):.2f}-{max(ratios):.2f}x, "
                      f"{sum(r >= 1 for r in ratios)} of {len(ratios)} rounds >= 1" if ratios else "")
                   + (f"; {retries[(path, step)]} allocator retries" if retries.get((path, step)) else ""), flush=True)
-        del timed, captured, samples, from_idle
+        del timed, captured, samples
         torch.cuda.empty_cache()
     for precision, memory_format, path, step, native, fn, model, variant in profiled:  # (the same steps' GPU time)
         model.train(step == "train step")
